@@ -1,0 +1,37 @@
+"""Errors that carry a stable code, so the command line and the service can report them the same way."""
+
+
+class CaspError(Exception):
+    """Base class: `code` is machine-readable, the message is for people."""
+
+    code = "casp_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidConfig(CaspError):
+    code = "invalid_config"
+
+
+class ModelNotFound(CaspError):
+    code = "model_not_found"
+
+
+class UnsupportedModel(CaspError):
+    code = "unsupported_model"
+
+
+class DatasetNotFound(CaspError):
+    code = "dataset_not_found"
+
+
+class VerificationFailed(CaspError):
+    """The physically pruned model does not reproduce the masked original."""
+
+    code = "verification_failed"
+
+
+class Cancelled(CaspError):
+    code = "cancelled"
