@@ -1,0 +1,33 @@
+"""API keys and signed download URLs."""
+
+import hashlib
+import hmac
+import secrets
+import time
+
+KEY_PREFIX = "casp_"
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _signature(secret: bytes, job_id: str, name: str, expires: int) -> str:
+    message = f"{job_id}\n{name}\n{expires}".encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def sign_download(secret: bytes, job_id: str, name: str, ttl_seconds: int) -> tuple[int, str]:
+    """(expires, signature) for one artifact of one job."""
+    expires = int(time.time()) + ttl_seconds
+    return expires, _signature(secret, job_id, name, expires)
+
+
+def verify_download(secret: bytes, job_id: str, name: str, expires: int, signature: str) -> bool:
+    if expires < time.time():
+        return False
+    return hmac.compare_digest(_signature(secret, job_id, name, expires), signature)

@@ -1,0 +1,78 @@
+"""Service settings, read from the environment (prefix `CASP_`)."""
+
+import secrets
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEVICES = ("cpu", "cuda")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CASP_", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".casp")
+    # Defaults derived from `home` (see the properties below) keep the embedded mode zero-configuration.
+    database_url: str | None = None
+    # Unset: the embedded mode, where an in-process worker claims queued jobs straight from the database.
+    broker_url: str | None = None
+    storage_url: str | None = None
+    s3_endpoint_url: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    s3_region: str = "us-east-1"
+    # NoDecode: the variable is colon-separated like PATH, not JSON.
+    allowed_model_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    datasets_dir: Path | None = None
+    auth: Literal["apikey", "none"] = "apikey"
+    secret_key: str | None = None
+    public_url: str | None = None  # base of signed download URLs on local storage; default: the request's
+    url_ttl_seconds: int = Field(default=3600, gt=0)
+    job_time_limit_seconds: int = Field(default=6 * 3600, gt=0)
+    heartbeat_interval_seconds: float = Field(default=10.0, gt=0)
+    heartbeat_timeout_seconds: float = Field(default=120.0, gt=0)
+    reaper_interval_seconds: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+    default_device: Literal["cpu", "cuda"] = "cuda"
+    embedded_workers: int = Field(default=1, ge=0)
+
+    @field_validator("allowed_model_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part for part in value.split(":") if part]
+        return value
+
+    @property
+    def embedded(self) -> bool:
+        return not self.broker_url
+
+    @property
+    def database(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'casp.db'}"
+
+    @property
+    def storage(self) -> str:
+        return self.storage_url or f"file://{self.home / 'artifacts'}"
+
+    @cached_property
+    def signing_key(self) -> bytes:
+        """The URL signing secret; generated once and kept in `home` when not configured, so that
+        signed URLs survive a restart of a single-machine install."""
+        if self.secret_key:
+            return self.secret_key.encode()
+        path = self.home / "secret_key"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(secrets.token_urlsafe(32))
+            path.chmod(0o600)
+        return path.read_text().strip().encode()
+
+    def queue_for(self, device: str) -> str:
+        return f"casp-{device}"
+
+    def model_roots(self) -> list[Path]:
+        return [root.expanduser().resolve() for root in self.allowed_model_roots]

@@ -1,0 +1,355 @@
+"""Reads and writes of the database, kept apart from the HTTP routes and the worker so both share them.
+
+State changes of a job are conditional UPDATEs (`... WHERE status = 'queued'`, `... AND attempts = n`): two
+workers, the reaper and a cancel request can race, and the row must end in exactly one consistent state.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.core.security import hash_api_key, new_api_key
+from api.models import FINISHED_STATUSES, ApiKey, Artifact, Job, JobEvent, StageTiming, new_id, utcnow
+from api.storage import StoredFile
+
+
+def aware(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+# --- API keys -------------------------------------------------------------------------------------------
+
+
+def create_api_key(session: Session, name: str) -> tuple[ApiKey, str]:
+    """Returns the row and the key itself, which is shown once and never stored."""
+    raw = new_api_key()
+    row = ApiKey(id=new_id(), name=name, key_hash=hash_api_key(raw))
+    session.add(row)
+    session.flush()
+    return row, raw
+
+
+def find_api_key(session: Session, raw: str) -> ApiKey | None:
+    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_api_key(raw)))
+
+
+# --- jobs as the API sees them ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks. `key_id` None means auth is off and every job is visible."""
+
+    key_id: str | None
+
+
+def _visible(caller: Caller) -> Any:
+    return True if caller.key_id is None else Job.owner_id == caller.key_id
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before with a different request body."""
+
+
+def create_job(
+    session: Session, caller: Caller, fields: dict[str, Any], idempotency_key: str | None, request_hash: str
+) -> tuple[Job, bool]:
+    """Inserts a queued job; returns (job, created). A repeated Idempotency-Key returns the first job."""
+    scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
+    if scoped_key:
+        existing = session.scalar(select(Job).where(Job.idempotency_key == scoped_key))
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise IdempotencyConflict
+            return existing, False
+    job = Job(
+        id=new_id(),
+        owner_id=caller.key_id,
+        status="queued",
+        progress=0.0,
+        idempotency_key=scoped_key,
+        request_hash=request_hash,
+        **fields,
+    )
+    try:
+        # A savepoint, so losing the race to a concurrent request with the same key leaves the session usable.
+        with session.begin_nested():
+            session.add(job)
+            session.flush()
+    except IntegrityError:
+        if scoped_key is None:
+            raise
+        return create_job(session, caller, fields, idempotency_key, request_hash)
+    add_event(session, job, kind="status", message="queued")
+    return job, True
+
+
+def finish_unqueued(session: Session, job: Job, error: tuple[str, str]) -> None:
+    job.status, job.finished_at = "failed", utcnow()
+    job.error_code, job.error_message = error
+    add_event(session, job, kind="status", message=error[1])
+
+
+def get_job(session: Session, caller: Caller, job_id: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.id == job_id, _visible(caller)))
+
+
+def list_jobs(
+    session: Session, caller: Caller, *, status: str | None, limit: int, after: str | None
+) -> tuple[Sequence[Job], bool]:
+    """Newest first; `after` is the id of the last job of the previous page."""
+    query = select(Job).where(_visible(caller))
+    if status:
+        query = query.where(Job.status == status)
+    if after:
+        anchor = session.get(Job, after)
+        if anchor is not None:
+            query = query.where(
+                or_(
+                    Job.created_at < anchor.created_at,
+                    and_(Job.created_at == anchor.created_at, Job.id < anchor.id),
+                )
+            )
+    rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).all()
+    return rows[:limit], len(rows) > limit
+
+
+def list_events(
+    session: Session, job_id: str, *, limit: int, after: int | None
+) -> tuple[Sequence[JobEvent], bool]:
+    query = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after is not None:
+        query = query.where(JobEvent.id > after)
+    rows = session.scalars(query.order_by(JobEvent.id).limit(limit + 1)).all()
+    return rows[:limit], len(rows) > limit
+
+
+def add_event(session: Session, job: Job, *, kind: str, message: str = "") -> None:
+    session.add(
+        JobEvent(
+            job_id=job.id,
+            attempt=job.attempts,
+            kind=kind,
+            status=job.status,
+            stage=job.stage,
+            progress=job.progress,
+            message=message,
+        )
+    )
+
+
+def request_cancel(session: Session, job: Job) -> bool:
+    """A queued job is cancelled at once; a running one is flagged and its worker stops at the next layer
+    boundary. Returns False when the job has already finished."""
+    now = utcnow()
+    cancelled = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.status == "queued")
+        .values(status="cancelled", cancel_requested=True, finished_at=now)
+    ).rowcount
+    if not cancelled:
+        flagged = session.execute(
+            update(Job).where(Job.id == job.id, Job.status == "running").values(cancel_requested=True)
+        ).rowcount
+        if not flagged:
+            return False
+    session.refresh(job)
+    add_event(session, job, kind="status", message="cancelled" if cancelled else "cancel requested")
+    return True
+
+
+def artifacts_of(session: Session, job_id: str) -> Sequence[Artifact]:
+    return session.scalars(select(Artifact).where(Artifact.job_id == job_id).order_by(Artifact.name)).all()
+
+
+def forget_artifacts(session: Session, job: Job) -> None:
+    session.execute(delete(Artifact).where(Artifact.job_id == job.id))
+    job.artifacts_deleted = True
+
+
+# --- jobs as workers and the reaper see them ---------------------------------------------------------------
+
+
+def claim_job(session: Session, job_id: str, worker_id: str) -> Job | None:
+    """queued -> running for this worker, or None when the job is not queued (done, cancelled, or running
+    elsewhere): a duplicate delivery of the same job is thereby harmless."""
+    now = utcnow()
+    claimed = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == "queued", Job.cancel_requested.is_(False))
+        .values(
+            status="running",
+            attempts=Job.attempts + 1,
+            worker_id=worker_id,
+            started_at=now,
+            heartbeat_at=now,
+            stage=None,
+            progress=0.0,
+        )
+    ).rowcount
+    if not claimed:
+        return None
+    job = session.get_one(Job, job_id, populate_existing=True)
+    add_event(session, job, kind="status", message=f"running on {worker_id} (attempt {job.attempts})")
+    return job
+
+
+def next_queued(session: Session, queues: Sequence[str]) -> str | None:
+    return session.scalar(
+        select(Job.id).where(Job.status == "queued", Job.queue.in_(queues)).order_by(Job.created_at).limit(1)
+    )
+
+
+def _ours(job_id: str, attempt: int) -> Any:
+    return and_(Job.id == job_id, Job.status == "running", Job.attempts == attempt)
+
+
+def touch(
+    session: Session, job_id: str, attempt: int, *, stage: str | None = None, progress: float | None = None
+) -> bool:
+    """Heartbeat (and progress when given). False when the attempt no longer owns the job."""
+    values: dict[str, Any] = {"heartbeat_at": utcnow()}
+    if stage is not None:
+        values["stage"] = stage
+    if progress is not None:
+        values["progress"] = progress
+    return bool(session.execute(update(Job).where(_ours(job_id, attempt)).values(**values)).rowcount)
+
+
+def release(session: Session, job_id: str, attempt: int) -> None:
+    """Puts a job whose worker is shutting down back in the queue, without counting the attempt."""
+    released = session.execute(
+        update(Job)
+        .where(_ours(job_id, attempt))
+        .values(status="queued", attempts=attempt - 1, worker_id=None, stage=None, progress=0.0)
+    ).rowcount
+    if released:
+        job = session.get_one(Job, job_id, populate_existing=True)
+        add_event(session, job, kind="status", message="worker shut down; queued again")
+
+
+def should_stop(session: Session, job_id: str, attempt: int) -> bool:
+    """True when a cancel was requested or this attempt lost the job (reaped, finished elsewhere)."""
+    row = session.execute(
+        select(Job.status, Job.attempts, Job.cancel_requested).where(Job.id == job_id)
+    ).one_or_none()
+    return row is None or row.status != "running" or row.attempts != attempt or row.cancel_requested
+
+
+def finish(
+    session: Session,
+    job_id: str,
+    attempt: int,
+    *,
+    status: str,
+    error: tuple[str, str] | None = None,
+    result: dict[str, Any] | None = None,
+    artifacts: Sequence[StoredFile] = (),
+    timings: dict[str, float] | None = None,
+) -> bool:
+    """Ends the attempt. Success is written only while no cancel is pending, so a cancel that races the
+    upload still ends the job cancelled. Returns False when the row was not this attempt's to finish."""
+    condition = _ours(job_id, attempt)
+    if status == "succeeded":
+        condition = and_(condition, Job.cancel_requested.is_(False))
+    values: dict[str, Any] = {"status": status, "finished_at": utcnow(), "result": result}
+    if status == "succeeded":
+        values["progress"] = 100.0
+    if error:
+        values["error_code"], values["error_message"] = error
+    if not session.execute(update(Job).where(condition).values(**values)).rowcount:
+        return False
+    session.execute(delete(Artifact).where(Artifact.job_id == job_id))
+    session.add_all(Artifact(job_id=job_id, name=f.name, size=f.size, sha256=f.sha256) for f in artifacts)
+    session.execute(delete(StageTiming).where(StageTiming.job_id == job_id, StageTiming.attempt == attempt))
+    session.add_all(
+        StageTiming(job_id=job_id, attempt=attempt, stage=stage, seconds=seconds)
+        for stage, seconds in (timings or {}).items()
+    )
+    job = session.get_one(Job, job_id, populate_existing=True)
+    add_event(session, job, kind="status", message=error[1] if error else status)
+    return True
+
+
+@dataclass(frozen=True)
+class Reaped:
+    requeued: list[tuple[str, str]]  # (job id, queue) to send to the broker again
+    ended: list[str]  # failed or cancelled for good
+
+
+def reap(
+    session: Session,
+    *,
+    heartbeat_timeout: float,
+    max_attempts: int,
+    time_limit: float,
+    now: datetime | None = None,
+) -> Reaped:
+    """Running jobs whose worker stopped beating are queued again, or failed once they used up their
+    attempts or ran past the time limit; so no job stays running forever."""
+    now = now or utcnow()
+    stale = session.scalars(
+        select(Job).where(
+            Job.status == "running", Job.heartbeat_at < now - timedelta(seconds=heartbeat_timeout)
+        )
+    ).all()
+    overdue = session.scalars(
+        select(Job).where(Job.status == "running", Job.started_at < now - timedelta(seconds=time_limit))
+    ).all()
+    requeued, ended = [], []
+    for job in {job.id: job for job in [*stale, *overdue]}.values():
+        if job in overdue:
+            values: dict[str, Any] = {
+                "status": "failed",
+                "error_code": "time_limit_exceeded",
+                "error_message": f"the job ran longer than the time limit of {time_limit:.0f} s",
+                "finished_at": now,
+            }
+        elif job.cancel_requested:
+            values = {"status": "cancelled", "finished_at": now}
+        elif job.attempts >= max_attempts:
+            values = {
+                "status": "failed",
+                "error_code": "worker_lost",
+                "error_message": f"the worker stopped responding in attempt {job.attempts} of {max_attempts}",
+                "finished_at": now,
+            }
+        else:
+            values = {"status": "queued", "worker_id": None}
+        # Conditional on the attempt seen: a worker that finishes the job meanwhile wins.
+        if not session.execute(update(Job).where(_ours(job.id, job.attempts)).values(**values)).rowcount:
+            continue
+        session.refresh(job)
+        add_event(
+            session, job, kind="status", message=values.get("error_message", "worker lost; queued again")
+        )
+        if job.status == "queued":
+            requeued.append((job.id, job.queue))
+        else:
+            ended.append(job.id)
+    return Reaped(requeued, ended)
+
+
+# --- metrics --------------------------------------------------------------------------------------------
+
+
+def count_by_status(session: Session) -> dict[str, int]:
+    return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).tuples().all())
+
+
+def stage_durations(session: Session) -> list[tuple[str, int, float]]:
+    """(stage, count, total seconds) over every finished attempt."""
+    query = select(StageTiming.stage, func.count(), func.sum(StageTiming.seconds)).group_by(StageTiming.stage)
+    return [(stage, count, float(total)) for stage, count, total in session.execute(query).tuples()]
+
+
+def is_finished(job: Job) -> bool:
+    return job.status in FINISHED_STATUSES

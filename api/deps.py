@@ -1,0 +1,58 @@
+"""Request dependencies: settings, a database session, storage, the dispatcher and the caller's identity."""
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Request, status
+from sqlalchemy.orm import Session
+
+from api import crud
+from api.core.db import session_factory
+from api.core.settings import Settings
+from api.queue import Dispatcher
+from api.storage import Storage
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_storage(request: Request) -> Storage:
+    return request.app.state.storage
+
+
+def get_dispatcher(request: Request) -> Dispatcher:
+    return request.app.state.dispatcher
+
+
+def get_session(settings: Annotated[Settings, Depends(get_settings)]) -> Iterator[Session]:
+    """Routes commit what they write; anything uncommitted is rolled back when the request ends."""
+    with session_factory(settings.database)() as session:
+        yield session
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+StorageDep = Annotated[Storage, Depends(get_storage)]
+DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
+
+
+def get_caller(
+    settings: SettingsDep,
+    session: SessionDep,
+    authorization: Annotated[str | None, Header()] = None,
+) -> crud.Caller:
+    if settings.auth == "none":
+        return crud.Caller(key_id=None)
+    scheme, _, token = (authorization or "").partition(" ")
+    key = crud.find_api_key(session, token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+    if key is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "a valid API key is required: Authorization: Bearer <key>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return crud.Caller(key_id=key.id)
+
+
+CallerDep = Annotated[crud.Caller, Depends(get_caller)]

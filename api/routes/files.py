@@ -1,0 +1,31 @@
+"""Downloads of artifacts on local storage, through URLs the API signed (S3 storage presigns its own)."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, status
+from fastapi.responses import FileResponse
+
+from api.core.security import verify_download
+from api.deps import SessionDep, SettingsDep, StorageDep
+from api.models import Artifact
+from api.storage import LocalStorage
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+
+@router.get("/{job_id}/{name:path}", response_class=FileResponse)
+def download(
+    job_id: str,
+    name: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    storage: StorageDep,
+    expires: Annotated[int, Query()],
+    signature: Annotated[str, Query()],
+) -> FileResponse:
+    # The signature is the credential here, as with a presigned S3 URL: no Authorization header needed.
+    if not verify_download(settings.signing_key, job_id, name, expires, signature):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "the link is invalid or has expired")
+    if not isinstance(storage, LocalStorage) or session.get(Artifact, (job_id, name)) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "no such artifact")
+    return FileResponse(storage.path(job_id, name), filename=name.rsplit("/", 1)[-1])

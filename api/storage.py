@@ -1,0 +1,132 @@
+"""Where artifacts live: a local folder (`file://...`) or an S3-compatible bucket (`s3://bucket/prefix`)."""
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import quote, urlparse
+
+import boto3
+from botocore.config import Config
+
+from api.core.security import sign_download
+from api.core.settings import Settings
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    name: str  # path inside the job's output directory, with forward slashes
+    size: int
+    sha256: str
+
+
+def sha256_of(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def files_of(directory: Path) -> list[tuple[str, Path]]:
+    return sorted((p.relative_to(directory).as_posix(), p) for p in directory.rglob("*") if p.is_file())
+
+
+class Storage(Protocol):
+    def upload_dir(self, job_id: str, directory: Path) -> list[StoredFile]:
+        """Uploads every file; uploading the same job again overwrites, so a rerun is safe."""
+
+    def url(self, job_id: str, name: str, ttl_seconds: int, base_url: str) -> str:
+        """A URL that downloads one artifact without credentials until it expires."""
+
+    def delete(self, job_id: str) -> None: ...
+
+    def ping(self) -> None:
+        """Raises when the storage cannot be reached."""
+
+
+class LocalStorage:
+    def __init__(self, root: Path, settings: Settings) -> None:
+        self.root = root
+        self.settings = settings  # the signing key is read only when a URL is signed (API side)
+
+    def path(self, job_id: str, name: str) -> Path:
+        base = (self.root / "jobs" / job_id).resolve()
+        path = (base / name).resolve()
+        if not path.is_relative_to(base):
+            raise ValueError(f"artifact name escapes the job folder: {name!r}")
+        return path
+
+    def upload_dir(self, job_id: str, directory: Path) -> list[StoredFile]:
+        stored = []
+        for name, source in files_of(directory):
+            target = self.path(job_id, name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Copy then rename: a reader never sees a half-written file.
+            partial = target.with_name(target.name + ".partial")
+            shutil.copyfile(source, partial)
+            partial.replace(target)
+            stored.append(StoredFile(name, target.stat().st_size, sha256_of(target)))
+        return stored
+
+    def url(self, job_id: str, name: str, ttl_seconds: int, base_url: str) -> str:
+        expires, signature = sign_download(self.settings.signing_key, job_id, name, ttl_seconds)
+        return (
+            f"{base_url.rstrip('/')}/v1/files/{job_id}/{quote(name)}?expires={expires}&signature={signature}"
+        )
+
+    def delete(self, job_id: str) -> None:
+        shutil.rmtree(self.root / "jobs" / job_id, ignore_errors=True)
+
+    def ping(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            raise OSError(f"{self.root} is not a folder")
+
+
+class S3Storage:
+    def __init__(self, bucket: str, prefix: str, settings: Settings) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            aws_access_key_id=settings.s3_access_key_id,
+            aws_secret_access_key=settings.s3_secret_access_key,
+            region_name=settings.s3_region,
+            # Path-style addressing: S3-compatible servers (MinIO, SeaweedFS) rarely have bucket DNS names.
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
+        )
+
+    def key(self, job_id: str, name: str = "") -> str:
+        return "/".join(part for part in (self.prefix, "jobs", job_id, name) if part)
+
+    def upload_dir(self, job_id: str, directory: Path) -> list[StoredFile]:
+        stored = []
+        for name, source in files_of(directory):
+            digest = sha256_of(source)
+            self.client.upload_file(str(source), self.bucket, self.key(job_id, name))
+            stored.append(StoredFile(name, source.stat().st_size, digest))
+        return stored
+
+    def url(self, job_id: str, name: str, ttl_seconds: int, base_url: str) -> str:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self.key(job_id, name)}, ExpiresIn=ttl_seconds
+        )
+
+    def delete(self, job_id: str) -> None:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(job_id) + "/"):
+            objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if objects:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+
+    def ping(self) -> None:
+        self.client.head_bucket(Bucket=self.bucket)
+
+
+def make_storage(settings: Settings) -> Storage:
+    url = urlparse(settings.storage)
+    if url.scheme == "file":
+        return LocalStorage(Path(url.path), settings)
+    if url.scheme == "s3":
+        return S3Storage(url.netloc, url.path, settings)
+    raise ValueError(f"CASP_STORAGE_URL: unsupported scheme {url.scheme!r} (use file:// or s3://)")

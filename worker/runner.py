@@ -1,0 +1,245 @@
+"""Runs one job through casp_core: claim the row, stream progress into it, upload, mark it.
+
+Shared by the Celery task (distributed mode) and the in-process worker threads (embedded mode).
+"""
+
+import logging
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from api import crud
+from api.core.db import session_scope
+from api.core.settings import Settings
+from api.models import Job
+from api.storage import Storage
+from casp_core.config import PruneConfig
+from casp_core.errors import Cancelled, CaspError
+
+log = logging.getLogger(__name__)
+
+# Share of the overall 0-100 progress each stage gets, in pipeline order; "upload" is the service's own.
+STAGE_WEIGHTS = {
+    "load": 5,
+    "calibration": 25,
+    "allocation": 10,
+    "pruning": 25,
+    "verification": 5,
+    "checkpoint": 5,
+    "evaluation": 20,
+    "report": 3,
+    "upload": 2,
+}
+_STAGE_START = {stage: sum(list(STAGE_WEIGHTS.values())[:i]) for i, stage in enumerate(STAGE_WEIGHTS)}
+
+# Row updates at most this often, and an event per whole percent at most: a long run writes a few hundred
+# rows, not one per callback.
+WRITE_INTERVAL_SECONDS = 1.0
+CANCEL_POLL_SECONDS = 0.25
+
+
+def overall_progress(stage: str, fraction: float) -> float:
+    if stage not in STAGE_WEIGHTS:
+        return 0.0
+    return _STAGE_START[stage] + STAGE_WEIGHTS[stage] * min(max(fraction, 0.0), 1.0)
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{threading.get_native_id()}"
+
+
+@dataclass
+class Attempt:
+    """One attempt at a job: what the progress callback, the cancel check and the heartbeat share."""
+
+    settings: Settings
+    job_id: str
+    number: int
+    deadline: float
+    stop_requested: Callable[[], bool] = lambda: False  # the embedded server shutting down
+    stage: str | None = None
+    progress: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    lost: bool = False  # the row is no longer this attempt's (reaped, cancelled while queued again)
+    timed_out: bool = False
+    _stage_started: float = field(default_factory=time.monotonic)
+    _last_write: float = 0.0
+    _last_event_progress: float = -1.0
+    _last_poll: float = 0.0
+    _stop: bool = False
+
+    def report(self, stage: str, fraction: float, message: str = "") -> None:
+        now = time.monotonic()
+        # Stages can repeat (sequential calibration interleaves with pruning): progress never goes back.
+        progress = max(self.progress, overall_progress(stage, fraction))
+        changed = stage != self.stage
+        if changed:
+            self._close_stage(now)
+            self.stage = stage
+        self.progress = progress
+        event = changed or progress - self._last_event_progress >= 1.0
+        if not (event or now - self._last_write >= WRITE_INTERVAL_SECONDS):
+            return
+        self._last_write = now
+        with session_scope(self.settings.database) as session:
+            if not crud.touch(session, self.job_id, self.number, stage=stage, progress=round(progress, 2)):
+                self.lost = True
+                return
+            if event:
+                self._last_event_progress = progress
+                job = session.get_one(Job, self.job_id)
+                crud.add_event(session, job, kind="progress", message=message)
+
+    def _close_stage(self, now: float) -> None:
+        if self.stage is not None:
+            self.timings[self.stage] = self.timings.get(self.stage, 0.0) + now - self._stage_started
+        self._stage_started = now
+
+    def should_cancel(self) -> bool:
+        """Polled by casp_core at every layer boundary; reads the row at most every CANCEL_POLL_SECONDS."""
+        if self._stop or self.lost:
+            return True
+        now = time.monotonic()
+        if now >= self.deadline:
+            self.timed_out = self._stop = True
+        elif self.stop_requested():
+            self._stop = True
+        elif now - self._last_poll >= CANCEL_POLL_SECONDS:
+            self._last_poll = now
+            with session_scope(self.settings.database) as session:
+                self._stop = crud.should_stop(session, self.job_id, self.number)
+        return self._stop
+
+    def finish(self, status: str, **kwargs: Any) -> bool:
+        self._close_stage(time.monotonic())
+        with session_scope(self.settings.database) as session:
+            return crud.finish(
+                session, self.job_id, self.number, status=status, timings=self.timings, **kwargs
+            )
+
+
+class Heartbeat(threading.Thread):
+    """Proves the attempt alive while a stage runs long without progress callbacks (loading a large model);
+    when it stops, the reaper takes the job back."""
+
+    def __init__(self, attempt: Attempt) -> None:
+        super().__init__(name=f"heartbeat-{attempt.job_id}", daemon=True)
+        self.attempt = attempt
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        interval = self.attempt.settings.heartbeat_interval_seconds
+        while not self.done.wait(interval):
+            try:
+                with session_scope(self.attempt.settings.database) as session:
+                    if not crud.touch(session, self.attempt.job_id, self.attempt.number):
+                        self.attempt.lost = True
+                        return
+            except Exception:  # a database hiccup must not end the job; the next beat retries
+                log.exception("heartbeat of job %s failed", self.attempt.job_id)
+
+
+def summary_of(report: dict[str, Any]) -> dict[str, Any]:
+    keys = ("achieved_ratio", "params", "perplexity", "zero_shot")
+    return {key: report[key] for key in keys if key in report}
+
+
+def execute(
+    job_id: str,
+    settings: Settings,
+    storage: Storage,
+    *,
+    worker_id: str | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> str | None:
+    """Runs the job if it is still queued; returns its final status (None when it was not ours to run,
+    or the attempt was released or lost midway)."""
+    # casp_core.pipeline imports torch and transformers: loaded on first use, so processes that only serve
+    # the API never pay for them.
+    from casp_core.pipeline import run_job
+
+    with session_scope(settings.database) as session:
+        job = crud.claim_job(session, job_id, worker_id or worker_name())
+        if job is None:
+            log.info("job %s is not queued; nothing to do", job_id)
+            return None
+        config = PruneConfig.from_dict({**job.config, "device": job.device})
+        model, revision, number = job.model, job.revision, job.attempts
+
+    attempt = Attempt(
+        settings,
+        job_id,
+        number,
+        deadline=time.monotonic() + settings.job_time_limit_seconds,
+        stop_requested=stop_requested,
+    )
+    out_dir = settings.home / "work" / job_id / f"attempt-{number}"
+    shutil.rmtree(out_dir, ignore_errors=True)  # a rerun starts clean: nothing half-written is kept
+    out_dir.mkdir(parents=True)
+    heartbeat = Heartbeat(attempt)
+    heartbeat.start()
+    try:
+        return _run(attempt, run_job, model, revision, config, out_dir, storage)
+    finally:
+        heartbeat.done.set()
+        heartbeat.join()
+        shutil.rmtree(out_dir.parent, ignore_errors=True)
+
+
+def _run(
+    attempt: Attempt,
+    run_job: Callable[..., dict[str, Any]],
+    model: str,
+    revision: str | None,
+    config: PruneConfig,
+    out_dir: Any,
+    storage: Storage,
+) -> str | None:
+    try:
+        report = run_job(
+            model,
+            config,
+            out_dir,
+            revision=revision,
+            progress=attempt.report,
+            should_cancel=attempt.should_cancel,
+        )
+        if attempt.should_cancel():
+            raise Cancelled("the job was cancelled")
+        attempt.report("upload", 0.0, "uploading artifacts")
+        stored = storage.upload_dir(attempt.job_id, out_dir)
+        attempt.report("upload", 1.0, f"uploaded {len(stored)} files")
+        if attempt.finish("succeeded", result=summary_of(report), artifacts=stored):
+            return "succeeded"
+        # A cancel came during the upload, or the attempt lost the row: drop the upload if cancelled.
+        if not attempt.lost and attempt.finish("cancelled"):
+            storage.delete(attempt.job_id)
+            return "cancelled"
+        return None
+    except Cancelled:
+        if attempt.timed_out:
+            limit = attempt.settings.job_time_limit_seconds
+            error = ("time_limit_exceeded", f"the job ran longer than the time limit of {limit} s")
+            return "failed" if attempt.finish("failed", error=error) else None
+        if attempt.lost:
+            return None
+        if attempt.stop_requested():
+            _release(attempt)
+            return None
+        return "cancelled" if attempt.finish("cancelled") else None
+    except CaspError as exc:
+        return "failed" if attempt.finish("failed", error=(exc.code, exc.message)) else None
+    except Exception as exc:
+        log.exception("job %s failed", attempt.job_id)
+        error = ("internal_error", f"{type(exc).__name__}: {exc}")
+        return "failed" if attempt.finish("failed", error=error) else None
+
+
+def _release(attempt: Attempt) -> None:
+    """The embedded server is stopping: the job goes back to the queue for the next start."""
+    with session_scope(attempt.settings.database) as session:
+        crud.release(session, attempt.job_id, attempt.number)
