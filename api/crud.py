@@ -342,13 +342,16 @@ def reap(
 
 
 def count_by_status(session: Session) -> dict[str, int]:
-    return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).tuples().all())
+    return {
+        status: count
+        for status, count in session.execute(select(Job.status, func.count()).group_by(Job.status))
+    }
 
 
 def stage_durations(session: Session) -> list[tuple[str, int, float]]:
     """(stage, count, total seconds) over every finished attempt."""
     query = select(StageTiming.stage, func.count(), func.sum(StageTiming.seconds)).group_by(StageTiming.stage)
-    return [(stage, count, float(total)) for stage, count, total in session.execute(query).tuples()]
+    return [(stage, count, float(total)) for stage, count, total in session.execute(query)]
 
 
 def is_finished(job: Job) -> bool:

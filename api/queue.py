@@ -57,7 +57,7 @@ class EmbeddedDispatcher:
     def depth(self) -> dict[str, int]:
         with session_scope(self.settings.database) as session:
             query = select(Job.queue, func.count()).where(Job.status == "queued").group_by(Job.queue)
-            return dict(session.execute(query).tuples().all())
+            return {queue: count for queue, count in session.execute(query)}
 
 
 def make_dispatcher(settings: Settings) -> Dispatcher:

@@ -1,0 +1,300 @@
+"""Service commands of `casp`: serve, demo, keys create, submit, status, wait, download, worker.
+
+`register(subparsers)` adds them to the top-level `casp` parser; `python -m api.cli ...` runs them alone.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from api.client import CaspClient
+from api.core.settings import DEVICES, Settings
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_MODEL = REPO / "demo" / "stories260K"
+DEMO_DATASETS = REPO / "demo" / "datasets"
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+# --- running the service -----------------------------------------------------------------------------
+
+
+def serve(settings: Settings, sock: socket.socket, log_level: str = "info") -> None:
+    """Migrates the database, then serves the API (and, without a broker, the in-process workers)."""
+    import uvicorn
+
+    from api.core.migrate import upgrade
+    from api.main import create_app
+
+    upgrade(settings.database)
+    config = uvicorn.Config(create_app(settings), log_level=log_level)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    serve(Settings(), bind(args.host, args.port), args.log_level)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from worker.tasks import app, settings
+
+    device = args.device or settings.default_device
+    app.worker_main(
+        ["worker", "-Q", settings.queue_for(device), "-n", f"casp-{device}@%h", "--loglevel", args.log_level]
+    )
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from api import crud
+    from api.core.db import session_scope
+    from api.core.migrate import upgrade
+
+    settings = Settings()
+    upgrade(settings.database)
+    with session_scope(settings.database) as session:
+        row, key = crud.create_api_key(session, args.name)
+    print(f"key id {row.id} ({args.name}); the key is shown only now:", file=sys.stderr)
+    print(key)
+    return 0
+
+
+def demo_request(model: Path) -> dict[str, Any]:
+    """Settings small enough for a laptop CPU in seconds, on the bundled model and data sets."""
+    return {
+        "model": str(model),
+        "ratio": 0.3,
+        "device": "cpu",
+        "calibration": {"dataset": "wikitext2:validation", "n_samples": 16, "seq_len": 128},
+        "evaluation": {"perplexity": ["wikitext2"], "seq_len": 128},
+        "metadata": {"source": "casp demo"},
+    }
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    home = Path(args.home).resolve()
+    model = Path(args.model).resolve()
+    # Explicit values win over CASP_* variables: the demo is always the self-contained embedded mode.
+    settings = Settings(
+        home=home,
+        database_url=None,
+        broker_url=None,
+        storage_url=None,
+        auth="none",
+        allowed_model_roots=[model.parent],
+        datasets_dir=Path(args.datasets_dir).resolve(),
+        default_device="cpu",
+        embedded_workers=1,
+    )
+    sock = bind("127.0.0.1", args.port)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = threading.Thread(target=serve, args=(settings, sock, "warning"), daemon=True)
+    server.start()
+    print(f"casp service (embedded mode, data in {home}) at {url}; API docs at {url}/docs")
+    with CaspClient(url) as client:
+        wait_until_up(client, server)
+        job = client.submit(demo_request(model))
+        print(f"submitted job {job['id']}: prune {model.name} by {job['settings']['ratio']:.0%}")
+        job = client.wait(job["id"], timeout=args.timeout, poll_seconds=0.5, on_update=progress_printer())
+        if job["status"] != "succeeded":
+            print(f"job {job['status']}: {job['error']}", file=sys.stderr)
+            return 1
+        out = home / "demo-output" / job["id"]
+        client.download(job["id"], out)
+    result = job["result"]
+    print(f"params {result['params']['dense']:,} -> {result['params']['pruned']:,}", end="")
+    print(f" (achieved ratio {result['achieved_ratio']:.3f})")
+    for dataset, ppl in result["perplexity"].items():
+        print(f"perplexity {dataset}: dense {ppl['dense']:.2f}, pruned {ppl['pruned']:.2f}")
+    print(f"checkpoint: {out}")
+    print(f"report:     {out / 'report.md'}")
+    return 0
+
+
+def wait_until_up(client: CaspClient, server: threading.Thread, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.is_alive():
+        try:
+            client.http.get("/healthz").raise_for_status()
+            return
+        except Exception:
+            time.sleep(0.2)
+    raise RuntimeError("the service did not start")
+
+
+def progress_printer() -> Callable[[dict[str, Any]], None]:
+    last: list[tuple[str, str | None, int]] = []
+
+    def show(job: dict[str, Any]) -> None:
+        state = (job["status"], job["stage"], int(job["progress"]))
+        if not last or state != last[-1]:
+            last.append(state)
+            print(f"  {job['status']:<9} {job['stage'] or '':<13} {job['progress']:5.1f}%", file=sys.stderr)
+
+    return show
+
+
+# --- talking to a running service --------------------------------------------------------------------
+
+
+def client_of(args: argparse.Namespace) -> CaspClient:
+    return CaspClient(args.url, api_key=args.api_key)
+
+
+def submit_request(args: argparse.Namespace) -> dict[str, Any]:
+    if args.json:
+        return json.loads(Path(args.json).read_text())
+    if args.model is None or args.ratio is None:
+        raise SystemExit("casp submit: needs --model and --ratio, or --json")
+    request: dict[str, Any] = {"model": args.model, "ratio": args.ratio, "alpha": args.alpha}
+    optional = {"revision": args.revision, "solver": args.solver, "allocation": args.allocation}
+    request.update({k: v for k, v in optional.items() if v is not None})
+    if args.device:
+        request["device"] = args.device
+    calibration = {
+        "dataset": args.calibration_dataset,
+        "n_samples": args.n_samples,
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+    }
+    request["calibration"] = {k: v for k, v in calibration.items() if v is not None}
+    evaluation = {
+        "perplexity": args.perplexity,
+        "seq_len": args.eval_seq_len,
+        "zero_shot": args.zero_shot,
+        "limit": args.limit,
+    }
+    request["evaluation"] = {k: v for k, v in evaluation.items() if v is not None}
+    request["metadata"] = dict(item.split("=", 1) for item in args.metadata)
+    return request
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    with client_of(args) as client:
+        job = client.submit(submit_request(args), idempotency_key=args.idempotency_key)
+        if args.wait:
+            job = client.wait(job["id"], on_update=progress_printer())
+    print(json.dumps(job, indent=2))
+    return 0 if not args.wait or job["status"] == "succeeded" else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with client_of(args) as client:
+        print(json.dumps(client.get(args.job_id), indent=2))
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    with client_of(args) as client:
+        job = client.wait(args.job_id, timeout=args.timeout, on_update=progress_printer())
+    print(json.dumps(job, indent=2))
+    return 0 if job["status"] == "succeeded" else 1
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    out = Path(args.out or args.job_id)
+    with client_of(args) as client:
+        paths = client.download(args.job_id, out)
+    print(f"{len(paths)} files in {out.resolve()}")
+    return 0
+
+
+# --- wiring ------------------------------------------------------------------------------------------
+
+
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default=os.environ.get("CASP_URL", DEFAULT_URL), help="service URL (CASP_URL)"
+    )
+    parser.add_argument("--api-key", default=os.environ.get("CASP_API_KEY"), help="API key (CASP_API_KEY)")
+
+
+def register(subparsers: Any) -> None:
+    """Adds the service commands to an argparse sub-parser collection."""
+    p = subparsers.add_parser("serve", help="run the jobs API (and, without CASP_BROKER_URL, its workers)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("demo", help="start the embedded service and prune the bundled demo model")
+    p.add_argument("--home", default="casp-home", help="where the demo keeps its database and artifacts")
+    p.add_argument("--port", type=int, default=0, help="0: any free port")
+    p.add_argument("--model", default=str(DEMO_MODEL))
+    p.add_argument("--datasets-dir", default=str(DEMO_DATASETS))
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.set_defaults(func=cmd_demo)
+
+    p = subparsers.add_parser("worker", help="run a Celery worker (one job at a time) for one device queue")
+    p.add_argument("--device", choices=DEVICES, help="default: CASP_DEFAULT_DEVICE")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_worker)
+
+    keys = subparsers.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("create", help="create an API key and print it")
+    p.add_argument("--name", required=True)
+    p.set_defaults(func=cmd_keys_create)
+
+    p = subparsers.add_parser("submit", help="submit a pruning job")
+    _client_options(p)
+    p.add_argument("--json", help="a file with the whole request body (the other options are ignored)")
+    p.add_argument("--model", help="Hugging Face id or a path under the server's allowed roots")
+    p.add_argument("--revision")
+    p.add_argument("--ratio", type=float)
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--solver")
+    p.add_argument("--allocation")
+    p.add_argument("--device", choices=DEVICES)
+    p.add_argument("--calibration-dataset")
+    p.add_argument("--n-samples", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--perplexity", action="append", help="repeat for several data sets")
+    p.add_argument("--eval-seq-len", type=int)
+    p.add_argument("--zero-shot", action="append")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--idempotency-key")
+    p.add_argument("--wait", action="store_true", help="wait until the job has finished")
+    p.set_defaults(func=cmd_submit)
+
+    for name, func, helptext in (("status", cmd_status, "show a job"), ("wait", cmd_wait, "wait for a job")):
+        p = subparsers.add_parser(name, help=helptext)
+        _client_options(p)
+        p.add_argument("job_id")
+        if name == "wait":
+            p.add_argument("--timeout", type=float)
+        p.set_defaults(func=func)
+
+    p = subparsers.add_parser("download", help="download a job's artifacts, checking each sha256")
+    _client_options(p)
+    p.add_argument("job_id")
+    p.add_argument("--out", help="target folder (default: the job id)")
+    p.set_defaults(func=cmd_download)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="casp", description="casp jobs service")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Real components for the service tests: PostgreSQL, Redis, a SeaweedFS S3 server, Celery worker processes.
+
+PostgreSQL and Redis are started by scripts/services.sh when down; each test session gets its own database,
+Redis database and bucket, so it can run beside other sessions on the same machine.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from api import crud
+from api.core.db import session_scope
+from api.core.migrate import upgrade
+from api.core.settings import Settings
+from api.main import create_app
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_MODEL = REPO / "demo" / "stories260K"
+FIXTURE_DATA = (REPO.parent / "shared" / "fixtures" / "data").resolve()
+if not FIXTURE_DATA.is_dir():
+    FIXTURE_DATA = Path("/work/shared/fixtures/data")
+PG_ADMIN_URL = os.environ.get("CASP_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("CASP_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+S3_ACCESS, S3_SECRET = "casp-test-access", "casp-test-secret"
+JOB_TIMEOUT = 300.0
+
+# Small settings that still run every stage of the real pipeline on the real demo model in seconds.
+SMALL_JOB: dict[str, Any] = {
+    "model": str(DEMO_MODEL),
+    "ratio": 0.3,
+    "device": "cpu",
+    "calibration": {"dataset": "wikitext2:validation", "n_samples": 8, "seq_len": 128},
+    "evaluation": {"perplexity": ["wikitext2"], "seq_len": 128},
+}
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"gave up after {timeout:.0f} s waiting for {what}")
+
+
+def _services_up() -> bool:
+    try:
+        with psycopg.connect(PG_ADMIN_URL, connect_timeout=2):
+            pass
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def local_services() -> None:
+    if not _services_up():
+        subprocess.run(["bash", str(REPO / "scripts" / "services.sh")], check=True)
+    assert _services_up(), "PostgreSQL or Redis is unreachable even after scripts/services.sh"
+
+
+@pytest.fixture(scope="session")
+def pg_database(local_services: None) -> Iterator[Callable[[], str]]:
+    """A factory of fresh, empty PostgreSQL databases (dropped at the end of the session)."""
+    created: list[str] = []
+
+    def make() -> str:
+        name = f"casp_test_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        created.append(name)
+        return PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
+
+    yield make
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        for name in created:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real S3 API (SeaweedFS) that checks signatures and expiry, with a fresh bucket."""
+    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    root = tmp_path_factory.mktemp("seaweed")
+    config = root / "s3.json"
+    identity = {"name": "casp", "credentials": [{"accessKey": S3_ACCESS, "secretKey": S3_SECRET}]}
+    identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
+    config.write_text(json.dumps({"identities": [identity]}))
+    ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+    grpc = {name: free_port() for name in ports}
+    args = [
+        weed, "server", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+        f"-master.port={ports['master']}", f"-master.port.grpc={grpc['master']}",
+        f"-volume.port={ports['volume']}", f"-volume.port.grpc={grpc['volume']}", "-volume.max=5",
+        "-master.volumeSizeLimitMB=64", "-filer", f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={grpc['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={grpc['s3']}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
+    ]  # fmt: skip
+    log = (root / "weed.log").open("wb")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    bucket = "casp-test"
+    try:
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=S3_ACCESS,
+            aws_secret_access_key=S3_SECRET,
+            region_name="us-east-1",
+        )
+
+        def bucket_ready() -> bool:
+            try:
+                client.create_bucket(Bucket=bucket)
+                return True
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                return True
+            except Exception:
+                return False
+
+        wait_for(bucket_ready, 60, "the S3 server", interval=0.5)
+        yield {"endpoint": endpoint, "bucket": bucket}
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def distributed_settings(
+    pg_database: Callable[[], str], s3_server: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Settings:
+    """PostgreSQL, Redis and S3, with short heartbeat and reaper periods so recovery shows within seconds."""
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    database = pg_database()
+    upgrade(database)
+    return Settings(
+        home=tmp_path_factory.mktemp("casp-home"),
+        database_url=database,
+        broker_url=REDIS_URL,
+        storage_url=f"s3://{s3_server['bucket']}/artifacts",
+        s3_endpoint_url=s3_server["endpoint"],
+        s3_access_key_id=S3_ACCESS,
+        s3_secret_access_key=S3_SECRET,
+        allowed_model_roots=[REPO / "demo"],
+        datasets_dir=FIXTURE_DATA,
+        auth="apikey",
+        secret_key="test-signing-secret",
+        heartbeat_interval_seconds=1.0,
+        heartbeat_timeout_seconds=6.0,
+        reaper_interval_seconds=1.0,
+        max_attempts=3,
+        default_device="cpu",
+    )
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The same settings as CASP_* variables, for processes started from the tests."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if name == "allowed_model_roots":
+            value = ":".join(map(str, value))
+        env[f"CASP_{name.upper()}"] = str(value)
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+class WorkerProcess:
+    """`casp worker` as a separate process group, so a test can SIGKILL it (parent and pool child) at once."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "api.cli", "worker", "--device", "cpu", "--log-level", "info"],
+                cwd=REPO,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+        def ready() -> bool:
+            assert self.process is not None and self.process.poll() is None, self.log_tail()
+            return b"ready." in self.log_path.read_bytes()[offset:]
+
+        wait_for(ready, 90, "the Celery worker")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="session")
+def worker(
+    distributed_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(
+        settings_env(distributed_settings), tmp_path_factory.mktemp("worker") / "worker.log"
+    )
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def api(distributed_settings: Settings) -> Iterator[TestClient]:
+    """The API in this process (with its reaper thread), against the shared database, broker and bucket."""
+    with TestClient(create_app(distributed_settings)) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def keys(distributed_settings: Settings) -> dict[str, dict[str, str]]:
+    """Two API keys, as ready-made Authorization headers."""
+    headers = {}
+    with session_scope(distributed_settings.database) as session:
+        for name in ("alice", "bob"):
+            _, key = crud.create_api_key(session, name)
+            headers[name] = {"Authorization": f"Bearer {key}"}
+    return headers
+
+
+def wait_job(
+    client: TestClient,
+    job_id: str,
+    headers: dict[str, str],
+    until: Callable[[dict[str, Any]], bool],
+    what: str,
+) -> dict[str, Any]:
+    def poll() -> dict[str, Any] | None:
+        job = client.get(f"/v1/jobs/{job_id}", headers=headers).json()
+        return job if until(job) else None
+
+    return wait_for(poll, JOB_TIMEOUT, what, interval=0.25)
+
+
+def finished(job: dict[str, Any]) -> bool:
+    return job["status"] in ("succeeded", "failed", "cancelled")
+
+
+def download(url: str) -> httpx.Response:
+    return httpx.get(url, timeout=30)

@@ -1,0 +1,251 @@
+"""The HTTP API against PostgreSQL, Redis and S3, without running the pipeline: jobs sent to the `cuda`
+queue, which no test worker consumes, stay queued."""
+
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from api import crud
+from api.core.db import session_scope
+from api.core.settings import Settings
+from api.models import Job, utcnow
+from tests.service.conftest import REPO, SMALL_JOB, settings_env, wait_for
+
+pytestmark = pytest.mark.service
+
+PARKED = {**SMALL_JOB, "device": "cuda"}
+
+
+def loc_and_msg(response: Any) -> list[tuple[tuple[Any, ...], str]]:
+    assert response.status_code == 422, response.text
+    return [(tuple(error["loc"]), error["msg"]) for error in response.json()["detail"]]
+
+
+@pytest.mark.parametrize(
+    ("change", "loc", "reason"),
+    [
+        ({"ratio": 1.5}, ("body", "ratio"), "less than 1"),
+        ({"ratio": 0}, ("body", "ratio"), "greater than 0"),
+        ({"alpha": -1}, ("body", "alpha"), "greater than or equal to 0"),
+        ({"solver": "magic"}, ("body", "solver"), "'greedy'"),
+        ({"model": "/etc"}, ("body", "model"), "CASP_ALLOWED_MODEL_ROOTS"),
+        ({"model": f"{REPO}/demo/../casp_core"}, ("body", "model"), "CASP_ALLOWED_MODEL_ROOTS"),
+        ({"model": f"{REPO}/demo/missing"}, ("body", "model"), "no such model folder"),
+        ({"model": "not a model"}, ("body", "model"), "Hugging Face id"),
+        ({"revision": "main"}, ("body", "revision"), "only a Hugging Face id"),
+        (
+            {"calibration": {"n_samples": 0}},
+            ("body", "calibration", "n_samples"),
+            "greater than or equal to 1",
+        ),
+        ({"calibration": {"dataset": "/etc/passwd"}}, ("body", "calibration", "dataset"), ".txt or .jsonl"),
+        ({"evaluation": {"zero_shot": ["chess"]}}, ("body", "evaluation", "zero_shot", 0), "'boolq'"),
+        (
+            {"evaluation": {"perplexity": ["ok", "x/../y.txt"]}},
+            ("body", "evaluation", "perplexity", 1),
+            "exist",
+        ),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, ("body", "metadata"), "at most 16"),
+        ({"colour": "blue"}, ("body", "colour"), "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_input_is_422_naming_the_field(
+    api: TestClient,
+    keys: dict[str, dict[str, str]],
+    change: dict[str, Any],
+    loc: tuple[Any, ...],
+    reason: str,
+) -> None:
+    response = api.post("/v1/jobs", json={**PARKED, **change}, headers=keys["alice"])
+    errors = loc_and_msg(response)
+    assert any(error_loc == loc and reason in msg for error_loc, msg in errors), errors
+
+
+def test_casp_config_checks_surface_as_422(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
+    # r_max is casp_core's own rule (ratio <= r_max), checked by PruneConfig.validate(): ratio 0.95 > 0.9.
+    response = api.post("/v1/jobs", json={**PARKED, "ratio": 0.95}, headers=keys["alice"])
+    assert loc_and_msg(response) == [(("body", "r_max"), "must be in [ratio, 1], got 0.9")]
+
+
+def test_submit_answers_201_with_the_job_and_maps_settings(
+    api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
+) -> None:
+    body = {**PARKED, "alpha": 0.5, "solver": "diagonal", "metadata": {"team": "llm"}}
+    response = api.post("/v1/jobs", json=body, headers=keys["alice"])
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert job["status"] == "queued" and job["progress"] == 0 and job["attempts"] == 0
+    assert job["device"] == "cuda" and job["metadata"] == {"team": "llm"}
+    assert job["settings"]["alpha"] == 0.5 and job["settings"]["solver"] == "diagonal"
+    assert job["settings"]["calibration"] == {
+        "dataset": "wikitext2:validation",
+        "n_samples": 8,
+        "seq_len": 128,
+        "seed": 0,
+        "mode": "sequential",
+        "batch_size": 8,
+    }
+    with session_scope(distributed_settings.database) as session:
+        row = session.get_one(Job, job["id"])
+        assert row.queue == "casp-cuda"
+        assert row.config["datasets_dir"] == str(distributed_settings.datasets_dir)
+    # The message is on the broker, on the queue of the job's device.
+    assert redis.Redis.from_url(distributed_settings.broker_url).llen("casp-cuda") >= 1
+    assert api.post(f"/v1/jobs/{job['id']}/cancel", headers=keys["alice"]).json()["status"] == "cancelled"
+
+
+def test_idempotency_key(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
+    alice = {**keys["alice"], "Idempotency-Key": "submit-1"}
+    first = api.post("/v1/jobs", json=PARKED, headers=alice)
+    again = api.post("/v1/jobs", json=PARKED, headers=alice)
+    assert first.status_code == again.status_code == 201
+    assert again.json()["id"] == first.json()["id"]
+    assert again.headers["Idempotent-Replayed"] == "true"
+    conflict = api.post("/v1/jobs", json={**PARKED, "ratio": 0.4}, headers=alice)
+    assert conflict.status_code == 409 and "Idempotency-Key" in conflict.json()["detail"]
+    # Keys are per API key: bob's identical key makes bob's own job.
+    bobs = api.post("/v1/jobs", json=PARKED, headers={**keys["bob"], "Idempotency-Key": "submit-1"})
+    assert bobs.status_code == 201 and bobs.json()["id"] != first.json()["id"]
+    for job, headers in ((first, alice), (bobs, keys["bob"])):
+        api.post(f"/v1/jobs/{job.json()['id']}/cancel", headers=headers)
+
+
+def test_a_key_sees_only_its_own_jobs(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
+    job = api.post("/v1/jobs", json=PARKED, headers=keys["alice"]).json()
+    bob = keys["bob"]
+    for method, path in (
+        ("GET", f"/v1/jobs/{job['id']}"),
+        ("GET", f"/v1/jobs/{job['id']}/events"),
+        ("GET", f"/v1/jobs/{job['id']}/artifacts"),
+        ("POST", f"/v1/jobs/{job['id']}/cancel"),
+        ("DELETE", f"/v1/jobs/{job['id']}"),
+    ):
+        assert api.request(method, path, headers=bob).status_code == 404, (method, path)
+    assert job["id"] not in [j["id"] for j in api.get("/v1/jobs?limit=100", headers=bob).json()["data"]]
+    assert job["id"] in [j["id"] for j in api.get("/v1/jobs?limit=100", headers=keys["alice"]).json()["data"]]
+    assert api.get(f"/v1/jobs/{job['id']}").status_code == 401
+    assert api.get("/v1/jobs", headers={"Authorization": "Bearer casp_wrong"}).status_code == 401
+    # Still queued, untouched by bob's cancel.
+    assert api.post(f"/v1/jobs/{job['id']}/cancel", headers=keys["alice"]).json()["status"] == "cancelled"
+
+
+def test_keys_create_command_makes_a_working_key(api: TestClient, distributed_settings: Settings) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "api.cli", "keys", "create", "--name", "carol"],
+        cwd=REPO,
+        env=settings_env(distributed_settings),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    key = result.stdout.strip()
+    assert key.startswith("casp_") and "carol" in result.stderr
+    assert api.get("/v1/jobs", headers={"Authorization": f"Bearer {key}"}).json() == {
+        "data": [],
+        "has_more": False,
+    }
+    with session_scope(distributed_settings.database) as session:
+        # Stored hashed: the key itself appears nowhere in the table.
+        row = crud.find_api_key(session, key)
+        assert row is not None and row.key_hash != key and key not in row.key_hash
+
+
+def test_pagination_newest_first_and_status_filter(api: TestClient, distributed_settings: Settings) -> None:
+    with session_scope(distributed_settings.database) as session:
+        _, key = crud.create_api_key(session, "pager")
+    headers = {"Authorization": f"Bearer {key}"}
+    ids = [api.post("/v1/jobs", json=PARKED, headers=headers).json()["id"] for _ in range(5)]
+    api.post(f"/v1/jobs/{ids[1]}/cancel", headers=headers)
+    seen, after = [], None
+    while True:
+        page = api.get(
+            "/v1/jobs", params={"limit": 2, **({"after": after} if after else {})}, headers=headers
+        )
+        body = page.json()
+        seen += [job["id"] for job in body["data"]]
+        if not body["has_more"]:
+            break
+        after = body["data"][-1]["id"]
+    assert seen == ids[::-1]
+    cancelled = api.get("/v1/jobs", params={"status": "cancelled"}, headers=headers).json()["data"]
+    assert [job["id"] for job in cancelled] == [ids[1]]
+    assert api.get("/v1/jobs", params={"limit": 101}, headers=headers).status_code == 422
+    assert api.get("/v1/jobs", params={"status": "sleeping"}, headers=headers).status_code == 422
+    events = api.get(f"/v1/jobs/{ids[1]}/events", params={"limit": 1}, headers=headers).json()
+    assert events["has_more"] and events["data"][0]["message"] == "queued"
+    rest = api.get(
+        f"/v1/jobs/{ids[1]}/events", params={"after": events["data"][0]["id"]}, headers=headers
+    ).json()
+    assert [e["status"] for e in rest["data"]] == ["cancelled"] and not rest["has_more"]
+    for job_id in ids:
+        api.post(f"/v1/jobs/{job_id}/cancel", headers=headers)
+
+
+def test_cancel_a_queued_job_and_finished_jobs_answer_409(
+    api: TestClient, keys: dict[str, dict[str, str]]
+) -> None:
+    job = api.post("/v1/jobs", json=PARKED, headers=keys["alice"]).json()
+    cancelled = api.post(f"/v1/jobs/{job['id']}/cancel", headers=keys["alice"]).json()
+    assert cancelled["status"] == "cancelled" and cancelled["finished_at"] is not None
+    assert api.post(f"/v1/jobs/{job['id']}/cancel", headers=keys["alice"]).status_code == 409
+    assert api.get(f"/v1/jobs/{job['id']}/artifacts", headers=keys["alice"]).status_code == 409
+    assert api.get("/v1/jobs/0123456789abcdef", headers=keys["alice"]).status_code == 404
+
+
+def test_reaper_requeues_then_fails_a_job_whose_worker_died(
+    api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
+) -> None:
+    """Attempts are bounded: a job whose worker keeps dying ends failed with `worker_lost`, never running."""
+    job_id = api.post("/v1/jobs", json=PARKED, headers=keys["alice"]).json()["id"]
+    database = distributed_settings.database
+    for attempt in range(1, distributed_settings.max_attempts + 1):
+        with session_scope(database) as session:
+            claimed = crud.claim_job(session, job_id, f"doomed-worker-{attempt}")
+            assert claimed is not None and claimed.attempts == attempt
+            # The worker dies at once: its heartbeat is older than the timeout.
+            claimed.heartbeat_at = utcnow() - timedelta(
+                seconds=distributed_settings.heartbeat_timeout_seconds + 1
+            )
+        expected = "queued" if attempt < distributed_settings.max_attempts else "failed"
+        job = wait_for(
+            lambda expected=expected: (
+                (j := api.get(f"/v1/jobs/{job_id}", headers=keys["alice"]).json())["status"] == expected and j
+            ),
+            30,
+            f"the reaper to make the job {expected}",
+        )
+    assert job["error"]["code"] == "worker_lost" and job["attempts"] == distributed_settings.max_attempts
+    messages = [
+        e["message"] for e in api.get(f"/v1/jobs/{job_id}/events", headers=keys["alice"]).json()["data"]
+    ]
+    assert messages.count("worker lost; queued again") == distributed_settings.max_attempts - 1
+
+
+def test_health_ready_metrics_and_docs(api: TestClient) -> None:
+    assert api.get("/healthz").json() == {"status": "ok"}
+    ready = api.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"] == {
+        "database": "ok",
+        "broker": "ok",
+        "storage": "ok",
+    }
+    metrics = api.get("/metrics").text
+    assert 'casp_jobs{status="queued"}' in metrics and 'casp_queue_depth{queue="casp-cuda"}' in metrics
+    assert api.get("/docs").status_code == 200
+    assert "/v1/jobs/{job_id}/artifacts" in api.get("/openapi.json").json()["paths"]
+
+
+def test_readyz_reports_an_unreachable_broker(distributed_settings: Settings) -> None:
+    from api.main import create_app
+
+    broken = distributed_settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
+    with TestClient(create_app(broken)) as client:
+        response = client.get("/readyz")
+    assert response.status_code == 503
+    checks = response.json()["checks"]
+    assert checks["database"] == "ok" and checks["storage"] == "ok" and checks["broker"] != "ok"
