@@ -4,7 +4,7 @@ import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import quote, urlparse
 
 import boto3
@@ -86,9 +86,15 @@ class S3Storage:
     def __init__(self, bucket: str, prefix: str, settings: Settings) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.client = boto3.client(
+        self.client = self._client(settings, settings.s3_endpoint_url)
+        public = settings.s3_public_endpoint_url
+        self.presigner = self._client(settings, public) if public else self.client
+
+    @staticmethod
+    def _client(settings: Settings, endpoint_url: str | None) -> Any:
+        return boto3.client(
             "s3",
-            endpoint_url=settings.s3_endpoint_url,
+            endpoint_url=endpoint_url,
             aws_access_key_id=settings.s3_access_key_id,
             aws_secret_access_key=settings.s3_secret_access_key,
             region_name=settings.s3_region,
@@ -108,7 +114,7 @@ class S3Storage:
         return stored
 
     def url(self, job_id: str, name: str, ttl_seconds: int, base_url: str) -> str:
-        return self.client.generate_presigned_url(
+        return self.presigner.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self.key(job_id, name)}, ExpiresIn=ttl_seconds
         )
 

@@ -1,0 +1,123 @@
+"""The single-machine mode: `casp serve` with SQLite, local artifacts and in-process workers; `casp demo`."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import httpx
+import pytest
+from casp_core.checkpoint import load_pruned
+
+from api.client import CaspClient
+from api.core.security import sign_download
+from tests.service.conftest import FIXTURE_DATA, REPO, SMALL_JOB, free_port, wait_for
+
+pytestmark = pytest.mark.service
+
+
+def embedded_env(home: Path, workers: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}
+    env.update(
+        PYTHONPATH=str(REPO),
+        CASP_HOME=str(home),
+        CASP_AUTH="none",
+        CASP_ALLOWED_MODEL_ROOTS=f"{REPO / 'demo'}:{home}",
+        CASP_DATASETS_DIR=str(FIXTURE_DATA),
+        CASP_DEFAULT_DEVICE="cpu",
+        CASP_EMBEDDED_WORKERS=str(workers),
+    )
+    return env
+
+
+@contextmanager
+def casp_serve(home: Path, port: int, workers: int) -> Iterator[CaspClient]:
+    log = (home / f"serve-{workers}.log").open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve", "--port", str(port)],
+        cwd=REPO,
+        env=embedded_env(home, workers),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        with CaspClient(f"http://127.0.0.1:{port}") as client:
+
+            def up() -> bool:
+                assert process.poll() is None, (home / f"serve-{workers}.log").read_text()
+                try:
+                    return client.http.get("/healthz").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(up, 60, "casp serve")
+            yield client
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+        log.close()
+
+
+def with_query(url: str, **changes: str) -> str:
+    parts = urlsplit(url)
+    query = {k: v[0] for k, v in parse_qs(parts.query).items()} | changes
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def test_embedded_serve_keeps_queued_jobs_across_a_restart_and_serves_signed_files(tmp_path: Path) -> None:
+    home, port = tmp_path / "home", free_port()
+    home.mkdir()
+    # First start without workers: the job can only wait, in the SQLite database.
+    with casp_serve(home, port, workers=0) as client:
+        job = client.submit(SMALL_JOB)
+        time.sleep(1)
+        assert client.get(job["id"])["status"] == "queued"
+    with casp_serve(home, port, workers=1) as client:
+        done = client.wait(job["id"], timeout=300, poll_seconds=0.5)
+        assert done["status"] == "succeeded", done
+        assert done["result"]["achieved_ratio"] == pytest.approx(0.3, abs=0.05)
+        paths = client.download(job["id"], tmp_path / "out")  # checks every sha256
+        assert {"config.json", "model.safetensors", "report.json", "report.md"} <= {p.name for p in paths}
+        artifact = next(a for a in client.artifacts(job["id"]) if a["name"] == "config.json")
+        plain = httpx.Client()
+        assert plain.get(artifact["url"]).status_code == 200
+        query = parse_qs(urlsplit(artifact["url"]).query)
+        tampered = with_query(artifact["url"], signature="0" * 64)
+        later = with_query(artifact["url"], expires=str(int(query["expires"][0]) + 3600))
+        other_file = artifact["url"].replace("config.json", "model.safetensors")
+        # A correctly signed URL whose time has passed (signed with the server's own key).
+        secret = (home / "secret_key").read_text().strip().encode()
+        expires, signature = sign_download(secret, job["id"], "config.json", -10)
+        expired = with_query(artifact["url"], expires=str(expires), signature=signature)
+        for refused in (tampered, later, other_file, expired):
+            assert plain.get(refused).status_code == 403, refused
+        assert client.http.get("/readyz").json()["ready"] is True
+
+    model, _ = load_pruned(tmp_path / "out")
+    assert sum(p.numel() for p in model.parameters()) == done["result"]["params"]["pruned"]
+
+
+def test_casp_demo_prunes_the_bundled_model(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")} | {"PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "api.cli", "demo", "--home", str(tmp_path / "casp-home")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = dict(
+        line.split(":", 1) for line in result.stdout.splitlines() if line.startswith(("checkpoint", "report"))
+    )
+    checkpoint, report = Path(lines["checkpoint"].strip()), Path(lines["report"].strip())
+    assert (checkpoint / "config.json").is_file() and (checkpoint / "model.safetensors").is_file()
+    assert report.is_file() and report.parent == checkpoint
+    assert "perplexity wikitext2: dense" in result.stdout

@@ -1,0 +1,180 @@
+"""Jobs through the real pipeline on stories260K: PostgreSQL, Redis, a Celery worker process, SeaweedFS S3."""
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from casp_core.checkpoint import load_pruned
+from fastapi.testclient import TestClient
+from transformers import AutoModelForCausalLM
+
+from api.core.settings import Settings
+from api.queue import CeleryDispatcher
+from api.storage import make_storage
+from tests.service.conftest import SMALL_JOB, WorkerProcess, download, finished, wait_for, wait_job
+
+pytestmark = pytest.mark.service
+
+# Enough calibration work that the job is still running when the test acts on it.
+SLOW_JOB = {**SMALL_JOB, "calibration": {"dataset": "wikitext2:validation", "n_samples": 64, "seq_len": 256}}
+PIPELINE_STAGES = ["load", "calibration", "allocation", "pruning", "verification", "checkpoint", "evaluation"]
+CHECKPOINT_FILES = {"config.json", "model.safetensors", "generation_config.json", "modeling_casp_llama.py"}
+
+
+def events_of(api: TestClient, job_id: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    events, after = [], None
+    while True:
+        params = {"limit": 100, **({"after": after} if after is not None else {})}
+        page = api.get(f"/v1/jobs/{job_id}/events", params=params, headers=headers).json()
+        events += page["data"]
+        if not page["has_more"]:
+            return events
+        after = page["data"][-1]["id"]
+
+
+def running_with_progress(job: dict[str, Any]) -> bool:
+    assert not finished(job), job
+    return job["status"] == "running" and job["stage"] is not None
+
+
+def test_job_succeeds_and_every_artifact_downloads_and_loads(
+    api: TestClient,
+    keys: dict[str, dict[str, str]],
+    worker: WorkerProcess,
+    distributed_settings: Settings,
+    tmp_path: Path,
+) -> None:
+    alice = keys["alice"]
+    job = api.post("/v1/jobs", json={**SMALL_JOB, "metadata": {"run": "e2e"}}, headers=alice).json()
+    done = wait_job(api, job["id"], alice, finished, "the job to finish")
+    assert done["status"] == "succeeded", (done, worker.log_tail())
+    assert done["progress"] == 100 and done["attempts"] == 1 and done["error"] is None
+    assert done["started_at"] <= done["finished_at"]
+
+    result = done["result"]
+    assert 0 < result["params"]["pruned"] < result["params"]["dense"]
+    assert result["achieved_ratio"] == pytest.approx(0.3, abs=0.05)
+    ppl = result["perplexity"]["wikitext2"]
+    assert ppl["seq_len"] == 128 and 1 < ppl["dense"] < ppl["pruned"] < math.inf
+
+    events = events_of(api, job["id"], alice)
+    assert [e["id"] for e in events] == sorted(e["id"] for e in events)
+    assert events[0]["status"] == "queued" and events[-1]["status"] == "succeeded"
+    progress = [e["progress"] for e in events if e["kind"] == "progress"]
+    assert progress == sorted(progress) and progress[-1] == 100
+    stages = list(dict.fromkeys(e["stage"] for e in events if e["kind"] == "progress"))
+    assert [s for s in stages if s in PIPELINE_STAGES] == [s for s in PIPELINE_STAGES if s in stages]
+    assert {"load", "pruning", "upload"} <= set(stages)
+
+    artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]
+    names = {a["name"] for a in artifacts}
+    assert CHECKPOINT_FILES | {"report.json", "report.md"} <= names
+    assert any(name.startswith("tokenizer") for name in names)
+    checkpoint = tmp_path / "checkpoint"
+    for artifact in artifacts:
+        # Presigned by S3 itself: no API key, no S3 credentials needed.
+        response = download(artifact["url"])
+        assert response.status_code == 200, artifact["name"]
+        assert len(response.content) == artifact["size"]
+        assert hashlib.sha256(response.content).hexdigest() == artifact["sha256"]
+        (checkpoint / artifact["name"]).parent.mkdir(parents=True, exist_ok=True)
+        (checkpoint / artifact["name"]).write_bytes(response.content)
+
+    report = json.loads((checkpoint / "report.json").read_text())
+    assert report["achieved_ratio"] == pytest.approx(result["achieved_ratio"])
+    assert report["params"] == result["params"]
+
+    model, tokenizer = load_pruned(checkpoint)
+    assert sum(p.numel() for p in model.parameters()) == result["params"]["pruned"]
+    ids = tokenizer("Once upon a time there was a little girl", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+        again = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)(ids).logits
+    assert logits.shape == (1, ids.shape[1], 512) and torch.isfinite(logits).all()
+    torch.testing.assert_close(again, logits)
+
+    # A tampered or expired presigned URL is refused by S3.
+    url = artifacts[0]["url"]
+    assert download(url.replace("X-Amz-Signature=", "X-Amz-Signature=0")).status_code == 403
+    short = make_storage(distributed_settings).url(job["id"], artifacts[0]["name"], 1, "")
+    assert download(short).status_code == 200
+    time.sleep(2.1)
+    assert download(short).status_code == 403
+
+    metrics = api.get("/metrics").text
+    assert 'casp_stage_duration_seconds_count{stage="pruning"}' in metrics
+    assert 'casp_jobs{status="succeeded"} 0.0' not in metrics
+
+    # The same job delivered again (a duplicate message) is dropped: it neither reruns nor changes.
+    CeleryDispatcher(distributed_settings).enqueue(job["id"], "casp-cpu")
+    wait_for(lambda: f"job {job['id']} is not queued" in worker.log_tail(), 60, "the duplicate to be dropped")
+    assert api.get(f"/v1/jobs/{job['id']}", headers=alice).json() == done
+
+    assert api.delete(f"/v1/jobs/{job['id']}", headers=alice).status_code == 204
+    assert api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).status_code == 410
+    assert download(url).status_code == 404  # still validly signed, but the object is gone
+
+
+def test_cancel_a_running_job_and_a_queued_one_behind_it(
+    api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, distributed_settings: Settings
+) -> None:
+    alice = keys["alice"]
+    running = api.post("/v1/jobs", json=SLOW_JOB, headers=alice).json()
+    wait_job(api, running["id"], alice, running_with_progress, "the job to run")
+    # One worker, one job at a time: this one waits in the queue.
+    queued = api.post("/v1/jobs", json=SMALL_JOB, headers=alice).json()
+    assert api.post(f"/v1/jobs/{queued['id']}/cancel", headers=alice).json()["status"] == "cancelled"
+
+    flagged = api.post(f"/v1/jobs/{running['id']}/cancel", headers=alice).json()
+    assert flagged["status"] == "running" and flagged["cancel_requested"]
+    done = wait_job(api, running["id"], alice, finished, "the running job to stop")
+    assert done["status"] == "cancelled" and done["result"] is None and done["error"] is None, done
+    assert [e["message"] for e in events_of(api, running["id"], alice)][-2:] == [
+        "cancel requested",
+        "cancelled",
+    ]
+    assert api.get(f"/v1/jobs/{running['id']}/artifacts", headers=alice).status_code == 409
+
+    # The queued job's message still reaches the worker, which must not start it.
+    wait_for(lambda: f"job {queued['id']} is not queued" in worker.log_tail(), 60, "the queued job's message")
+    never_ran = api.get(f"/v1/jobs/{queued['id']}", headers=alice).json()
+    assert (
+        never_ran["status"] == "cancelled" and never_ran["attempts"] == 0 and never_ran["started_at"] is None
+    )
+    assert redis.Redis.from_url(distributed_settings.broker_url).llen("casp-cpu") == 0
+
+
+def test_a_killed_worker_does_not_lose_the_job(
+    api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, distributed_settings: Settings
+) -> None:
+    alice = keys["alice"]
+    job = api.post("/v1/jobs", json=SLOW_JOB, headers=alice).json()
+    wait_job(api, job["id"], alice, running_with_progress, "the job to run")
+    worker.kill()  # SIGKILL to the worker and its pool child: no cleanup, no acknowledgement
+    # Nothing but the reaper can tell that the worker is gone: the row still says running.
+    assert api.get(f"/v1/jobs/{job['id']}", headers=alice).json()["status"] == "running"
+    worker.start()
+    done = wait_job(api, job["id"], alice, finished, "the job to finish after the restart")
+    assert done["status"] == "succeeded", (done, worker.log_tail())
+    assert done["attempts"] == 2
+    events = events_of(api, job["id"], alice)
+    assert "worker lost; queued again" in [e["message"] for e in events]
+    assert {e["attempt"] for e in events if e["kind"] == "progress"} == {1, 2}
+    assert len(api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]) >= 6
+
+
+def test_a_job_that_cannot_load_its_model_fails_with_a_clear_error(
+    api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess
+) -> None:
+    alice = keys["alice"]
+    # Offline (HF_HUB_OFFLINE=1) and not cached: casp_core cannot find it.
+    job = api.post("/v1/jobs", json={**SMALL_JOB, "model": "casp-tests/no-such-model"}, headers=alice).json()
+    done = wait_job(api, job["id"], alice, finished, "the job to fail")
+    assert done["status"] == "failed" and done["error"]["code"] == "model_not_found", done
+    assert done["result"] is None and done["attempts"] == 1
