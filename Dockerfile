@@ -1,0 +1,33 @@
+# One image for the API (`serve`) and the GPU worker (`worker`); see docs/service.md and docker-compose.yml.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONPATH=/app \
+    CASP_HOME=/data \
+    HF_HOME=/data/hf
+
+WORKDIR /app
+
+# CUDA torch first, from PyTorch's index (the wheels bundle the CUDA runtime; the host needs only the driver
+# and the NVIDIA container toolkit). constraints.txt pins the version, which the CUDA build satisfies.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+COPY requirements.txt constraints.txt ./
+RUN pip install "torch==2.13.0" --index-url "${TORCH_INDEX_URL}" \
+    && pip install -r requirements.txt -c constraints.txt
+
+COPY alembic.ini pyproject.toml ./
+COPY migrations ./migrations
+COPY casp_core ./casp_core
+COPY api ./api
+COPY worker ./worker
+COPY demo ./demo
+
+# /data/hf exists in the image so that a volume mounted there inherits the casp owner.
+RUN useradd --create-home --uid 1000 casp && mkdir -p /data/hf && chown -R casp /data
+USER casp
+EXPOSE 8000
+
+# The API by default; the worker service overrides the command.
+CMD ["python", "-m", "api.cli", "serve", "--host", "0.0.0.0", "--port", "8000"]
