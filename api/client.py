@@ -48,9 +48,7 @@ class CaspClient:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
     def jobs(self, status: str | None = None, limit: int = 20, after: str | None = None) -> dict[str, Any]:
-        params = {
-            k: v for k, v in {"status": status, "limit": limit, "after": after}.items() if v is not None
-        }
+        params = {k: v for k, v in {"status": status, "limit": limit, "after": after}.items() if v is not None}
         return self._call("GET", "/v1/jobs", params=params)
 
     def events(self, job_id: str, after: int | None = None, limit: int = 100) -> dict[str, Any]:

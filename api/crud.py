@@ -122,9 +122,7 @@ def list_jobs(
     return rows[:limit], len(rows) > limit
 
 
-def list_events(
-    session: Session, job_id: str, *, limit: int, after: int | None
-) -> tuple[Sequence[JobEvent], bool]:
+def list_events(session: Session, job_id: str, *, limit: int, after: int | None) -> tuple[Sequence[JobEvent], bool]:
     query = select(JobEvent).where(JobEvent.job_id == job_id)
     if after is not None:
         query = query.where(JobEvent.id > after)
@@ -238,9 +236,7 @@ def release(session: Session, job_id: str, attempt: int) -> None:
 
 def should_stop(session: Session, job_id: str, attempt: int) -> bool:
     """True when a cancel was requested or this attempt lost the job (reaped, finished elsewhere)."""
-    row = session.execute(
-        select(Job.status, Job.attempts, Job.cancel_requested).where(Job.id == job_id)
-    ).one_or_none()
+    row = session.execute(select(Job.status, Job.attempts, Job.cancel_requested).where(Job.id == job_id)).one_or_none()
     return row is None or row.status != "running" or row.attempts != attempt or row.cancel_requested
 
 
@@ -297,9 +293,7 @@ def reap(
     attempts or ran past the time limit; so no job stays running forever."""
     now = now or utcnow()
     stale = session.scalars(
-        select(Job).where(
-            Job.status == "running", Job.heartbeat_at < now - timedelta(seconds=heartbeat_timeout)
-        )
+        select(Job).where(Job.status == "running", Job.heartbeat_at < now - timedelta(seconds=heartbeat_timeout))
     ).all()
     overdue = session.scalars(
         select(Job).where(Job.status == "running", Job.started_at < now - timedelta(seconds=time_limit))
@@ -328,9 +322,7 @@ def reap(
         if not session.execute(update(Job).where(_ours(job.id, job.attempts)).values(**values)).rowcount:
             continue
         session.refresh(job)
-        add_event(
-            session, job, kind="status", message=values.get("error_message", "worker lost; queued again")
-        )
+        add_event(session, job, kind="status", message=values.get("error_message", "worker lost; queued again"))
         if job.status == "queued":
             requeued.append((job.id, job.queue))
         else:
@@ -342,10 +334,7 @@ def reap(
 
 
 def count_by_status(session: Session) -> dict[str, int]:
-    return {
-        status: count
-        for status, count in session.execute(select(Job.status, func.count()).group_by(Job.status))
-    }
+    return {status: count for status, count in session.execute(select(Job.status, func.count()).group_by(Job.status))}
 
 
 def stage_durations(session: Session) -> list[tuple[str, int, float]]:

@@ -39,9 +39,7 @@ class EvaluationIn(Strict):
 
 
 class JobCreate(Strict):
-    model: str = Field(
-        min_length=1, max_length=1024, description="Hugging Face id `org/name` or a local path"
-    )
+    model: str = Field(min_length=1, max_length=1024, description="Hugging Face id `org/name` or a local path")
     revision: str | None = Field(None, min_length=1, max_length=200)
     ratio: float = Field(gt=0, lt=1)
     alpha: float = Field(1.0, ge=0)

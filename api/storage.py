@@ -69,9 +69,7 @@ class LocalStorage:
 
     def url(self, job_id: str, name: str, ttl_seconds: int, base_url: str) -> str:
         expires, signature = sign_download(self.settings.signing_key, job_id, name, ttl_seconds)
-        return (
-            f"{base_url.rstrip('/')}/v1/files/{job_id}/{quote(name)}?expires={expires}&signature={signature}"
-        )
+        return f"{base_url.rstrip('/')}/v1/files/{job_id}/{quote(name)}?expires={expires}&signature={signature}"
 
     def delete(self, job_id: str) -> None:
         shutil.rmtree(self.root / "jobs" / job_id, ignore_errors=True)

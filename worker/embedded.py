@@ -16,9 +16,7 @@ IDLE_POLL_SECONDS = 2.0
 
 
 class EmbeddedWorker(threading.Thread):
-    def __init__(
-        self, settings: Settings, storage: Storage, dispatcher: EmbeddedDispatcher, index: int
-    ) -> None:
+    def __init__(self, settings: Settings, storage: Storage, dispatcher: EmbeddedDispatcher, index: int) -> None:
         super().__init__(name=f"casp-worker-{index}", daemon=True)
         self.settings = settings
         self.storage = storage

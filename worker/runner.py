@@ -22,19 +22,21 @@ from casp_core.errors import Cancelled, CaspError
 
 log = logging.getLogger(__name__)
 
-# Share of the overall 0-100 progress each stage gets, in pipeline order; "upload" is the service's own.
-STAGE_WEIGHTS = {
-    "load": 5,
-    "calibration": 25,
-    "allocation": 10,
-    "pruning": 25,
-    "verification": 5,
-    "checkpoint": 5,
-    "evaluation": 20,
-    "report": 3,
-    "upload": 2,
-}
-_STAGE_START = {stage: sum(list(STAGE_WEIGHTS.values())[:i]) for i, stage in enumerate(STAGE_WEIGHTS)}
+# The stages run_job reports, in the order it runs them, with the share of the overall 0-100 progress each
+# gets. "evaluation" comes twice (dense model, then pruned); "upload" is the service's own.
+SEGMENTS = (
+    ("load", 5),
+    ("evaluation", 10),
+    ("calibration", 10),
+    ("allocation", 15),
+    ("pruning", 35),
+    ("verification", 3),
+    ("checkpoint", 5),
+    ("evaluation", 10),
+    ("report", 2),
+    ("upload", 5),
+)
+_SEGMENT_START = [sum(weight for _, weight in SEGMENTS[:i]) for i in range(len(SEGMENTS))]
 
 # Row updates at most this often, and an event per whole percent at most: a long run writes a few hundred
 # rows, not one per callback.
@@ -42,10 +44,17 @@ WRITE_INTERVAL_SECONDS = 1.0
 CANCEL_POLL_SECONDS = 0.25
 
 
-def overall_progress(stage: str, fraction: float) -> float:
-    if stage not in STAGE_WEIGHTS:
-        return 0.0
-    return _STAGE_START[stage] + STAGE_WEIGHTS[stage] * min(max(fraction, 0.0), 1.0)
+def next_segment(stage: str, current: int) -> int:
+    """The segment a report of `stage` belongs to: the current one or the next of that name (a stage the
+    table does not know, or one reported out of order, stays in the current segment)."""
+    for index in range(current, len(SEGMENTS)):
+        if SEGMENTS[index][0] == stage:
+            return index
+    return current
+
+
+def overall_progress(segment: int, fraction: float) -> float:
+    return _SEGMENT_START[segment] + SEGMENTS[segment][1] * min(max(fraction, 0.0), 1.0)
 
 
 def worker_name() -> str:
@@ -62,6 +71,7 @@ class Attempt:
     deadline: float
     stop_requested: Callable[[], bool] = lambda: False  # the embedded server shutting down
     stage: str | None = None
+    segment: int = 0
     progress: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     lost: bool = False  # the row is no longer this attempt's (reaped, cancelled while queued again)
@@ -74,8 +84,8 @@ class Attempt:
 
     def report(self, stage: str, fraction: float, message: str = "") -> None:
         now = time.monotonic()
-        # Stages can repeat (sequential calibration interleaves with pruning): progress never goes back.
-        progress = max(self.progress, overall_progress(stage, fraction))
+        self.segment = next_segment(stage, self.segment)
+        progress = max(self.progress, overall_progress(self.segment, fraction))
         changed = stage != self.stage
         if changed:
             self._close_stage(now)
@@ -117,9 +127,7 @@ class Attempt:
     def finish(self, status: str, **kwargs: Any) -> bool:
         self._close_stage(time.monotonic())
         with session_scope(self.settings.database) as session:
-            return crud.finish(
-                session, self.job_id, self.number, status=status, timings=self.timings, **kwargs
-            )
+            return crud.finish(session, self.job_id, self.number, status=status, timings=self.timings, **kwargs)
 
 
 class Heartbeat(threading.Thread):

@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,11 +25,11 @@ from api.schemas import (
     is_local_path,
 )
 from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
+from casp_core.data import LOCAL_FILES as NAMED_DATASETS
 from casp_core.errors import InvalidConfig
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-DATASET_NAME = re.compile(r"^[A-Za-z0-9_-]+(:[A-Za-z0-9_-]+)?$")
 DATASET_FILE_SUFFIXES = (".txt", ".jsonl")
 # Settings the service decides, not the caller: shown elsewhere on the job or private to the server.
 HIDDEN_SETTINGS = ("datasets_dir", "device")
@@ -38,9 +37,7 @@ HIDDEN_SETTINGS = ("datasets_dir", "device")
 
 def invalid(loc: tuple[str | int, ...], message: str, value: Any) -> RequestValidationError:
     """A 422 in FastAPI's own shape, so checks made here read like the schema's."""
-    return RequestValidationError(
-        [{"type": "value_error", "loc": ("body", *loc), "msg": message, "input": value}]
-    )
+    return RequestValidationError([{"type": "value_error", "loc": ("body", *loc), "msg": message, "input": value}])
 
 
 def _under_roots(path: Path, roots: list[Path]) -> bool:
@@ -57,25 +54,27 @@ def resolve_model(body: JobCreate, settings: Settings) -> str:
     roots = settings.model_roots()
     if not _under_roots(path, roots):
         allowed = ":".join(map(str, roots)) or "none configured"
-        raise invalid(
-            ("model",), f"local models must lie under CASP_ALLOWED_MODEL_ROOTS ({allowed})", body.model
-        )
+        raise invalid(("model",), f"local models must lie under CASP_ALLOWED_MODEL_ROOTS ({allowed})", body.model)
     if not path.is_dir():
         raise invalid(("model",), "no such model folder", body.model)
     return str(path)
 
 
 def resolve_dataset(spec: str, loc: tuple[str | int, ...], settings: Settings) -> str:
-    if DATASET_NAME.match(spec):
+    """A named set (`name[:split]`, as casp_core knows them) or a file under the allowed roots: anything else
+    casp_core would read as a path relative to the worker's directory."""
+    name, colon, split = spec.partition(":")
+    if name in NAMED_DATASETS:
+        if colon and split not in NAMED_DATASETS[name]:
+            raise invalid(loc, f"{name} has no split {split!r} (known: {', '.join(NAMED_DATASETS[name])})", spec)
         return spec
     path = Path(spec).expanduser().resolve()
     roots = settings.model_roots() + ([settings.datasets_dir.resolve()] if settings.datasets_dir else [])
     if path.suffix not in DATASET_FILE_SUFFIXES:
-        raise invalid(loc, "must be `name[:split]` or a path to a .txt or .jsonl file", spec)
+        known = ", ".join(NAMED_DATASETS)
+        raise invalid(loc, f"must be one of {known} (optionally `:split`) or a .txt or .jsonl file", spec)
     if not _under_roots(path, roots) or not path.is_file():
-        raise invalid(
-            loc, "data set files must exist under CASP_ALLOWED_MODEL_ROOTS or CASP_DATASETS_DIR", spec
-        )
+        raise invalid(loc, "data set files must exist under CASP_ALLOWED_MODEL_ROOTS or CASP_DATASETS_DIR", spec)
     return str(path)
 
 
@@ -152,9 +151,7 @@ def create_job(
         "config": build_config(body, settings).to_dict(),
         "metadata_": body.metadata,
     }
-    request_hash = hashlib.sha256(
-        json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()
-    ).hexdigest()
+    request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     try:
         job, created = crud.create_job(session, caller, fields, idempotency_key, request_hash)
     except crud.IdempotencyConflict as exc:
@@ -258,9 +255,7 @@ def list_artifacts(
 
 
 @router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_job_artifacts(
-    job_id: str, session: SessionDep, caller: CallerDep, storage: StorageDep
-) -> Response:
+def delete_job_artifacts(job_id: str, session: SessionDep, caller: CallerDep, storage: StorageDep) -> Response:
     job = visible_job(session, caller, job_id)
     if not crud.is_finished(job):
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job is {job.status}; cancel it first")

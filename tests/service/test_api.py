@@ -44,9 +44,11 @@ def loc_and_msg(response: Any) -> list[tuple[tuple[Any, ...], str]]:
             "greater than or equal to 1",
         ),
         ({"calibration": {"dataset": "/etc/passwd"}}, ("body", "calibration", "dataset"), ".txt or .jsonl"),
+        ({"calibration": {"dataset": "wikitext3"}}, ("body", "calibration", "dataset"), "wikitext2, ptb, c4"),
+        ({"calibration": {"dataset": "ptb:dev"}}, ("body", "calibration", "dataset"), "no split 'dev'"),
         ({"evaluation": {"zero_shot": ["chess"]}}, ("body", "evaluation", "zero_shot", 0), "'boolq'"),
         (
-            {"evaluation": {"perplexity": ["ok", "x/../y.txt"]}},
+            {"evaluation": {"perplexity": ["c4", "x/../y.txt"]}},
             ("body", "evaluation", "perplexity", 1),
             "exist",
         ),
@@ -163,9 +165,7 @@ def test_pagination_newest_first_and_status_filter(api: TestClient, distributed_
     api.post(f"/v1/jobs/{ids[1]}/cancel", headers=headers)
     seen, after = [], None
     while True:
-        page = api.get(
-            "/v1/jobs", params={"limit": 2, **({"after": after} if after else {})}, headers=headers
-        )
+        page = api.get("/v1/jobs", params={"limit": 2, **({"after": after} if after else {})}, headers=headers)
         body = page.json()
         seen += [job["id"] for job in body["data"]]
         if not body["has_more"]:
@@ -178,17 +178,13 @@ def test_pagination_newest_first_and_status_filter(api: TestClient, distributed_
     assert api.get("/v1/jobs", params={"status": "sleeping"}, headers=headers).status_code == 422
     events = api.get(f"/v1/jobs/{ids[1]}/events", params={"limit": 1}, headers=headers).json()
     assert events["has_more"] and events["data"][0]["message"] == "queued"
-    rest = api.get(
-        f"/v1/jobs/{ids[1]}/events", params={"after": events["data"][0]["id"]}, headers=headers
-    ).json()
+    rest = api.get(f"/v1/jobs/{ids[1]}/events", params={"after": events["data"][0]["id"]}, headers=headers).json()
     assert [e["status"] for e in rest["data"]] == ["cancelled"] and not rest["has_more"]
     for job_id in ids:
         api.post(f"/v1/jobs/{job_id}/cancel", headers=headers)
 
 
-def test_cancel_a_queued_job_and_finished_jobs_answer_409(
-    api: TestClient, keys: dict[str, dict[str, str]]
-) -> None:
+def test_cancel_a_queued_job_and_finished_jobs_answer_409(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
     job = api.post("/v1/jobs", json=PARKED, headers=keys["alice"]).json()
     cancelled = api.post(f"/v1/jobs/{job['id']}/cancel", headers=keys["alice"]).json()
     assert cancelled["status"] == "cancelled" and cancelled["finished_at"] is not None
@@ -208,9 +204,7 @@ def test_reaper_requeues_then_fails_a_job_whose_worker_died(
             claimed = crud.claim_job(session, job_id, f"doomed-worker-{attempt}")
             assert claimed is not None and claimed.attempts == attempt
             # The worker dies at once: its heartbeat is older than the timeout.
-            claimed.heartbeat_at = utcnow() - timedelta(
-                seconds=distributed_settings.heartbeat_timeout_seconds + 1
-            )
+            claimed.heartbeat_at = utcnow() - timedelta(seconds=distributed_settings.heartbeat_timeout_seconds + 1)
         expected = "queued" if attempt < distributed_settings.max_attempts else "failed"
         job = wait_for(
             lambda expected=expected: (
@@ -220,9 +214,7 @@ def test_reaper_requeues_then_fails_a_job_whose_worker_died(
             f"the reaper to make the job {expected}",
         )
     assert job["error"]["code"] == "worker_lost" and job["attempts"] == distributed_settings.max_attempts
-    messages = [
-        e["message"] for e in api.get(f"/v1/jobs/{job_id}/events", headers=keys["alice"]).json()["data"]
-    ]
+    messages = [e["message"] for e in api.get(f"/v1/jobs/{job_id}/events", headers=keys["alice"]).json()["data"]]
     assert messages.count("worker lost; queued again") == distributed_settings.max_attempts - 1
 
 

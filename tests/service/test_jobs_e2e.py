@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 import redis
 import torch
-from casp_core.checkpoint import load_pruned
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from api.core.settings import Settings
 from api.queue import CeleryDispatcher
 from api.storage import make_storage
-from tests.service.conftest import SMALL_JOB, WorkerProcess, download, finished, wait_for, wait_job
+from casp_core.checkpoint import load_pruned
+from tests.service.conftest import SMALL_JOB, WorkerProcess, download, expected_parameters, finished, wait_for, wait_job
 
 pytestmark = pytest.mark.service
 
@@ -91,7 +91,7 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     assert report["params"] == result["params"]
 
     model, tokenizer = load_pruned(checkpoint)
-    assert sum(p.numel() for p in model.parameters()) == result["params"]["pruned"]
+    assert sum(p.numel() for p in model.parameters()) == expected_parameters(result)
     ids = tokenizer("Once upon a time there was a little girl", return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(ids).logits
@@ -144,9 +144,7 @@ def test_cancel_a_running_job_and_a_queued_one_behind_it(
     # The queued job's message still reaches the worker, which must not start it.
     wait_for(lambda: f"job {queued['id']} is not queued" in worker.log_tail(), 60, "the queued job's message")
     never_ran = api.get(f"/v1/jobs/{queued['id']}", headers=alice).json()
-    assert (
-        never_ran["status"] == "cancelled" and never_ran["attempts"] == 0 and never_ran["started_at"] is None
-    )
+    assert never_ran["status"] == "cancelled" and never_ran["attempts"] == 0 and never_ran["started_at"] is None
     assert redis.Redis.from_url(distributed_settings.broker_url).llen("casp-cpu") == 0
 
 
