@@ -125,7 +125,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out = home / "demo-output" / job["id"]
         client.download(job["id"], out)
     result = job["result"]
-    print(f"params {result['params']['dense']:,} -> {result['params']['pruned']:,}", end="")
+    counted = result["params"].get("counted", "parameters")
+    print(f"{counted}: {result['params']['dense']:,} -> {result['params']['pruned']:,}", end="")
     print(f" (achieved ratio {result['achieved_ratio']:.3f})")
     for dataset, ppl in result["perplexity"].items():
         print(f"perplexity {dataset}: dense {ppl['dense']:.2f}, pruned {ppl['pruned']:.2f}")
