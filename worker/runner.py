@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from api import crud
@@ -166,10 +167,6 @@ def execute(
 ) -> str | None:
     """Runs the job if it is still queued; returns its final status (None when it was not ours to run,
     or the attempt was released or lost midway)."""
-    # casp_core.pipeline imports torch and transformers: loaded on first use, so processes that only serve
-    # the API never pay for them.
-    from casp_core.pipeline import run_job
-
     with session_scope(settings.database) as session:
         job = crud.claim_job(session, job_id, worker_id or worker_name())
         if job is None:
@@ -191,7 +188,7 @@ def execute(
     heartbeat = Heartbeat(attempt)
     heartbeat.start()
     try:
-        return _run(attempt, run_job, model, revision, config, out_dir, storage)
+        return _run(attempt, model, revision, config, out_dir, storage)
     finally:
         heartbeat.done.set()
         heartbeat.join()
@@ -199,14 +196,12 @@ def execute(
 
 
 def _run(
-    attempt: Attempt,
-    run_job: Callable[..., dict[str, Any]],
-    model: str,
-    revision: str | None,
-    config: PruneConfig,
-    out_dir: Any,
-    storage: Storage,
+    attempt: Attempt, model: str, revision: str | None, config: PruneConfig, out_dir: Path, storage: Storage
 ) -> str | None:
+    # casp_core.pipeline imports torch and transformers: loaded on first use, so processes that only serve
+    # the API never pay for them.
+    from casp_core.pipeline import run_job
+
     try:
         report = run_job(
             model,

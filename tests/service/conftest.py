@@ -113,13 +113,14 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     identity = {"name": "casp", "credentials": [{"accessKey": S3_ACCESS, "secretKey": S3_SECRET}]}
     identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
     config.write_text(json.dumps({"identities": [identity]}))
+    # SeaweedFS grows several volumes at a time per bucket: room for 30 small ones (nothing is preallocated).
     ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
     grpc = {name: free_port() for name in ports}
     args = [
         weed, "server", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
         f"-master.port={ports['master']}", f"-master.port.grpc={grpc['master']}",
-        f"-volume.port={ports['volume']}", f"-volume.port.grpc={grpc['volume']}", "-volume.max=5",
-        "-master.volumeSizeLimitMB=64", "-filer", f"-filer.port={ports['filer']}",
+        f"-volume.port={ports['volume']}", f"-volume.port.grpc={grpc['volume']}", "-volume.max=30",
+        "-master.volumeSizeLimitMB=32", "-filer", f"-filer.port={ports['filer']}",
         f"-filer.port.grpc={grpc['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={grpc['s3']}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
     ]  # fmt: skip

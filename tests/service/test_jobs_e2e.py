@@ -136,10 +136,9 @@ def test_cancel_a_running_job_and_a_queued_one_behind_it(
     assert flagged["status"] == "running" and flagged["cancel_requested"]
     done = wait_job(api, running["id"], alice, finished, "the running job to stop")
     assert done["status"] == "cancelled" and done["result"] is None and done["error"] is None, done
-    assert [e["message"] for e in events_of(api, running["id"], alice)][-2:] == [
-        "cancel requested",
-        "cancelled",
-    ]
+    # Progress may still arrive until the worker reads the flag at its next layer boundary.
+    messages = [e["message"] for e in events_of(api, running["id"], alice)]
+    assert messages[-1] == "cancelled" and "cancel requested" in messages[:-1]
     assert api.get(f"/v1/jobs/{running['id']}/artifacts", headers=alice).status_code == 409
 
     # The queued job's message still reaches the worker, which must not start it.
