@@ -24,12 +24,13 @@ from casp_core.errors import Cancelled, CaspError
 log = logging.getLogger(__name__)
 
 # The stages run_job reports, in the order it runs them, with the share of the overall 0-100 progress each
-# gets. "evaluation" comes twice (dense model, then pruned); "upload" is the service's own.
+# gets. "calibration" is reading the texts; "evaluation" comes twice (dense model, then pruned); "upload" is
+# the service's own. The e2e test checks this order against the real pipeline.
 SEGMENTS = (
     ("load", 5),
+    ("calibration", 5),
     ("evaluation", 10),
-    ("calibration", 10),
-    ("allocation", 15),
+    ("allocation", 20),
     ("pruning", 35),
     ("verification", 3),
     ("checkpoint", 5),
