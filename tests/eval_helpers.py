@@ -1,0 +1,46 @@
+"""What the evaluation tests share: the real model and data sets of shared/fixtures, used offline."""
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO / "demo" / "stories260K"
+FIXTURES = Path(os.environ.get("CASP_FIXTURES", REPO.parent / "shared" / "fixtures"))
+DATASETS_DIR = FIXTURES / "data"
+
+
+def offline_environment() -> None:
+    """Called at import time by each test module, before datasets/transformers read their settings."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def datasets_dir_or_skip() -> Path:
+    if not (DATASETS_DIR / "zeroshot").is_dir():
+        pytest.skip(f"zero-shot fixtures not found under {DATASETS_DIR} (set CASP_FIXTURES)")
+    return DATASETS_DIR
+
+
+@contextmanager
+def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every attempt to open a connection or resolve a name fails and is recorded in the yielded list."""
+    attempts: list[str] = []
+
+    def refuse(what: str):
+        def refused(*args: object, **kwargs: object) -> None:
+            attempts.append(f"{what}{args[1:] if what == 'connect' else args}")
+            raise OSError(f"network disabled in this test ({what})")
+
+        return refused
+
+    with monkeypatch.context() as patch:
+        patch.setattr(socket.socket, "connect", refuse("connect"))
+        patch.setattr(socket.socket, "connect_ex", refuse("connect"))
+        patch.setattr(socket, "create_connection", refuse("create_connection"))
+        patch.setattr(socket, "getaddrinfo", refuse("getaddrinfo"))
+        yield attempts
