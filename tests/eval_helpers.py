@@ -1,4 +1,7 @@
-"""What the evaluation tests share: the real model and data sets of shared/fixtures, used offline."""
+"""What the evaluation tests share: the real model and data sets of shared/fixtures, used offline.
+
+Imports nothing from the Hugging Face libraries, so that `offline_environment()` runs before they read
+their settings."""
 
 import os
 import socket

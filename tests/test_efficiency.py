@@ -1,7 +1,5 @@
 """Parameters, MACs and latency, on the real stories260K model and on a copy with per-layer shapes."""
 
-import copy
-
 from tests.eval_helpers import STORIES, offline_environment
 
 offline_environment()
@@ -19,6 +17,7 @@ from casp_core.efficiency import (  # noqa: E402
     prefill_macs,
 )
 from casp_core.errors import InvalidConfig  # noqa: E402
+from tests.uneven_model import uneven_copy  # noqa: E402
 
 SMALL = {"batch_size": 2, "seq_len": 16, "new_tokens": 8, "repeats": 3, "warmup": 1}
 
@@ -29,34 +28,9 @@ def dense() -> LlamaForCausalLM:
     return AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation="eager").eval()
 
 
-def _keep_first(linear: nn.Linear, *, rows: int | None = None, cols: int | None = None) -> nn.Linear:
-    weight = linear.weight.data[:rows, :cols]
-    smaller = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    smaller.weight.data.copy_(weight)
-    return smaller
-
-
 @pytest.fixture(scope="module")
 def uneven(dense: LlamaForCausalLM) -> LlamaForCausalLM:
-    """stories260K with layer-dependent shapes, as a pruned model has: layer l keeps max(1, 4 - l) of
-    its key/value heads with their query heads, and 172 - 30 l FFN channels (the first units: only the
-    shapes matter here)."""
-    model = copy.deepcopy(dense)
-    head_dim = model.config.head_dim
-    group = model.config.num_attention_heads // model.config.num_key_value_heads
-    for index, layer in enumerate(model.model.layers):
-        kv_heads = max(1, model.config.num_key_value_heads - index)
-        q_rows, kv_rows = kv_heads * group * head_dim, kv_heads * head_dim
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = _keep_first(attn.q_proj, rows=q_rows)
-        attn.k_proj = _keep_first(attn.k_proj, rows=kv_rows)
-        attn.v_proj = _keep_first(attn.v_proj, rows=kv_rows)
-        attn.o_proj = _keep_first(attn.o_proj, cols=q_rows)
-        channels = model.config.intermediate_size - 30 * index
-        mlp.gate_proj = _keep_first(mlp.gate_proj, rows=channels)
-        mlp.up_proj = _keep_first(mlp.up_proj, rows=channels)
-        mlp.down_proj = _keep_first(mlp.down_proj, cols=channels)
-    return model
+    return uneven_copy(dense)
 
 
 def _flop_counter_macs(model: nn.Module, seq_len: int) -> int:
