@@ -29,7 +29,7 @@ class EvaluationConfig:
     perplexity: list[str] = field(default_factory=lambda: ["wikitext2", "ptb"])
     seq_len: int | None = None  # None: min(2048, the model's context)
     zero_shot: list[str] = field(default_factory=list)
-    limit: int | None = None  # examples per zero-shot task, for quick runs
+    limit: int | None = None  # quick runs: examples per zero-shot task and windows per perplexity set
     efficiency: bool = False
 
 

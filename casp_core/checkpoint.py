@@ -1,0 +1,28 @@
+"""Checkpoints: a Hugging Face directory with per-layer shapes in config.json and the modeling file in auto_map.
+
+It loads offline with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` and with
+`load_pruned(path)`. Without trust_remote_code, transformers refuses the unknown `casp_llama` model type
+rather than loading a dense LLaMA with wrong shapes.
+"""
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from casp_core.errors import ModelNotFound
+from casp_core.modeling_casp_llama import CaspLlamaForCausalLM
+
+
+def save_pruned(model: CaspLlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """Weights as safetensors, the config with auto_map, a copy of modeling_casp_llama.py, the tokenizer."""
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def load_pruned(path: str | Path, *, dtype: str = "auto") -> tuple[CaspLlamaForCausalLM, PreTrainedTokenizerBase]:
+    """The project's own loader: the class comes from casp_core, not from the file in the checkpoint."""
+    if not (Path(path) / "config.json").is_file():
+        raise ModelNotFound(f"{path} is not a checkpoint directory (no config.json)")
+    model = CaspLlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer

@@ -1,0 +1,175 @@
+"""The `casp` command: `casp prune` runs the pipeline locally; other subcommands come from the service.
+
+Errors print one line, `casp: error: <code>: <message>`, and exit with status 2 (bad input) or 1.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from casp_core.config import (
+    ALLOCATIONS,
+    CALIBRATION_MODES,
+    DTYPES,
+    SOLVERS,
+    CalibrationConfig,
+    EvaluationConfig,
+    PruneConfig,
+)
+from casp_core.errors import CaspError
+
+BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found"}
+
+
+class StageBars:
+    """One tqdm bar per pipeline stage on a terminal; one line per stage in logs."""
+
+    def __init__(self) -> None:
+        self.stage: str | None = None
+        self.bar: tqdm | None = None
+        self.interactive = sys.stderr.isatty()
+
+    def __call__(self, stage: str, fraction: float, message: str = "") -> None:
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            if not self.interactive:
+                print(f"casp: {stage}: {message}", file=sys.stderr)
+                return
+            self.bar = tqdm(total=100, desc=stage, unit="%", file=sys.stderr)
+        if self.bar is not None:
+            self.bar.n = round(100 * fraction)
+            self.bar.set_postfix_str(message, refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    return [name for name in text.split(",") if name]
+
+
+def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
+    defaults, calibration = PruneConfig(ratio=0.5), CalibrationConfig()
+    parser = subparsers.add_parser("prune", help="prune a model locally and write checkpoint + report")
+    parser.add_argument("--model", required=True, help="local model directory or Hugging Face id")
+    parser.add_argument("--revision", help="Hugging Face revision")
+    parser.add_argument("--ratio", required=True, type=_ratio, help="fraction of decoder parameters to remove")
+    parser.add_argument("--alpha", type=_non_negative, default=defaults.alpha, help="allocation temperature")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty)")
+    parser.add_argument("--solver", choices=SOLVERS, default=defaults.solver)
+    parser.add_argument("--allocation", choices=ALLOCATIONS, default=defaults.allocation)
+    parser.add_argument("--r-max", type=float, default=defaults.r_max, help="cap on any layer's ratio")
+    parser.add_argument("--round-to", type=int, default=defaults.round_to, help="kept FFN channels multiple")
+    parser.add_argument(
+        "--calibration-data", default=calibration.dataset, help="wikitext2|ptb|c4[:split] or a .txt/.jsonl file"
+    )
+    parser.add_argument("--n-samples", type=int, default=calibration.n_samples)
+    parser.add_argument("--seq-len", type=int, default=calibration.seq_len)
+    parser.add_argument("--seed", type=int, default=calibration.seed)
+    parser.add_argument("--batch-size", type=int, default=calibration.batch_size)
+    parser.add_argument("--calibration-mode", choices=CALIBRATION_MODES, default=calibration.mode)
+    parser.add_argument(
+        "--datasets-dir",
+        default=os.environ.get("CASP_DATASETS_DIR"),
+        help="local copies of the named data sets (env CASP_DATASETS_DIR)",
+    )
+    parser.add_argument(
+        "--eval-data",
+        type=_names,
+        default=EvaluationConfig().perplexity,
+        help="comma-separated perplexity data sets ('' for none)",
+    )
+    parser.add_argument("--eval-seq-len", type=int, help="perplexity window (default min(2048, context))")
+    parser.add_argument("--eval-limit", type=int, help="quick runs: at most this many windows per data set")
+    parser.add_argument("--device", default=defaults.device, help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.set_defaults(run=run_prune)
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    from casp_core.pipeline import run_job  # torch and transformers load only when needed
+
+    config = PruneConfig(
+        ratio=args.ratio,
+        alpha=args.alpha,
+        solver=args.solver,
+        allocation=args.allocation,
+        r_max=args.r_max,
+        round_to=args.round_to,
+        calibration=CalibrationConfig(
+            dataset=args.calibration_data,
+            n_samples=args.n_samples,
+            seq_len=args.seq_len,
+            seed=args.seed,
+            mode=args.calibration_mode,
+            batch_size=args.batch_size,
+        ),
+        evaluation=EvaluationConfig(perplexity=args.eval_data, seq_len=args.eval_seq_len, limit=args.eval_limit),
+        datasets_dir=args.datasets_dir,
+        device=args.device,
+        dtype=args.dtype,
+    ).validate()
+    bars = StageBars()
+    try:
+        report = run_job(args.model, config, args.out, revision=args.revision, progress=bars)
+    finally:
+        bars.close()
+    summary = {
+        "out": str(args.out),
+        "achieved_ratio": round(report["achieved_ratio"], 4),
+        "perplexity": {
+            name: {k: round(v[k], 3) for k in ("dense", "pruned")} for name, v in report["perplexity"].items()
+        },
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = [add_prune_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="casp", description="Correlation-Aware Structured Pruning for LLMs")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for register in EXTENSIONS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except CaspError as error:
+        print(f"casp: error: {error.code}: {error.message}", file=sys.stderr)
+        return 2 if error.code in BAD_INPUT_CODES else 1
+    except KeyboardInterrupt:
+        print("casp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Surgery: masking units in place, and removing them physically.
+
+Masking zeroes a unit's input columns of o_proj / down_proj, which removes its contribution exactly; the
+sequential pipeline runs the masked model so that later layers see the earlier layers as pruned. Removal
+builds the smaller `CaspLlamaForCausalLM`, which must compute what the masked model computes.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from casp_core.errors import VerificationFailed
+from casp_core.model import AttentionGeometry, attention_geometry, decoder_layers
+from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+
+# Settings of the dense config that describe its uniform layers or its class, not the pruned model.
+_DENSE_ONLY_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+
+
+@dataclass(frozen=True)
+class LayerPruning:
+    """The units removed from one decoder layer, in the dense layer's numbering."""
+
+    pruned_heads: tuple[int, ...]
+    pruned_channels: tuple[int, ...]
+
+
+def kept(total: int, pruned: tuple[int, ...]) -> list[int]:
+    gone = set(pruned)
+    return [i for i in range(total) if i not in gone]
+
+
+def kept_kv_heads(geometry: AttentionGeometry, pruned_heads: tuple[int, ...]) -> list[int]:
+    """A key/value head stays while at least one query head that reads it stays."""
+    kept_heads = kept(geometry.num_heads, pruned_heads)
+    return sorted({geometry.kv_of_query[q] for q in kept_heads})
+
+
+def head_columns(geometry: AttentionGeometry, heads: list[int]) -> list[int]:
+    return [h * geometry.head_dim + i for h in heads for i in range(geometry.head_dim)]
+
+
+@torch.no_grad()
+def mask_layer(layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning) -> None:
+    layer.self_attn.o_proj.weight[:, head_columns(geometry, list(pruning.pruned_heads))] = 0
+    layer.mlp.down_proj.weight[:, list(pruning.pruned_channels)] = 0
+
+
+def _rows(linear: nn.Linear, rows: list[int], prefix: str) -> dict[str, torch.Tensor]:
+    tensors = {f"{prefix}.weight": linear.weight[rows].clone()}
+    if linear.bias is not None:
+        tensors[f"{prefix}.bias"] = linear.bias[rows].clone()
+    return tensors
+
+
+def _columns(linear: nn.Linear, columns: list[int], prefix: str) -> dict[str, torch.Tensor]:
+    tensors = {f"{prefix}.weight": linear.weight[:, columns].clone()}
+    if linear.bias is not None:
+        tensors[f"{prefix}.bias"] = linear.bias.clone()
+    return tensors
+
+
+def _pruned_layer_tensors(
+    layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning, prefix: str
+) -> tuple[dict[str, torch.Tensor], list[int], int]:
+    attention, mlp = layer.self_attn, layer.mlp
+    heads = kept(geometry.num_heads, pruning.pruned_heads)
+    kv_heads = kept_kv_heads(geometry, pruning.pruned_heads)
+    kv_position = {kv: i for i, kv in enumerate(kv_heads)}
+    channels = kept(mlp.down_proj.in_features, pruning.pruned_channels)
+    tensors = {
+        **_rows(attention.q_proj, head_columns(geometry, heads), f"{prefix}.self_attn.q_proj"),
+        **_rows(attention.k_proj, head_columns(geometry, kv_heads), f"{prefix}.self_attn.k_proj"),
+        **_rows(attention.v_proj, head_columns(geometry, kv_heads), f"{prefix}.self_attn.v_proj"),
+        **_columns(attention.o_proj, head_columns(geometry, heads), f"{prefix}.self_attn.o_proj"),
+        **_rows(mlp.gate_proj, channels, f"{prefix}.mlp.gate_proj"),
+        **_rows(mlp.up_proj, channels, f"{prefix}.mlp.up_proj"),
+        **_columns(mlp.down_proj, channels, f"{prefix}.mlp.down_proj"),
+    }
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        tensors[f"{prefix}.{norm}.weight"] = getattr(layer, norm).weight.detach().clone()
+    kv_of_query = [kv_position[geometry.kv_of_query[q]] for q in heads]
+    return tensors, kv_of_query, len(channels)
+
+
+@torch.no_grad()
+def remove_units(
+    model: PreTrainedModel, prunings: list[LayerPruning], provenance: dict | None = None
+) -> CaspLlamaForCausalLM:
+    """Build the physically smaller model. `model` may be the dense or the masked model: same result."""
+    layers = decoder_layers(model)
+    state: dict[str, torch.Tensor] = {
+        name: tensor for name, tensor in model.state_dict().items() if not name.startswith("model.layers.")
+    }
+    kv_maps, kv_counts, widths = [], [], []
+    for index, (layer, pruning) in enumerate(zip(layers, prunings, strict=True)):
+        geometry = attention_geometry(model, layer)
+        tensors, kv_of_query, width = _pruned_layer_tensors(layer, geometry, pruning, f"model.layers.{index}")
+        state.update(tensors)
+        kv_maps.append(kv_of_query)
+        kv_counts.append(len(set(kv_of_query)))
+        widths.append(width)
+
+    settings = {k: v for k, v in model.config.to_dict().items() if k not in _DENSE_ONLY_KEYS}
+    settings["head_dim"] = geometry.head_dim
+    settings.update(
+        layer_kv_of_query=kv_maps,
+        layer_num_kv_heads=kv_counts,
+        layer_intermediate_sizes=widths,
+        casp=provenance or settings.get("casp"),
+        architectures=["CaspLlamaForCausalLM"],
+    )
+    config = CaspLlamaConfig(**settings)
+    with torch.device("meta"):
+        pruned = CaspLlamaForCausalLM(config)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    pruned.load_state_dict(state, assign=True, strict=False)
+    if config.tie_word_embeddings:
+        pruned.tie_weights()
+    device = model.model.embed_tokens.weight.device
+    # Non-persistent buffers are not in the state dict: build the rotary tables for real.
+    pruned.model.rotary_emb = type(pruned.model.rotary_emb)(config=config).to(device)
+    missing = [name for name, p in pruned.named_parameters() if p.is_meta]
+    if missing:
+        raise VerificationFailed(f"surgery left parameters without weights: {', '.join(missing[:5])}")
+    return pruned.eval()
