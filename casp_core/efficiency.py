@@ -64,9 +64,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(
-    run: Callable[[], object], device: torch.device, *, repeats: int, warmup: int
-) -> list[float]:
+def _median_seconds(run: Callable[[], object], device: torch.device, *, repeats: int, warmup: int) -> list[float]:
     """Wall-clock seconds of `repeats` runs of `run`, after `warmup` runs that are not timed (kernel
     selection, allocator growth and caches make the first runs slower)."""
     for _ in range(warmup):
@@ -107,15 +105,11 @@ def measure_latency(
     prefill, as a request's decoding does). The model is moved to `device` in place."""
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and seq_len + new_tokens > context:
-        raise InvalidConfig(
-            f"efficiency: seq_len + new_tokens = {seq_len + new_tokens} exceeds the context {context}"
-        )
+        raise InvalidConfig(f"efficiency: seq_len + new_tokens = {seq_len + new_tokens} exceeds the context {context}")
     target = torch.device(device)
     model.to(target).eval()
     generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(
-        target
-    )
+    input_ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(target)
     attention_mask = torch.ones_like(input_ids)
     eos = model.generation_config.eos_token_id
     generation = GenerationConfig(
@@ -132,9 +126,7 @@ def measure_latency(
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
 
     def decode() -> object:
-        output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=generation
-        )
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
         assert output.shape[1] == seq_len + new_tokens
         return output
 

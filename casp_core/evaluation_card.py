@@ -73,9 +73,7 @@ def perplexity_section(perplexity: dict[str, dict[str, Any]]) -> list[str]:
     return [
         "### Perplexity",
         "",
-        *_table(
-            ["data set", "split", "seq_len", "windows", "BOS", "dense", "pruned", "pruned / dense"], rows
-        ),
+        *_table(["data set", "split", "seq_len", "windows", "BOS", "dense", "pruned", "pruned / dense"], rows),
         "",
         "Convention: the split's text joined with blank lines and tokenized once, BOS as given in the table, "
         "cut into non-overlapping windows of seq_len tokens (remainder dropped); exp(mean next-token NLL). "
@@ -148,9 +146,7 @@ def efficiency_section(efficiency: dict[str, Any]) -> list[str]:
     latency = known.get("latency", {})
     prefill_text, decode_text = _latency_conventions(latency)
 
-    def row(
-        label: str, get: Callable[[dict[str, Any]], float | None], fmt: Callable[[float | None], str]
-    ) -> list[str]:
+    def row(label: str, get: Callable[[dict[str, Any]], float | None], fmt: Callable[[float | None], str]) -> list[str]:
         values = {side: get(figures) if figures else None for side, figures in sides.items()}
         return [label, fmt(values["dense"]), fmt(values["pruned"]), _ratio(values["pruned"], values["dense"])]
 
@@ -172,9 +168,7 @@ def efficiency_section(efficiency: dict[str, Any]) -> list[str]:
     if len(set(where.values())) == 1:
         lines.append(f"Measured on {next(iter(where.values()))}, dense and pruned one after the other.")
     else:
-        lines.append(
-            "Measured on **different setups**: " + "; ".join(f"{s}: {w}" for s, w in where.items()) + "."
-        )
+        lines.append("Measured on **different setups**: " + "; ".join(f"{s}: {w}" for s, w in where.items()) + ".")
     lines.append(
         "Parameters: every parameter the model holds (tied embedding and LM head once). MACs counted from "
         "the module shapes: every linear layer at every position, plus the attention products over full "

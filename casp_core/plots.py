@@ -13,6 +13,7 @@ from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 SUBLAYERS = {"attn": "attention (heads)", "mlp": "MLP (channels)"}
 
@@ -38,19 +39,26 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
-def _per_layer_axes(title: str, ylabel: str) -> tuple[Figure, Axes]:
+def _layer_axis(axes: Axes, indices: list[int]) -> None:
+    """Whole layer numbers, every layer in view even where its figure is absent."""
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlim(min(indices) - 0.6, max(indices) + 0.6)
+    axes.set_xlabel("decoder layer")
+    axes.grid(True, alpha=0.3)
+
+
+def _per_layer_axes(title: str, ylabel: str, indices: list[int]) -> tuple[Figure, Axes]:
     figure = Figure(figsize=(7, 4))
     axes = figure.add_subplot()
     axes.set_title(title)
-    axes.set_xlabel("decoder layer")
     axes.set_ylabel(ylabel)
-    axes.grid(True, alpha=0.3)
+    _layer_axis(axes, indices)
     return figure, axes
 
 
 def plot_ratios(layers: list[dict[str, Any]], path: Path) -> Path:
-    figure, axes = _per_layer_axes("Per-layer pruning ratio", "r_l")
     indices = [layer["index"] for layer in layers]
+    figure, axes = _per_layer_axes("Per-layer pruning ratio", "r_l", indices)
     ratios = [_value(layer, "ratio") for layer in layers]
     axes.bar(indices, ratios, color="tab:blue")
     mean = math.fsum(r for r in ratios if not math.isnan(r)) / max(1, sum(not math.isnan(r) for r in ratios))
@@ -60,16 +68,16 @@ def plot_ratios(layers: list[dict[str, Any]], path: Path) -> Path:
 
 
 def plot_sensitivity(layers: list[dict[str, Any]], path: Path) -> Path:
-    figure, axes = _per_layer_axes("Layer sensitivity", "S_l = mean ||dJ/dZ_l||² (log scale)")
     indices = [layer["index"] for layer in layers]
+    figure, axes = _per_layer_axes("Layer sensitivity", "S_l = mean ||dJ/dZ_l||² (log scale)", indices)
     axes.plot(indices, _positive([_value(layer, "sensitivity") for layer in layers]), marker="o")
     axes.set_yscale("log")
     return _save(figure, path)
 
 
 def plot_offdiag_ratio(layers: list[dict[str, Any]], path: Path) -> Path:
-    figure, axes = _per_layer_axes("Off-diagonal energy ratio of Q", "rho")
     indices = [layer["index"] for layer in layers]
+    figure, axes = _per_layer_axes("Off-diagonal energy ratio of Q", "rho", indices)
     for sub, label in SUBLAYERS.items():
         axes.plot(indices, [_value(layer, sub, "offdiag_ratio") for layer in layers], marker="o", label=label)
     axes.legend()
@@ -84,15 +92,14 @@ def plot_objectives(layers: list[dict[str, Any]], path: Path, solver_name: str) 
     for column, (sub, label) in enumerate(SUBLAYERS.items(), start=1):
         axes = figure.add_subplot(1, 2, column)
         axes.set_title(f"Pruning cost z'Qz: {label}")
-        axes.set_xlabel("decoder layer")
         axes.set_ylabel("cost (log scale)")
+        _layer_axis(axes, indices)
         solver = _positive([_value(layer, sub, "objective") for layer in layers])
         diagonal = _positive([_value(layer, sub, "diagonal_objective") for layer in layers])
         axes.bar([i - width / 2 for i in indices], solver, width, label=f"{solver_name} (solver)")
         axes.bar([i + width / 2 for i in indices], diagonal, width, label="diagonal (independent)")
         if any(not math.isnan(v) for v in solver + diagonal):
             axes.set_yscale("log")
-        axes.grid(True, alpha=0.3)
         axes.legend(loc="best", fontsize="small")
     return _save(figure, path)
 

@@ -1,6 +1,6 @@
 """Parameters, MACs and latency, on the real stories260K model and on a copy with per-layer shapes."""
 
-from tests.eval_helpers import STORIES, offline_environment
+from tests.eval_helpers import STORIES, datasets_dir_or_skip, offline_environment
 
 offline_environment()
 
@@ -17,7 +17,7 @@ from casp_core.efficiency import (  # noqa: E402
     prefill_macs,
 )
 from casp_core.errors import InvalidConfig  # noqa: E402
-from tests.uneven_model import uneven_copy  # noqa: E402
+from tests.eval_models import pruned_checkpoint, uneven_copy  # noqa: E402
 
 SMALL = {"batch_size": 2, "seq_len": 16, "new_tokens": 8, "repeats": 3, "warmup": 1}
 
@@ -57,6 +57,15 @@ def test_analytic_macs_equal_flop_counter_over_two(which: str, dense, uneven):
     macs = prefill_macs(model, seq_len=128)
     assert macs["total"] == macs["linear"] + macs["attention"]
     assert macs["total"] == _flop_counter_macs(model, 128)
+
+
+def test_analytic_macs_of_a_checkpoint_pruned_by_the_pipeline():
+    """The project's own pruned class (per-layer head maps, loaded through its remote code) counts alike."""
+    pruned_dir, _ = pruned_checkpoint(datasets_dir_or_skip())
+    model = AutoModelForCausalLM.from_pretrained(pruned_dir, trust_remote_code=True, attn_implementation="eager")
+    assert type(model).__name__ != "LlamaForCausalLM"
+    assert prefill_macs(model.eval())["total"] == _flop_counter_macs(model, 128)
+    assert count_parameters(model) == sum(p.numel() for p in model.parameters()) < 260_032
 
 
 def test_uneven_model_has_per_layer_shapes(dense: LlamaForCausalLM, uneven: LlamaForCausalLM):

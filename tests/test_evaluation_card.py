@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from casp_core.efficiency import compare_efficiency  # noqa: E402
 from casp_core.evaluation_card import render_card  # noqa: E402
 from casp_core.zeroshot import evaluate_zero_shot  # noqa: E402
-from tests.uneven_model import uneven_copy  # noqa: E402
+from tests.eval_models import uneven_copy  # noqa: E402
 
 TASKS = ["piqa", "boolq"]
 

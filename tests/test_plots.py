@@ -1,13 +1,18 @@
 """Plots of a well-formed report: valid PNG files that image readers open."""
 
-import random
-from pathlib import Path
+from tests.eval_helpers import datasets_dir_or_skip, offline_environment
 
-import matplotlib.image
-import pytest
-from PIL import Image
+offline_environment()
 
-from casp_core.plots import write_plots
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import matplotlib.image  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from casp_core.plots import write_plots  # noqa: E402
+from tests.eval_models import pruned_checkpoint  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -79,5 +84,16 @@ def test_absent_figures_are_left_out_not_fatal(tmp_path: Path):
     del report["layers"][3]["mlp"]
     report["layers"].reverse()  # the plots order layers by index themselves
     for path in write_plots(report, tmp_path):
+        with Image.open(path) as image:
+            image.verify()
+
+
+def test_plots_of_a_real_pruning_report(tmp_path: Path):
+    _, report = pruned_checkpoint(datasets_dir_or_skip())
+    assert {"index", "ratio", "sensitivity", "attn", "mlp"} <= set(report["layers"][0])
+    paths = write_plots(report, tmp_path)
+    assert len(paths) == 4
+    for path in paths:
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
         with Image.open(path) as image:
             image.verify()

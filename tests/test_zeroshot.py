@@ -71,9 +71,9 @@ def test_piqa_matches_the_harness_own_hf_model(stories, tmp_path, monkeypatch):
     datasets_dir = datasets_dir_or_skip()
     model, tokenizer = stories
     limit = 100
-    ours = evaluate_zero_shot(
-        model, tokenizer, ["piqa"], limit=limit, datasets_dir=str(datasets_dir), device="cpu"
-    )["tasks"]["piqa"]
+    ours = evaluate_zero_shot(model, tokenizer, ["piqa"], limit=limit, datasets_dir=str(datasets_dir), device="cpu")[
+        "tasks"
+    ]["piqa"]
 
     # An independent task file, written as fixtures/PROVENANCE.md describes, under another name.
     harness_piqa = f"{lm_eval.__path__[0]}/tasks/piqa/piqa.yaml"
@@ -83,9 +83,7 @@ def test_piqa_matches_the_harness_own_hf_model(stories, tmp_path, monkeypatch):
         "dataset_path": "json",
         "dataset_name": None,
         "training_split": None,
-        "dataset_kwargs": {
-            "data_files": {"validation": str(datasets_dir / "zeroshot/piqa/validation.jsonl")}
-        },
+        "dataset_kwargs": {"data_files": {"validation": str(datasets_dir / "zeroshot/piqa/validation.jsonl")}},
     }
     (tmp_path / "piqa_reference.yaml").write_text(yaml.safe_dump(task_file))
     with no_network(monkeypatch) as attempts:

@@ -1,9 +1,18 @@
-"""A real model with per-layer shapes, as a pruned model has, for the evaluation tests."""
+"""Real models with per-layer shapes, as pruned models have, for the evaluation tests."""
 
+import atexit
 import copy
+import functools
+import shutil
+import tempfile
+from pathlib import Path
 
 from torch import nn
 from transformers import LlamaForCausalLM
+
+from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
+from casp_core.pipeline import run_job
+from tests.eval_helpers import STORIES
 
 
 def _keep_first(linear: nn.Linear, *, rows: int | None = None, cols: int | None = None) -> nn.Linear:
@@ -34,3 +43,21 @@ def uneven_copy(dense: LlamaForCausalLM) -> LlamaForCausalLM:
         mlp.up_proj = _keep_first(mlp.up_proj, rows=channels)
         mlp.down_proj = _keep_first(mlp.down_proj, cols=channels)
     return model
+
+
+@functools.cache
+def pruned_checkpoint(datasets_dir: Path) -> tuple[Path, dict]:
+    """stories260K pruned at 30 % by the project's own pipeline (small calibration), as a checkpoint
+    directory, and its report; built once per test session."""
+    root = Path(tempfile.mkdtemp(prefix="casp-eval-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    config = PruneConfig(
+        ratio=0.3,
+        # The offline copies have no WikiText-2 train split (fixtures/PROVENANCE.md).
+        calibration=CalibrationConfig(dataset="wikitext2:validation", n_samples=8, seq_len=128, batch_size=8),
+        evaluation=EvaluationConfig(perplexity=[]),
+        datasets_dir=str(datasets_dir),
+        device="cpu",
+    )
+    report = run_job(str(STORIES), config, root / "pruned")
+    return root / "pruned", report
