@@ -26,6 +26,7 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
 from casp_core.errors import InvalidConfig
+from casp_core.model import resolve_device
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -64,7 +65,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(run: Callable[[], object], device: torch.device, *, repeats: int, warmup: int) -> list[float]:
+def _timed_runs(run: Callable[[], object], device: torch.device, *, repeats: int, warmup: int) -> list[float]:
     """Wall-clock seconds of `repeats` runs of `run`, after `warmup` runs that are not timed (kernel
     selection, allocator growth and caches make the first runs slower)."""
     for _ in range(warmup):
@@ -106,7 +107,7 @@ def measure_latency(
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and seq_len + new_tokens > context:
         raise InvalidConfig(f"efficiency: seq_len + new_tokens = {seq_len + new_tokens} exceeds the context {context}")
-    target = torch.device(device)
+    target = resolve_device(device)
     model.to(target).eval()
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(target)
@@ -131,8 +132,8 @@ def measure_latency(
         return output
 
     with torch.inference_mode():
-        prefill_runs = _median_seconds(prefill, target, repeats=repeats, warmup=warmup)
-        decode_runs = _median_seconds(decode, target, repeats=repeats, warmup=warmup)
+        prefill_runs = _timed_runs(prefill, target, repeats=repeats, warmup=warmup)
+        decode_runs = _timed_runs(decode, target, repeats=repeats, warmup=warmup)
     return {
         "prefill_s": statistics.median(prefill_runs),
         "decode_s": statistics.median(decode_runs),
@@ -177,7 +178,7 @@ def measure_efficiency(
         "macs_seq_len": macs_seq_len,
         "latency": latency,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        **device_info(torch.device(device)),
+        **device_info(resolve_device(device)),
     }
 
 

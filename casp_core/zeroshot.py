@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.errors import DatasetNotFound, InvalidConfig
+from casp_core.model import resolve_device
 
 DATASETS_DIR_ENV = "CASP_DATASETS_DIR"
 METRICS = ("acc", "acc_norm")
@@ -154,11 +155,12 @@ def evaluate_zero_shot(
     """Zero-shot acc / acc_norm of `model` on `tasks` (any of ZERO_SHOT_TASKS), as the harness computes them.
 
     `limit` caps the documents per task (the first ones of the split), for quick runs. The model is moved
-    to `device` in place, and put in eval mode.
+    to `device` ("auto": cuda when available) in place, and put in eval mode.
     """
     _check_tasks(tasks)
     datasets_dir = resolve_datasets_dir(datasets_dir)
-    model.to(device)
+    target = resolve_device(device)
+    model.to(target)
     offline = nullcontext() if datasets_dir is None else _datasets_offline()
     with tempfile.TemporaryDirectory(prefix="casp-zeroshot-") as yaml_dir, offline:
         task_manager = _task_manager(tasks, datasets_dir, Path(yaml_dir))
@@ -179,7 +181,7 @@ def evaluate_zero_shot(
         "num_fewshot": 0,
         "limit": limit,
         "batch_size": batch_size,
-        "device": str(device),
+        "device": str(target),
         "source": "hub" if datasets_dir is None else "local",
         "datasets_dir": None if datasets_dir is None else str(Path(datasets_dir).resolve()),
         "tasks": per_task,

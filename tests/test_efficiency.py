@@ -1,8 +1,8 @@
 """Parameters, MACs and latency, on the real stories260K model and on a copy with per-layer shapes."""
 
-from tests.eval_helpers import STORIES, datasets_dir_or_skip, offline_environment
+from tests.eval_helpers import STORIES, datasets_dir_or_skip, prepare_environment
 
-offline_environment()
+prepare_environment()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

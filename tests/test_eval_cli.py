@@ -1,8 +1,8 @@
 """`casp eval` on the real stories260K checkpoint and on a checkpoint pruned by the project's pipeline."""
 
-from tests.eval_helpers import STORIES, datasets_dir_or_skip, offline_environment
+from tests.eval_helpers import STORIES, datasets_dir_or_skip, prepare_environment
 
-offline_environment()
+prepare_environment()
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -1,8 +1,8 @@
 """The evaluation card renders every figure of real evaluations, dense beside pruned, with conventions."""
 
-from tests.eval_helpers import STORIES, datasets_dir_or_skip, offline_environment
+from tests.eval_helpers import STORIES, datasets_dir_or_skip, prepare_environment
 
-offline_environment()
+prepare_environment()
 
 import copy  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Plots of a well-formed report: valid PNG files that image readers open."""
 
-from tests.eval_helpers import datasets_dir_or_skip, offline_environment
+from tests.eval_helpers import datasets_dir_or_skip, prepare_environment
 
-offline_environment()
+prepare_environment()
 
 import random  # noqa: E402
 from pathlib import Path  # noqa: E402
