@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from tqdm import tqdm
 
@@ -147,11 +148,18 @@ def run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments get one line (`casp prune: error: argument --ratio: must be in (0, 1), got 1.5`), not usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = [add_prune_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="casp", description="Correlation-Aware Structured Pruning for LLMs")
+    parser = OneLineErrorParser(prog="casp", description="Correlation-Aware Structured Pruning for LLMs")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for register in EXTENSIONS:
         register(subparsers)

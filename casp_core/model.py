@@ -43,13 +43,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def check_model_reference(name_or_path: str) -> None:
+    """A Hugging Face id is `org/name`; anything that starts like a path must be a local directory."""
+    if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
+        raise ModelNotFound(f"model path {name_or_path!r} does not exist or is not a directory")
+
+
 def load_model(
     name_or_path: str, *, revision: str | None = None, dtype: str = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load weights on the CPU; the pipeline moves one decoder layer at a time to the accelerator."""
-    # A Hugging Face id is `org/name`; anything that starts like a path must be a local directory.
-    if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
-        raise ModelNotFound(f"model path {name_or_path!r} does not exist or is not a directory")
+    check_model_reference(name_or_path)
     try:
         config = AutoConfig.from_pretrained(name_or_path, revision=revision)
     except OSError as error:

@@ -83,11 +83,16 @@ class CaspLlamaAttention(LlamaAttention):
         value = self.v_proj(hidden_states).view(*input_shape, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if self.num_heads == 0:
+            if past_key_values is not None:
+                # transformers reads the cached length from the entries and counts an empty one as 0: a
+                # one-channel placeholder keeps the positions of later tokens right.
+                placeholder = hidden_states.new_zeros(*input_shape[:-1], 1, input_shape[-1], 1)
+                past_key_values.update(placeholder, placeholder, self.layer_idx)
+            return self.o_proj(hidden_states.new_zeros(*input_shape, 0)), None
         if past_key_values is not None:
             # The cache holds only the kept key/value heads: pruning shrinks it too.
             key, value = past_key_values.update(key, value, self.layer_idx)
-        if self.num_heads == 0:
-            return self.o_proj(hidden_states.new_zeros(*input_shape, 0)), None
         if self.gather_kv:
             index = torch.tensor(self.kv_of_query, device=key.device)
             key, value = key.index_select(1, index), value.index_select(1, index)

@@ -3,6 +3,7 @@ tokenized once with BOS once at the start, non-overlapping windows of `seq_len` 
 exp(mean next-token NLL over every predicted token)."""
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,11 +16,70 @@ from casp_core.progress import ProgressFn, no_progress
 BOS_POLICY = "once, at the start of the joined text"
 
 
+@dataclass(frozen=True)
+class EvaluationText:
+    """A data set's windows, tokenized once and shared by the dense and the pruned model."""
+
+    dataset: str
+    split: str | None
+    windows: torch.Tensor
+
+    @property
+    def convention(self) -> dict[str, Any]:
+        return {
+            "dataset": self.dataset,
+            "split": self.split,
+            "seq_len": self.windows.shape[1],
+            "n_windows": self.windows.shape[0],
+            "n_tokens": self.windows[:, 1:].numel(),
+            "bos": BOS_POLICY,
+        }
+
+
 def default_seq_len(model: PreTrainedModel) -> int:
     return min(2048, model.config.max_position_embeddings)
 
 
+def evaluation_text(
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: str,
+    seq_len: int,
+    *,
+    datasets_dir: str | None = None,
+    max_windows: int | None = None,
+) -> EvaluationText:
+    """`max_windows` keeps the first windows only, for quick runs; the count is part of the convention."""
+    source = data.parse_source(dataset, "test")
+    tokens = data.tokenize(data.load_text(source, datasets_dir), tokenizer, add_bos=True)
+    return EvaluationText(source.name, source.split or None, data.evaluation_windows(tokens, seq_len)[:max_windows])
+
+
 @torch.no_grad()
+def windows_perplexity(
+    model: PreTrainedModel,
+    text: EvaluationText,
+    *,
+    device: str = "auto",
+    batch_size: int = 8,
+    progress: ProgressFn = no_progress,
+) -> float:
+    target = resolve_device(device)
+    model.to(target)
+    total_nll, total_tokens = 0.0, 0
+    windows = text.windows
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size].to(target)
+        logits = model(batch, use_cache=False).logits.float()
+        total_nll += float(
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
+        total_tokens += batch[:, 1:].numel()
+        progress("evaluation", min(1.0, (start + batch_size) / len(windows)), f"perplexity {text.dataset}")
+    return math.exp(total_nll / total_tokens)
+
+
 def perplexity(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -32,29 +92,9 @@ def perplexity(
     max_windows: int | None = None,
     progress: ProgressFn = no_progress,
 ) -> dict[str, Any]:
-    """`max_windows` keeps the first windows only, for quick runs; the count is part of the result."""
-    source = data.parse_source(dataset, "test")
-    seq_len = seq_len or default_seq_len(model)
-    tokens = data.tokenize(data.load_text(source, datasets_dir), tokenizer, add_bos=True)
-    windows = data.evaluation_windows(tokens, seq_len)[:max_windows]
-    target = resolve_device(device)
-    model.to(target)
-    total_nll, total_tokens = 0.0, 0
-    for start in range(0, len(windows), batch_size):
-        batch = windows[start : start + batch_size].to(target)
-        logits = model(batch, use_cache=False).logits.float()
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-        )
-        total_nll += float(nll)
-        total_tokens += batch[:, 1:].numel()
-        progress("evaluation", min(1.0, (start + batch_size) / len(windows)), f"perplexity {dataset}")
-    return {
-        "ppl": math.exp(total_nll / total_tokens),
-        "dataset": source.name,
-        "split": source.split or None,
-        "seq_len": seq_len,
-        "n_windows": len(windows),
-        "n_tokens": total_tokens,
-        "bos": BOS_POLICY,
-    }
+    """One model on one data set: {"ppl", "dataset", "split", "seq_len", "n_windows", "n_tokens", "bos"}."""
+    text = evaluation_text(
+        tokenizer, dataset, seq_len or default_seq_len(model), datasets_dir=datasets_dir, max_windows=max_windows
+    )
+    ppl = windows_perplexity(model, text, device=device, batch_size=batch_size, progress=progress)
+    return {"ppl": ppl, **text.convention}

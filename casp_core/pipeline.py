@@ -23,6 +23,7 @@ from casp_core.interaction import block_aggregate, interaction_matrix, objective
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
+    check_model_reference,
     decoder_layers,
     load_model,
     prunable_parameters,
@@ -30,7 +31,7 @@ from casp_core.model import (
     sublayer_parameters,
 )
 from casp_core.modeling_casp_llama import CaspLlamaForCausalLM
-from casp_core.perplexity import perplexity
+from casp_core.perplexity import EvaluationText, default_seq_len, evaluation_text, windows_perplexity
 from casp_core.progress import (
     CancelCheck,
     ProgressFn,
@@ -157,8 +158,9 @@ def channels_to_prune(
     count = round((target_removed - attention_removed) / channel_params(layer))
     count = min(max(count, 0), int(r_max * width))
     if round_to > 1:
-        kept_channels = max(round_to, round((width - count) / round_to) * round_to)
-        count = max(width - kept_channels, 0)
+        largest_multiple = width // round_to * round_to
+        kept_channels = min(max(round_to, round((width - count) / round_to) * round_to), largest_multiple)
+        count = width - kept_channels
     return count
 
 
@@ -209,29 +211,42 @@ def prune_layer(
 # ---------------------------------------------------------------- the whole model
 
 
+def calibration_windows(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: PruneConfig
+) -> torch.Tensor:
+    """The calibration token windows (sequence length capped at the model's context)."""
+    calibration = config.calibration
+    seq_len = min(calibration.seq_len, model.config.max_position_embeddings)
+    text = data.load_text(data.parse_source(calibration.dataset, "train"), config.datasets_dir)
+    tokens = data.tokenize(text, tokenizer, add_bos=False)
+    return data.calibration_windows(tokens, calibration.n_samples, seq_len, calibration.seed)
+
+
 def prune(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     config: PruneConfig,
     *,
+    windows: torch.Tensor | None = None,
     progress: ProgressFn = no_progress,
     should_cancel: CancelCheck = never_cancelled,
     timer: StageTimer | None = None,
 ) -> PruneResult:
-    """Prune `model` (masked in place along the way) and return the physically smaller model."""
+    """Prune `model` (masked in place along the way) and return the physically smaller model.
+
+    `windows` are the calibration tokens, read from `config.calibration` when not given.
+    """
     config.validate()
     device = resolve_device(config.device)
     timer = timer or StageTimer(device)
     store = torch.device("cpu")  # calibration activations wait here between layers
     layers = decoder_layers(model)
     calibration = config.calibration
-    seq_len = min(calibration.seq_len, model.config.max_position_embeddings)
-
-    with timer.stage("calibration_data"):
-        progress("calibration", 0.0, "loading calibration text")
-        text = data.load_text(data.parse_source(calibration.dataset, "train"), config.datasets_dir)
-        tokens = data.tokenize(text, tokenizer, add_bos=False)
-        windows = data.calibration_windows(tokens, calibration.n_samples, seq_len, calibration.seed)
+    if windows is None:
+        with timer.stage("calibration_data"):
+            progress("calibration", 0.0, "loading calibration text")
+            windows = calibration_windows(model, tokenizer, config)
+    seq_len = windows.shape[1]
 
     sensitivities: list[float | None] = [None] * len(layers)
     with timer.stage("allocation"):
@@ -356,26 +371,34 @@ def _prepare_output(out_dir: Path) -> Path:
     return staging
 
 
+def _evaluation_texts(
+    tokenizer: PreTrainedTokenizerBase, config: PruneConfig, seq_len: int
+) -> dict[str, EvaluationText]:
+    evaluation = config.evaluation
+    return {
+        name: evaluation_text(
+            tokenizer,
+            name,
+            evaluation.seq_len or seq_len,
+            datasets_dir=config.datasets_dir,
+            max_windows=evaluation.limit,
+        )
+        for name in evaluation.perplexity
+    }
+
+
 def _perplexities(
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    texts: dict[str, EvaluationText],
     config: PruneConfig,
     progress: ProgressFn,
     should_cancel: CancelCheck,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, float]:
     figures = {}
-    for dataset in config.evaluation.perplexity:
+    for name, text in texts.items():
         check_cancelled(should_cancel)
-        figures[dataset] = perplexity(
-            model,
-            tokenizer,
-            dataset,
-            seq_len=config.evaluation.seq_len,
-            datasets_dir=config.datasets_dir,
-            device=config.device,
-            batch_size=config.calibration.batch_size,
-            max_windows=config.evaluation.limit,
-            progress=progress,
+        figures[name] = windows_perplexity(
+            model, text, device=config.device, batch_size=config.calibration.batch_size, progress=progress
         )
     return figures
 
@@ -391,6 +414,7 @@ def run_job(
 ) -> dict[str, Any]:
     """The whole job; `out_dir` ends up holding the checkpoint, report.json and report.md, or nothing."""
     config.validate()
+    check_model_reference(model)
     out_dir = Path(out_dir)
     staging = _prepare_output(out_dir)
     try:
@@ -400,25 +424,28 @@ def run_job(
             progress("load", 0.0, f"loading {model}")
             dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype)
             dtype = str(dense.dtype).removeprefix("torch.")
+        with timer.stage("calibration_data"):
+            # Every input is read before the long work starts, so a missing file fails the job at once.
+            progress("calibration", 0.0, "loading calibration and evaluation text")
+            windows = calibration_windows(dense, tokenizer, config)
+            texts = _evaluation_texts(tokenizer, config, default_seq_len(dense))
         with timer.stage("evaluation_dense"):
-            dense_figures = _perplexities(dense, tokenizer, config, progress, should_cancel)
+            dense_figures = _perplexities(dense, texts, config, progress, should_cancel)
             dense.to("cpu")
-        result = prune(dense, tokenizer, config, progress=progress, should_cancel=should_cancel, timer=timer)
+        result = prune(
+            dense, tokenizer, config, windows=windows, progress=progress, should_cancel=should_cancel, timer=timer
+        )
         del dense
         with timer.stage("checkpoint"):
             progress("checkpoint", 0.0, "writing the checkpoint")
             result.model.config.casp = {"source_model": model, "revision": revision, "settings": config.to_dict()}
             save_pruned(result.model, tokenizer, staging)
         with timer.stage("evaluation_pruned"):
-            pruned_figures = _perplexities(result.model, tokenizer, config, progress, should_cancel)
+            pruned_figures = _perplexities(result.model, texts, config, progress, should_cancel)
         progress("report", 0.0, "writing the report")
         figures = {
-            name: {
-                "dense": dense_figures[name]["ppl"],
-                "pruned": pruned_figures[name]["ppl"],
-                **{k: v for k, v in pruned_figures[name].items() if k != "ppl"},
-            }
-            for name in dense_figures
+            name: {"dense": dense_figures[name], "pruned": pruned_figures[name], **text.convention}
+            for name, text in texts.items()
         }
         report = build_report(
             model_name=model, config=config, result=result, perplexity=figures, device=str(device), dtype=dtype

@@ -9,6 +9,7 @@ quality benchmark. Ties always go to the lowest index, so every solver is determ
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -25,16 +26,19 @@ def greedy(q: torch.Tensor, k: int) -> torch.Tensor:
     """Algorithm 1: k times add argmin_i Q_ii + 2 u_i, then u += Q[:, i]; O(k d) with the running vector.
 
     The marginal costs live in one vector (diag + 2u); chosen units are set to +inf, which later additions
-    keep at +inf. Q is symmetric, so its contiguous row i stands in for column i.
+    keep at +inf. Q is symmetric, so its contiguous row i stands in for column i. The loop runs in NumPy on
+    the CPU: each step is two O(d) vector operations, where per-call overhead dominates, and NumPy's is a
+    fraction of torch's (d = 11008, k = 5504: about 0.2 s against 1.2 s here).
     """
-    cost = q.diagonal().clone()
-    picks = torch.empty(k, dtype=torch.long)
+    matrix = q.detach().cpu().numpy()
+    cost = matrix.diagonal().copy()
+    picks = np.empty(k, dtype=np.int64)
     for step in range(k):
-        unit = int(torch.argmin(cost))
+        unit = int(cost.argmin())  # the first minimum: ties go to the lowest index
         picks[step] = unit
-        cost.add_(q[unit], alpha=2.0)
-        cost[unit] = float("inf")
-    return picks
+        cost += 2.0 * matrix[unit]
+        cost[unit] = np.inf
+    return torch.from_numpy(picks)
 
 
 def greedy_refine(q: torch.Tensor, k: int, max_swaps: int | None = None) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""Shared fixtures: the real demo model and the real data sets in ../shared/fixtures."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
+DATASETS_DIR = FIXTURES / "data"
+STORIES = REPO / "demo" / "stories260K"
+PTBWIKI = FIXTURES / "models" / "ptbwiki-7M"
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def stories():
+    """A fresh copy each time: the pipeline masks the model it is given."""
+    from casp_core.model import load_model
+
+    return load_model(str(STORIES))
+
+
+@pytest.fixture(scope="session")
+def datasets_dir() -> str:
+    assert DATASETS_DIR.is_dir(), f"fixtures missing: {DATASETS_DIR}"
+    return str(DATASETS_DIR)
+
+
+def small_config(ratio: float, **overrides):
+    """Settings small enough for a test, on real text: 16 windows of 128 tokens from WikiText-2 valid."""
+    from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
+
+    calibration = CalibrationConfig(dataset="wikitext2:validation", n_samples=16, seq_len=128, batch_size=8)
+    evaluation = EvaluationConfig(perplexity=["wikitext2"], seq_len=128, limit=20)
+    settings = {"ratio": ratio, "calibration": calibration, "evaluation": evaluation, "datasets_dir": str(DATASETS_DIR)}
+    settings.update(overrides)
+    return PruneConfig(**settings)

@@ -1,0 +1,171 @@
+"""The whole pipeline on the real GQA model: budget, objective, modes, cancellation, checkpoints."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, STORIES, small_config
+from transformers import AutoModelForCausalLM
+
+from casp_core.checkpoint import load_pruned
+from casp_core.errors import Cancelled, InvalidConfig
+from casp_core.model import load_model
+from casp_core.pipeline import prune, run_job
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.2, 0.3, 0.5])
+def test_budget_within_one_point_and_greedy_below_diagonal(stories, ratio):
+    model, tokenizer = stories
+    result = prune(model, tokenizer, small_config(ratio))
+    assert abs(result.achieved_ratio - ratio) <= 0.01
+    # The counts are real: what the pruned model holds, against the dense decoder's 5 x 45,312.
+    assert result.params_dense == 5 * 45312
+    assert result.params_pruned == sum(layer.params_after for layer in result.layers)
+    assert result.verification_max_abs_diff <= 1e-5
+    greedy_total = sum(layer.attn.objective + layer.mlp.objective for layer in result.layers)
+    diagonal_total = sum(layer.attn.diagonal_objective + layer.mlp.diagonal_objective for layer in result.layers)
+    if ratio >= 0.3:
+        assert greedy_total < diagonal_total
+    else:
+        assert greedy_total <= diagonal_total * (1 + 1e-12)
+    ratios = [layer.ratio for layer in result.layers]
+    assert sum(ratios) / len(ratios) == pytest.approx(ratio, abs=1e-6)
+
+
+def test_uniform_dense_mode_and_other_solvers(stories):
+    model, tokenizer = stories
+    result = prune(
+        model,
+        tokenizer,
+        small_config(0.3, allocation="uniform", solver="greedy_refine", calibration=small_config(0.3).calibration),
+    )
+    assert all(layer.ratio == 0.3 and layer.sensitivity is None for layer in result.layers)
+    assert abs(result.achieved_ratio - 0.3) <= 0.01
+
+    dense_config = small_config(0.3)
+    dense_config.calibration.mode = "dense"
+    for solver in ("relaxation", "wanda_sp", "flap", "diagonal"):
+        dense_config.solver = solver
+        fresh, tokenizer = load_model(str(STORIES))
+        result = prune(fresh, tokenizer, dense_config)
+        assert abs(result.achieved_ratio - 0.3) <= 0.01, solver
+        if solver == "relaxation":
+            assert all(layer.mlp.lower_bound <= layer.mlp.objective + 1e-9 for layer in result.layers)
+        if solver == "diagonal":
+            assert all(layer.mlp.objective == layer.mlp.diagonal_objective for layer in result.layers)
+
+
+def test_round_to_keeps_multiples(stories):
+    model, tokenizer = stories
+    result = prune(model, tokenizer, small_config(0.3, round_to=8))
+    widths = result.model.config.layer_intermediate_sizes
+    assert all(width % 8 == 0 for width in widths)
+    assert abs(result.achieved_ratio - 0.3) <= 0.02  # 8-channel steps on a 172-wide FFN are coarse
+
+
+def test_bfloat16_weights(stories):
+    model, tokenizer = stories
+    result = prune(model.to(torch.bfloat16), tokenizer, small_config(0.3))
+    assert result.model.dtype == torch.bfloat16
+    assert abs(result.achieved_ratio - 0.3) <= 0.01
+
+
+def test_cancellation_stops_at_a_layer_boundary(stories):
+    model, tokenizer = stories
+    stages: list[str] = []
+    calls = {"n": 0}
+
+    def cancel_after_two_layers() -> bool:
+        calls["n"] += 1
+        return stages.count("pruning") >= 3
+
+    with pytest.raises(Cancelled):
+        prune(
+            model,
+            tokenizer,
+            small_config(0.3),
+            progress=lambda stage, fraction, message="": stages.append(stage),
+            should_cancel=cancel_after_two_layers,
+        )
+    assert stages.count("pruning") == 3  # layers 1 and 2 done, cancelled before layer 3 started its work
+
+
+def test_run_job_writes_a_checkpoint_both_loaders_read(tmp_path):
+    out = tmp_path / "pruned"
+    report = run_job(str(STORIES), small_config(0.3), out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling_casp_llama.py",
+        "report.json",
+        "report.md",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["achieved_ratio"] == pytest.approx(report["achieved_ratio"])
+    figures = saved["perplexity"]["wikitext2"]
+    assert figures["seq_len"] == 128 and figures["n_windows"] == 20
+    assert 1.0 < figures["dense"] < figures["pruned"]
+    for layer in saved["layers"]:
+        assert {"ratio", "sensitivity", "pruned_heads", "pruned_channels"} <= set(layer)
+        assert {"objective", "diagonal_objective", "offdiag_ratio"} <= set(layer["attn"]) & set(layer["mlp"])
+    assert saved["settings"]["ratio"] == 0.3 and saved["versions"]["torch"]
+    assert {"calibration_forward", "statistics", "solver", "surgery", "checkpoint"} <= set(saved["timings"])
+
+    tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    own, _ = load_pruned(out)
+    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert type(remote).__module__.startswith("transformers_modules")  # the file shipped in the checkpoint
+    with torch.no_grad():
+        assert torch.equal(own(tokens).logits, remote(tokens).logits)
+    assert own.config.casp["source_model"] == str(STORIES)
+
+
+def test_checkpoint_matches_the_in_memory_model(stories, tmp_path):
+    from casp_core.checkpoint import save_pruned
+
+    model, tokenizer = stories
+    result = prune(model, tokenizer, small_config(0.5))
+    save_pruned(result.model, tokenizer, tmp_path)
+    tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = result.model(tokens).logits
+        assert torch.equal(load_pruned(tmp_path)[0](tokens).logits, expected)
+        assert torch.equal(
+            AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)(tokens).logits, expected
+        )
+
+
+def test_loading_without_trust_remote_code_fails_loudly(stories, tmp_path):
+    from casp_core.checkpoint import save_pruned
+
+    model, tokenizer = stories
+    save_pruned(prune(model, tokenizer, small_config(0.2)).model, tokenizer, tmp_path)
+    # A fresh process, as a user would; no casp_core import to register anything.
+    code = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120
+    )
+    assert completed.returncode != 0
+    assert "trust_remote_code" in completed.stderr
+
+
+def test_run_job_refuses_a_used_directory_and_leaves_nothing_on_failure(tmp_path):
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("mine")
+    with pytest.raises(InvalidConfig, match="not empty"):
+        run_job(str(STORIES), small_config(0.3), used)
+    assert (used / "keep.txt").read_text() == "mine"
+
+    out = tmp_path / "out"
+    broken = small_config(0.3)
+    broken.evaluation.perplexity = ["ptb:train-missing"]
+    with pytest.raises(Exception, match="ptb has no split"):
+        run_job(str(REPO / "demo" / "stories260K"), broken, out)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [used]
