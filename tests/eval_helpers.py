@@ -1,7 +1,5 @@
-"""What the evaluation tests share: the real model and data sets of shared/fixtures, used offline.
-
-Imports nothing from the Hugging Face libraries, so that `prepare_environment()` runs before they read
-their settings."""
+"""What the evaluation tests share: the real model and data sets of shared/fixtures, a network guard,
+and one torch thread while they run (conftest.py sets the offline environment)."""
 
 import os
 import socket
@@ -18,14 +16,15 @@ FIXTURES = Path(os.environ.get("CASP_FIXTURES", REPO.parent / "shared" / "fixtur
 DATASETS_DIR = FIXTURES / "data"
 
 
-def prepare_environment() -> None:
-    """Called at import time by each test module, before datasets/transformers read their settings."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    # The test machines share two cores between several test runs: with two threads each, every small
-    # matmul waits for a core at its barrier (measured: 14 ms a stories260K forward with one thread,
-    # 360 ms with two).
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Imported by each evaluation test module. The test machines share two cores between several test
+    runs: with two threads, every small matmul waits at its barrier for a busy core (measured under such
+    load: 14 ms a stories260K forward with one thread, 360 ms with two)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def datasets_dir_or_skip() -> Path:

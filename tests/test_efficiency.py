@@ -1,23 +1,24 @@
 """Parameters, MACs and latency, on the real stories260K model and on a copy with per-layer shapes."""
 
-from tests.eval_helpers import STORIES, datasets_dir_or_skip, prepare_environment
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-prepare_environment()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from casp_core.efficiency import (  # noqa: E402
+from casp_core.efficiency import (
     compare_efficiency,
     count_parameters,
     measure_efficiency,
     prefill_macs,
 )
-from casp_core.errors import InvalidConfig  # noqa: E402
-from tests.eval_models import pruned_checkpoint, uneven_copy  # noqa: E402
+from casp_core.errors import InvalidConfig
+from tests.eval_helpers import (
+    STORIES,
+    datasets_dir_or_skip,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+)
+from tests.eval_models import pruned_checkpoint, uneven_copy
 
 SMALL = {"batch_size": 2, "seq_len": 16, "new_tokens": 8, "repeats": 3, "warmup": 1}
 

@@ -1,22 +1,23 @@
 """`casp eval` on the real stories260K checkpoint and on a checkpoint pruned by the project's pipeline."""
 
-from tests.eval_helpers import STORIES, datasets_dir_or_skip, prepare_environment
+import argparse
+import json
+import math
+from pathlib import Path
 
-prepare_environment()
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from casp_core.efficiency import count_parameters, prefill_macs  # noqa: E402
-from casp_core.errors import InvalidConfig, ModelNotFound  # noqa: E402
-from casp_core.eval_cli import add_eval_parser, evaluate_checkpoint  # noqa: E402
-from casp_core.perplexity import perplexity  # noqa: E402
-from tests.eval_models import pruned_checkpoint  # noqa: E402
+from casp_core.efficiency import count_parameters, prefill_macs
+from casp_core.errors import InvalidConfig, ModelNotFound
+from casp_core.eval_cli import add_eval_parser, evaluate_checkpoint
+from casp_core.perplexity import perplexity
+from tests.eval_helpers import (
+    STORIES,
+    datasets_dir_or_skip,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+)
+from tests.eval_models import pruned_checkpoint
 
 TASKS = ["piqa", "arc_easy"]
 

@@ -1,20 +1,21 @@
 """The evaluation card renders every figure of real evaluations, dense beside pruned, with conventions."""
 
-from tests.eval_helpers import STORIES, datasets_dir_or_skip, prepare_environment
+import copy
 
-prepare_environment()
+import lm_eval
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import copy  # noqa: E402
-
-import lm_eval  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from casp_core.efficiency import compare_efficiency  # noqa: E402
-from casp_core.evaluation_card import render_card  # noqa: E402
-from casp_core.zeroshot import evaluate_zero_shot  # noqa: E402
-from tests.eval_models import uneven_copy  # noqa: E402
+from casp_core.efficiency import compare_efficiency
+from casp_core.evaluation_card import render_card
+from casp_core.zeroshot import evaluate_zero_shot
+from tests.eval_helpers import (
+    STORIES,
+    datasets_dir_or_skip,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+)
+from tests.eval_models import uneven_copy
 
 TASKS = ["piqa", "boolq"]
 

@@ -1,18 +1,18 @@
 """Plots of a well-formed report: valid PNG files that image readers open."""
 
-from tests.eval_helpers import datasets_dir_or_skip, prepare_environment
+import random
+from pathlib import Path
 
-prepare_environment()
+import matplotlib.image
+import pytest
+from PIL import Image
 
-import random  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import matplotlib.image  # noqa: E402
-import pytest  # noqa: E402
-from PIL import Image  # noqa: E402
-
-from casp_core.plots import write_plots  # noqa: E402
-from tests.eval_models import pruned_checkpoint  # noqa: E402
+from casp_core.plots import write_plots
+from tests.eval_helpers import (
+    datasets_dir_or_skip,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+)
+from tests.eval_models import pruned_checkpoint
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -3,21 +3,23 @@
 import socket
 from statistics import fmean
 
-from tests.eval_helpers import STORIES, datasets_dir_or_skip, no_network, prepare_environment
+import datasets
+import huggingface_hub.constants
+import lm_eval
+import pytest
+import yaml
+from lm_eval.tasks import TaskManager
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-prepare_environment()
-
-import datasets  # noqa: E402
-import huggingface_hub.constants  # noqa: E402
-import lm_eval  # noqa: E402
-import pytest  # noqa: E402
-import yaml  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from casp_core.config import ZERO_SHOT_TASKS  # noqa: E402
-from casp_core.errors import DatasetNotFound, InvalidConfig  # noqa: E402
-from casp_core.zeroshot import LOCAL_TASKS, evaluate_zero_shot  # noqa: E402
+from casp_core.config import ZERO_SHOT_TASKS
+from casp_core.errors import DatasetNotFound, InvalidConfig
+from casp_core.zeroshot import LOCAL_TASKS, evaluate_zero_shot
+from tests.eval_helpers import (
+    STORIES,
+    datasets_dir_or_skip,
+    no_network,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+)
 
 
 @pytest.fixture(scope="module")
