@@ -23,7 +23,7 @@ from tests.eval_helpers import (
 
 
 @pytest.fixture(scope="module")
-def stories():
+def stories_model():
     return AutoModelForCausalLM.from_pretrained(STORIES), AutoTokenizer.from_pretrained(STORIES)
 
 
@@ -31,9 +31,9 @@ def test_the_table_covers_exactly_the_configured_tasks():
     assert set(LOCAL_TASKS) == set(ZERO_SHOT_TASKS)
 
 
-def test_seven_tasks_offline_without_touching_the_network(stories, monkeypatch):
+def test_seven_tasks_offline_without_touching_the_network(stories_model, monkeypatch):
     datasets_dir = datasets_dir_or_skip()
-    model, tokenizer = stories
+    model, tokenizer = stories_model
     # As if the environment allowed the network (the offline flags are read at import time, hence the
     # attributes): the evaluation itself must not try it.
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -68,10 +68,10 @@ def test_seven_tasks_offline_without_touching_the_network(stories, monkeypatch):
     assert out["average_over"] == list(ZERO_SHOT_TASKS)
 
 
-def test_piqa_matches_the_harness_own_hf_model(stories, tmp_path, monkeypatch):
+def test_piqa_matches_the_harness_own_hf_model(stories_model, tmp_path, monkeypatch):
     """The harness loading the checkpoint itself (`model="hf"`) on the same file gives the same figures."""
     datasets_dir = datasets_dir_or_skip()
-    model, tokenizer = stories
+    model, tokenizer = stories_model
     limit = 200
     ours = evaluate_zero_shot(model, tokenizer, ["piqa"], limit=limit, datasets_dir=str(datasets_dir), device="cpu")[
         "tasks"
@@ -114,8 +114,8 @@ def test_the_network_guard_catches_connections(monkeypatch):
     assert len(attempts) == 1
 
 
-def test_missing_local_file_names_the_path(stories, tmp_path):
-    model, tokenizer = stories
+def test_missing_local_file_names_the_path(stories_model, tmp_path):
+    model, tokenizer = stories_model
     (tmp_path / "zeroshot" / "arc_easy").mkdir(parents=True)
     (tmp_path / "zeroshot" / "arc_easy" / "validation.jsonl").write_text("")
     with pytest.raises(DatasetNotFound) as error:
@@ -123,7 +123,7 @@ def test_missing_local_file_names_the_path(stories, tmp_path):
     assert str(tmp_path / "zeroshot" / "arc_easy" / "test.jsonl") in error.value.message
 
 
-def test_unknown_task_is_refused(stories):
-    model, tokenizer = stories
+def test_unknown_task_is_refused(stories_model):
+    model, tokenizer = stories_model
     with pytest.raises(InvalidConfig, match="mmlu"):
         evaluate_zero_shot(model, tokenizer, ["piqa", "mmlu"], limit=1, datasets_dir=None, device="cpu")
