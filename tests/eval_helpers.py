@@ -3,7 +3,7 @@ and one torch thread while they run (conftest.py sets the offline environment)."
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,7 +38,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Every attempt to open a connection or resolve a name fails and is recorded in the yielded list."""
     attempts: list[str] = []
 
-    def refuse(what: str):
+    def refuse(what: str) -> Callable[..., None]:
         def refused(*args: object, **kwargs: object) -> None:
             attempts.append(f"{what}{args[1:] if what == 'connect' else args}")
             raise OSError(f"network disabled in this test ({what})")
