@@ -1,0 +1,178 @@
+"""`casp eval`: zero-shot accuracy, perplexity and efficiency of one checkpoint, dense or pruned.
+
+    casp eval --model PATH [--tasks a,b] [--limit N] [--perplexity wikitext2,ptb] [--datasets-dir DIR]
+              [--device D] [--out FILE.json]
+
+The JSON it writes (and prints when no --out is given):
+
+    {
+      "model": PATH,
+      "zero_shot": {task: {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n_samples", ...}},
+      "zero_shot_summary": the rest of evaluate_zero_shot's output (harness version, limit, average_acc, ...),
+      "perplexity": {data set: casp_core.perplexity.perplexity's output},
+      "efficiency": casp_core.efficiency.measure_efficiency's output,
+    }
+
+A section that was not asked for is absent. Wire it into the command with
+`add_eval_parser(subparsers)`; the work itself is `evaluate_checkpoint`, callable without argparse.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from casp_core.config import ZERO_SHOT_TASKS
+from casp_core.errors import InvalidConfig, ModelNotFound
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="evaluate a checkpoint (dense or pruned): zero-shot accuracy, perplexity, efficiency"
+    )
+    parser.add_argument("--model", required=True, help="local checkpoint directory (dense or pruned)")
+    parser.add_argument(
+        "--tasks",
+        type=_names,
+        default=list(ZERO_SHOT_TASKS),
+        help=f"comma-separated zero-shot tasks among {','.join(ZERO_SHOT_TASKS)} (default all; '' for none)",
+    )
+    parser.add_argument("--limit", type=_positive_int, help="quick runs: at most N documents per zero-shot task")
+    parser.add_argument(
+        "--perplexity",
+        type=_names,
+        default=["wikitext2", "ptb"],
+        help="comma-separated perplexity data sets ('' for none)",
+    )
+    parser.add_argument("--seq-len", type=_positive_int, help="perplexity window (default min(2048, context))")
+    parser.add_argument(
+        "--max-windows", type=_positive_int, help="quick runs: at most N perplexity windows per data set"
+    )
+    parser.add_argument(
+        "--datasets-dir",
+        default=os.environ.get("CASP_DATASETS_DIR"),
+        help="local copies of the data sets, layout of shared/fixtures/data (env CASP_DATASETS_DIR); "
+        "without it the data come from the Hugging Face hub",
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--batch-size", type=_positive_int, default=16, help="zero-shot and perplexity batch")
+    parser.add_argument("--no-efficiency", dest="efficiency", action="store_false", help="skip efficiency")
+    parser.add_argument("--latency-batch-size", type=_positive_int, default=32)
+    parser.add_argument("--latency-seq-len", type=_positive_int, default=128)
+    parser.add_argument("--new-tokens", type=_positive_int, default=128, help="tokens generated per decode run")
+    parser.add_argument("--repeats", type=_positive_int, default=10, help="timed runs per latency figure")
+    parser.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed runs before them")
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
+    parser.set_defaults(run=run_eval)
+
+
+def evaluate_checkpoint(
+    model_path: str,
+    *,
+    tasks: list[str],
+    limit: int | None = None,
+    perplexity_sets: list[str],
+    seq_len: int | None = None,
+    max_windows: int | None = None,
+    datasets_dir: str | None = None,
+    device: str = "auto",
+    batch_size: int = 16,
+    efficiency: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Loads `model_path` and evaluates it; `efficiency` holds measure_efficiency's settings, None skips it."""
+    # torch, transformers and the harness load only when a command needs them.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from casp_core.efficiency import measure_efficiency
+    from casp_core.model import resolve_device
+    from casp_core.perplexity import perplexity
+    from casp_core.zeroshot import evaluate_zero_shot, resolve_datasets_dir
+
+    unknown = [task for task in tasks if task not in ZERO_SHOT_TASKS]
+    if unknown:
+        raise InvalidConfig(f"tasks: unknown {', '.join(unknown)}; choose among {', '.join(ZERO_SHOT_TASKS)}")
+    if not Path(model_path).is_dir():
+        raise ModelNotFound(f"model path {model_path!r} does not exist or is not a directory")
+    target = str(resolve_device(device))
+    # One place for the env fallback, so that zero-shot and perplexity read the same copies.
+    datasets_dir = resolve_datasets_dir(datasets_dir)
+    # trust_remote_code: a pruned checkpoint carries its own modeling file (named in config.json's auto_map).
+    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    out: dict[str, Any] = {"model": model_path}
+    if tasks:
+        zero_shot = evaluate_zero_shot(
+            model, tokenizer, tasks, limit=limit, datasets_dir=datasets_dir, batch_size=batch_size, device=target
+        )
+        out["zero_shot"] = zero_shot.pop("tasks")
+        out["zero_shot_summary"] = zero_shot
+    if perplexity_sets:
+        out["perplexity"] = {
+            name: perplexity(
+                model,
+                tokenizer,
+                name,
+                seq_len=seq_len,
+                datasets_dir=datasets_dir,
+                device=target,
+                batch_size=batch_size,
+                max_windows=max_windows,
+            )
+            for name in perplexity_sets
+        }
+    if efficiency is not None:
+        out["efficiency"] = measure_efficiency(model, device=target, **efficiency)
+    return out
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    efficiency = (
+        {
+            "batch_size": args.latency_batch_size,
+            "seq_len": args.latency_seq_len,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+        }
+        if args.efficiency
+        else None
+    )
+    out = evaluate_checkpoint(
+        args.model,
+        tasks=args.tasks,
+        limit=args.limit,
+        perplexity_sets=args.perplexity,
+        seq_len=args.seq_len,
+        max_windows=args.max_windows,
+        datasets_dir=args.datasets_dir,
+        device=args.device,
+        batch_size=args.batch_size,
+        efficiency=efficiency,
+    )
+    text = json.dumps(out, indent=2) + "\n"
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0

@@ -1,0 +1,194 @@
+"""The evaluation section of report.md: every figure with the convention it was measured under, the dense
+model's figure from the same run beside the pruned model's.
+
+The evaluation dict it renders (each section optional; a side missing from a section shows as "-"):
+
+    {
+      "perplexity": {dataset: {"dense": float, "pruned": float, "seq_len": int, "n_windows": int,
+                               "bos": "once at start", "split": str (optional)}},
+      "zero_shot": {"dense": evaluate_zero_shot(...), "pruned": evaluate_zero_shot(...)},
+      "efficiency": compare_efficiency(...), i.e. {"dense": measure_efficiency(...),
+                    "pruned": measure_efficiency(...), "pruned_over_dense": {...} (optional)},
+    }
+
+`evaluate_zero_shot` is in casp_core.zeroshot, `measure_efficiency` / `compare_efficiency` in
+casp_core.efficiency; their docstrings describe their own dicts.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+SIDES = ("dense", "pruned")
+DASH = "-"
+
+
+def _fixed(value: float | None, digits: int = 4) -> str:
+    return DASH if value is None else f"{value:.{digits}f}"
+
+
+def _si(value: float | None, unit: str = "") -> str:
+    """845710000000 -> '845.71 G'."""
+    if value is None:
+        return DASH
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:g} {unit}".rstrip()
+
+
+def _ratio(pruned: float | None, dense: float | None) -> str:
+    return DASH if pruned is None or not dense else f"{pruned / dense:.3f}"
+
+
+def _with_stderr(figures: dict[str, Any] | None, metric: str) -> str:
+    if not figures or figures.get(metric) is None:
+        return DASH
+    stderr = figures.get(f"{metric}_stderr")
+    return _fixed(figures[metric]) + ("" if stderr is None else f" ± {stderr:.4f}")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def perplexity_section(perplexity: dict[str, dict[str, Any]]) -> list[str]:
+    rows = []
+    for name, entry in perplexity.items():
+        rows.append(
+            [
+                name,
+                str(entry.get("split", DASH)),
+                str(entry.get("seq_len", DASH)),
+                str(entry.get("n_windows", DASH)),
+                str(entry.get("bos", "not recorded")),
+                _fixed(entry.get("dense"), 3),
+                _fixed(entry.get("pruned"), 3),
+                _ratio(entry.get("pruned"), entry.get("dense")),
+            ]
+        )
+    return [
+        "### Perplexity",
+        "",
+        *_table(["data set", "split", "seq_len", "windows", "BOS", "dense", "pruned", "pruned / dense"], rows),
+        "",
+        "Convention: the split's text joined with blank lines and tokenized once, BOS as given in the table, "
+        "cut into non-overlapping windows of seq_len tokens (remainder dropped); exp(mean next-token NLL). "
+        "Dense and pruned measured in the same run with the same settings.",
+    ]
+
+
+def _zero_shot_conventions(side: dict[str, Any]) -> str:
+    limit = side.get("limit")
+    return (
+        f"{side.get('harness', 'lm-evaluation-harness')} {side.get('harness_version', '?')}, "
+        f"{side.get('num_fewshot', 0)}-shot, limit "
+        + ("none (full splits)" if limit is None else f"{limit} documents per task")
+        + f", data from {side.get('source', '?')}"
+        + (f" ({side['datasets_dir']})" if side.get("datasets_dir") else "")
+    )
+
+
+def zero_shot_section(zero_shot: dict[str, Any]) -> list[str]:
+    sides = {side: zero_shot[side] for side in SIDES if zero_shot.get(side)}
+    tasks = list(dict.fromkeys(task for out in sides.values() for task in out["tasks"]))
+    rows = []
+    for task in tasks:
+        per_side = {side: out["tasks"].get(task) for side, out in sides.items()}
+        known = next(f for f in per_side.values() if f)
+        rows.append(
+            [
+                task,
+                str(known.get("version", DASH)),
+                str(known.get("split", DASH)),
+                str(known.get("n_samples", DASH)),
+                *(_with_stderr(per_side.get(side), "acc") for side in SIDES),
+                *(_with_stderr(per_side.get(side), "acc_norm") for side in SIDES),
+            ]
+        )
+    averages = {side: sides[side].get("average_acc") if side in sides else None for side in SIDES}
+    rows.append(["**average acc**", "", "", "", *(_fixed(averages[side]) for side in SIDES), DASH, DASH])
+    header = ["task", "version", "split", "n", "dense acc", "pruned acc", "dense acc_norm", "pruned acc_norm"]
+    conventions = {side: _zero_shot_conventions(out) for side, out in sides.items()}
+    lines = ["### Zero-shot accuracy", "", *_table(header, rows), ""]
+    if len(set(conventions.values())) == 1:
+        lines += [f"Convention: {next(iter(conventions.values()))}; dense and pruned evaluated alike.", ""]
+    else:
+        lines.append(
+            "Convention, **different for dense and pruned**: "
+            + "; ".join(f"{side}: {text}" for side, text in conventions.items())
+            + "."
+        )
+    lines.append(
+        "acc and acc_norm (length-normalised) as the harness computes them, ± its standard error; "
+        "acc_norm only where the harness defines it. The average is the plain mean of acc over the tasks, "
+        "as in the paper."
+    )
+    return lines
+
+
+def _latency_conventions(latency: dict[str, Any]) -> tuple[str, str]:
+    runs = f"median of {latency.get('repeats', '?')} runs after {latency.get('warmup', '?')} warm-up"
+    shape = f"{latency.get('batch_size', '?')} x {latency.get('seq_len', '?')} tokens"
+    return (
+        f"prefill of {shape}, {runs}",
+        f"greedy generation of {latency.get('new_tokens', '?')} tokens with KV cache after a prompt of "
+        f"{shape} (includes its prefill), {runs}",
+    )
+
+
+def efficiency_section(efficiency: dict[str, Any]) -> list[str]:
+    sides = {side: efficiency.get(side) or {} for side in SIDES}
+    known = sides["pruned"] or sides["dense"]
+    latency = known.get("latency", {})
+    prefill_text, decode_text = _latency_conventions(latency)
+
+    def row(label: str, get: Callable[[dict[str, Any]], float | None], fmt: Callable[[float | None], str]) -> list[str]:
+        values = {side: get(figures) if figures else None for side, figures in sides.items()}
+        return [label, fmt(values["dense"]), fmt(values["pruned"]), _ratio(values["pruned"], values["dense"])]
+
+    rows = [
+        row("parameters", lambda f: f.get("params"), lambda v: DASH if v is None else f"{v:,}"),
+        row(f"MACs, prefill of 1 x {known.get('macs_seq_len', '?')} tokens", lambda f: f.get("macs"), _si),
+        row("of which linear layers", lambda f: f.get("macs_linear"), _si),
+        row("of which attention QKᵀ and AV", lambda f: f.get("macs_attention"), _si),
+        row(f"prefill latency (s): {prefill_text}", lambda f: f["latency"]["prefill_s"], _fixed),
+        row(f"decoding latency (s): {decode_text}", lambda f: f["latency"]["decode_s"], _fixed),
+    ]
+    where = {
+        side: f"{f.get('device', '?')} ({f.get('device_name', '?')}), {f.get('dtype', '?')}, "
+        f"torch {f.get('torch_version', '?')}"
+        for side, f in sides.items()
+        if f
+    }
+    lines = ["### Efficiency", "", *_table(["figure", "dense", "pruned", "pruned / dense"], rows), ""]
+    if len(set(where.values())) == 1:
+        lines.append(f"Measured on {next(iter(where.values()))}, dense and pruned one after the other.")
+    else:
+        lines.append("Measured on **different setups**: " + "; ".join(f"{s}: {w}" for s, w in where.items()) + ".")
+    lines.append(
+        "Parameters: every parameter the model holds (tied embedding and LM head once). MACs counted from "
+        "the module shapes: every linear layer at every position, plus the attention products over full "
+        "T x T matrices; element-wise work not counted (1 MAC = 2 FLOPs)."
+    )
+    return lines
+
+
+def render_card(evaluation: dict[str, Any]) -> str:
+    """Markdown for report.md; the sections present in `evaluation`, in the order perplexity, zero-shot,
+    efficiency."""
+    lines = ["## Evaluation", ""]
+    sections = (
+        ("perplexity", perplexity_section),
+        ("zero_shot", zero_shot_section),
+        ("efficiency", efficiency_section),
+    )
+    for key, section in sections:
+        if evaluation.get(key):
+            lines += [*section(evaluation[key]), ""]
+    if len(lines) == 2:
+        lines += ["No evaluation was run.", ""]
+    return "\n".join(lines)

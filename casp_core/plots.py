@@ -1,0 +1,118 @@
+"""PNG plots of a pruning report's per-layer figures.
+
+Reads `report["layers"]`, one entry per decoder layer: `{"index", "ratio", "sensitivity",
+"attn": {"objective", "diagonal_objective", "offdiag_ratio"}, "mlp": {...}}`.
+A figure that a layer lacks (None, or a missing sub-layer) is left out of the plot, not drawn as zero.
+Figures are drawn with matplotlib's object API on the Agg canvas: no pyplot state, no display, safe in a
+worker process.
+"""
+
+import math
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+SUBLAYERS = {"attn": "attention (heads)", "mlp": "MLP (channels)"}
+
+
+def _value(entry: dict[str, Any], *keys: str) -> float:
+    """entry[k0][k1]..., as a float; NaN where absent (matplotlib leaves NaN points out)."""
+    value: Any = entry
+    for key in keys:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return math.nan
+        value = value[key]
+    return float(value)
+
+
+def _positive(values: list[float]) -> list[float]:
+    """A log axis cannot show values <= 0: those are left out."""
+    return [v if v > 0 else math.nan for v in values]
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, format="png", dpi=120)
+    return path
+
+
+def _layer_axis(axes: Axes, indices: list[int]) -> None:
+    """Whole layer numbers, every layer in view even where its figure is absent."""
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlim(min(indices) - 0.6, max(indices) + 0.6)
+    axes.set_xlabel("decoder layer")
+    axes.grid(True, alpha=0.3)
+
+
+def _per_layer_axes(title: str, ylabel: str, indices: list[int]) -> tuple[Figure, Axes]:
+    figure = Figure(figsize=(7, 4))
+    axes = figure.add_subplot()
+    axes.set_title(title)
+    axes.set_ylabel(ylabel)
+    _layer_axis(axes, indices)
+    return figure, axes
+
+
+def plot_ratios(layers: list[dict[str, Any]], path: Path) -> Path:
+    indices = [layer["index"] for layer in layers]
+    figure, axes = _per_layer_axes("Per-layer pruning ratio", "r_l", indices)
+    ratios = [_value(layer, "ratio") for layer in layers]
+    axes.bar(indices, ratios, color="tab:blue")
+    mean = math.fsum(r for r in ratios if not math.isnan(r)) / max(1, sum(not math.isnan(r) for r in ratios))
+    axes.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.3f}")
+    axes.legend()
+    return _save(figure, path)
+
+
+def plot_sensitivity(layers: list[dict[str, Any]], path: Path) -> Path:
+    indices = [layer["index"] for layer in layers]
+    figure, axes = _per_layer_axes("Layer sensitivity", "S_l = mean ||dJ/dZ_l||² (log scale)", indices)
+    axes.plot(indices, _positive([_value(layer, "sensitivity") for layer in layers]), marker="o")
+    axes.set_yscale("log")
+    return _save(figure, path)
+
+
+def plot_offdiag_ratio(layers: list[dict[str, Any]], path: Path) -> Path:
+    indices = [layer["index"] for layer in layers]
+    figure, axes = _per_layer_axes("Off-diagonal energy ratio of Q", "rho", indices)
+    for sub, label in SUBLAYERS.items():
+        axes.plot(indices, [_value(layer, sub, "offdiag_ratio") for layer in layers], marker="o", label=label)
+    axes.legend()
+    return _save(figure, path)
+
+
+def plot_objectives(layers: list[dict[str, Any]], path: Path, solver_name: str) -> Path:
+    """The solver's cost z'Qz against the independent (diagonal) choice's, per layer and sub-layer."""
+    figure = Figure(figsize=(11, 4))
+    indices = [layer["index"] for layer in layers]
+    width = 0.4
+    for column, (sub, label) in enumerate(SUBLAYERS.items(), start=1):
+        axes = figure.add_subplot(1, 2, column)
+        axes.set_title(f"Pruning cost z'Qz: {label}")
+        axes.set_ylabel("cost (log scale)")
+        _layer_axis(axes, indices)
+        solver = _positive([_value(layer, sub, "objective") for layer in layers])
+        diagonal = _positive([_value(layer, sub, "diagonal_objective") for layer in layers])
+        axes.bar([i - width / 2 for i in indices], solver, width, label=f"{solver_name} (solver)")
+        axes.bar([i + width / 2 for i in indices], diagonal, width, label="diagonal (independent)")
+        if any(not math.isnan(v) for v in solver + diagonal):
+            axes.set_yscale("log")
+        axes.legend(loc="best", fontsize="small")
+    return _save(figure, path)
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Writes the plots into `out_dir/plots/` and returns their paths."""
+    layers = sorted(report["layers"], key=lambda layer: layer["index"])
+    plots_dir = Path(out_dir) / "plots"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    solver_name = report.get("settings", {}).get("solver", "greedy")
+    return [
+        plot_ratios(layers, plots_dir / "layer_ratio.png"),
+        plot_sensitivity(layers, plots_dir / "layer_sensitivity.png"),
+        plot_offdiag_ratio(layers, plots_dir / "offdiag_ratio.png"),
+        plot_objectives(layers, plots_dir / "objective_solver_vs_diagonal.png", solver_name),
+    ]

@@ -1,0 +1,191 @@
+"""Zero-shot accuracy with lm-evaluation-harness, on a model already in memory.
+
+Online (no data set directory) the harness's own task definitions fetch their data from the Hugging
+Face hub. With a data set directory (argument or env `CASP_DATASETS_DIR`, layout of
+shared/fixtures/data: `zeroshot/<task>/<split>.jsonl`) the *same* task definitions run on the local
+files: for each task a YAML is generated into a temporary directory that `include:`s the harness's own
+YAML and overrides only where the data comes from (see fixtures/PROVENANCE.md). Nothing else changes,
+so prompts, choices, metrics and versions are the harness's.
+
+Output of `evaluate_zero_shot`:
+
+    {
+      "harness": "lm-evaluation-harness", "harness_version": "0.4.13",
+      "num_fewshot": 0, "limit": int | None, "batch_size": int, "device": str,
+      "source": "local" | "hub", "datasets_dir": str | None,
+      "tasks": {task: {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr" (those the harness gives),
+                       "n_samples": documents scored, "n_documents": documents in the split,
+                       "version": task version, "split": the split scored, "num_fewshot": 0}},
+      "average_acc": mean of the tasks' acc (the paper's "Average" column), "average_over": [tasks],
+    }
+"""
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+import datasets
+import lm_eval
+import yaml
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from casp_core.config import ZERO_SHOT_TASKS
+from casp_core.errors import DatasetNotFound, InvalidConfig
+from casp_core.model import resolve_device
+
+DATASETS_DIR_ENV = "CASP_DATASETS_DIR"
+METRICS = ("acc", "acc_norm")
+
+
+@dataclass(frozen=True)
+class LocalTask:
+    """Where a harness task is defined and which split files it reads (the training split is never used
+    at zero shots, and the local copies do not have it)."""
+
+    harness_yaml: str  # relative to the installed lm_eval/tasks
+    splits: tuple[str, ...]
+
+
+# Configuration as data: the harness YAML each task comes from and the splits it names (it evaluates on
+# `test` where it defines one, else on `validation`).
+LOCAL_TASKS: dict[str, LocalTask] = {
+    "boolq": LocalTask("super_glue/boolq/default.yaml", ("validation",)),
+    "piqa": LocalTask("piqa/piqa.yaml", ("validation",)),
+    "hellaswag": LocalTask("hellaswag/hellaswag.yaml", ("validation",)),
+    "winogrande": LocalTask("winogrande/default.yaml", ("validation",)),
+    "arc_easy": LocalTask("arc/arc_easy.yaml", ("validation", "test")),
+    "arc_challenge": LocalTask("arc/arc_challenge.yaml", ("validation", "test")),
+    "openbookqa": LocalTask("openbookqa/openbookqa.yaml", ("validation", "test")),
+}
+
+
+def resolve_datasets_dir(datasets_dir: str | None) -> str | None:
+    """The explicit directory, else `CASP_DATASETS_DIR`, else None (online)."""
+    return datasets_dir or os.environ.get(DATASETS_DIR_ENV) or None
+
+
+def local_task_config(task: str, datasets_dir: str | Path) -> dict[str, Any]:
+    """The YAML content that runs harness task `task` on the local copies under `datasets_dir`."""
+    spec = LOCAL_TASKS[task]
+    data_files = {}
+    for split in spec.splits:
+        path = (Path(datasets_dir) / "zeroshot" / task / f"{split}.jsonl").resolve()
+        if not path.is_file():
+            raise DatasetNotFound(f"zero-shot task {task}: {path} does not exist")
+        data_files[split] = str(path)
+    harness_tasks = Path(lm_eval.__file__).parent / "tasks"
+    return {
+        # Absolute paths: the harness resolves relative ones against the working directory.
+        "include": str(harness_tasks / spec.harness_yaml),
+        "task": task,
+        "dataset_path": "json",
+        "dataset_name": None,
+        "training_split": None,
+        "dataset_kwargs": {"data_files": data_files},
+    }
+
+
+@contextmanager
+def _datasets_offline() -> Iterator[None]:
+    """Local files need no network, but `datasets` pings the hub to count every load of its `json` builder
+    unless it believes it is offline: make it believe so, for this evaluation only."""
+    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = True, False
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = saved
+
+
+def _task_manager(tasks: list[str], datasets_dir: str | None, yaml_dir: Path) -> TaskManager:
+    if datasets_dir is None:
+        return TaskManager()
+    for task in tasks:
+        config = local_task_config(task, datasets_dir)
+        (yaml_dir / f"{task}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    # Without the defaults, the local definitions are the only ones under these names.
+    return TaskManager(include_path=str(yaml_dir), include_defaults=False)
+
+
+def _check_tasks(tasks: list[str]) -> None:
+    if not tasks:
+        raise InvalidConfig("zero-shot: no tasks given")
+    unknown = [t for t in tasks if t not in LOCAL_TASKS]
+    if unknown:
+        raise InvalidConfig(
+            f"zero-shot: unknown task(s) {', '.join(unknown)}; choose among {', '.join(ZERO_SHOT_TASKS)}"
+        )
+
+
+def task_figures(results: dict[str, Any], task: str) -> dict[str, Any]:
+    """One task's entry of the output, from a `simple_evaluate` result."""
+    raw = results["results"][task]
+    figures: dict[str, Any] = {}
+    for metric in METRICS:
+        if f"{metric},none" in raw:
+            figures[metric] = raw[f"{metric},none"]
+            figures[f"{metric}_stderr"] = raw.get(f"{metric}_stderr,none")
+    counts = results["n-samples"][task]
+    figures["n_samples"] = counts["effective"]
+    figures["n_documents"] = counts["original"]
+    figures["version"] = results["versions"][task]
+    config = results["configs"][task]
+    figures["split"] = config.get("test_split") or config.get("validation_split")
+    figures["num_fewshot"] = results["n-shot"][task]
+    return figures
+
+
+def evaluate_zero_shot(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[str],
+    *,
+    limit: int | None,
+    datasets_dir: str | None,
+    batch_size: int = 16,
+    device: str,
+) -> dict[str, Any]:
+    """Zero-shot acc / acc_norm of `model` on `tasks` (any of ZERO_SHOT_TASKS), as the harness computes them.
+
+    `limit` caps the documents per task (the first ones of the split), for quick runs. The model is moved
+    to `device` ("auto": cuda when available) in place, and put in eval mode.
+    """
+    _check_tasks(tasks)
+    datasets_dir = resolve_datasets_dir(datasets_dir)
+    target = resolve_device(device)
+    model.to(target)
+    offline = nullcontext() if datasets_dir is None else _datasets_offline()
+    with tempfile.TemporaryDirectory(prefix="casp-zeroshot-") as yaml_dir, offline:
+        task_manager = _task_manager(tasks, datasets_dir, Path(yaml_dir))
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            num_fewshot=0,
+            limit=limit,
+            task_manager=task_manager,
+            log_samples=False,
+        )
+    assert results is not None  # None only on non-zero ranks of a distributed run
+    per_task = {task: task_figures(results, task) for task in tasks}
+    return {
+        "harness": "lm-evaluation-harness",
+        "harness_version": results["lm_eval_version"],
+        "num_fewshot": 0,
+        "limit": limit,
+        "batch_size": batch_size,
+        "device": str(target),
+        "source": "hub" if datasets_dir is None else "local",
+        "datasets_dir": None if datasets_dir is None else str(Path(datasets_dir).resolve()),
+        "tasks": per_task,
+        # The paper's "Average" column is the plain mean of acc over the tasks evaluated.
+        "average_acc": fmean(per_task[t]["acc"] for t in tasks),
+        "average_over": list(tasks),
+    }

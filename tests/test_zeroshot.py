@@ -1,0 +1,129 @@
+"""Zero-shot accuracy through lm-evaluation-harness, offline, on the real stories260K model and data."""
+
+import socket
+from statistics import fmean
+
+import datasets
+import huggingface_hub.constants
+import lm_eval
+import pytest
+import yaml
+from lm_eval.tasks import TaskManager
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from casp_core.config import ZERO_SHOT_TASKS
+from casp_core.errors import DatasetNotFound, InvalidConfig
+from casp_core.zeroshot import LOCAL_TASKS, evaluate_zero_shot
+from tests.eval_helpers import (
+    STORIES,
+    datasets_dir_or_skip,
+    no_network,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+)
+
+
+@pytest.fixture(scope="module")
+def stories_model():
+    return AutoModelForCausalLM.from_pretrained(STORIES), AutoTokenizer.from_pretrained(STORIES)
+
+
+def test_the_table_covers_exactly_the_configured_tasks():
+    assert set(LOCAL_TASKS) == set(ZERO_SHOT_TASKS)
+
+
+def test_seven_tasks_offline_without_touching_the_network(stories_model, monkeypatch):
+    datasets_dir = datasets_dir_or_skip()
+    model, tokenizer = stories_model
+    # As if the environment allowed the network (the offline flags are read at import time, hence the
+    # attributes): the evaluation itself must not try it.
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    with no_network(monkeypatch) as attempts:
+        out = evaluate_zero_shot(
+            model, tokenizer, list(ZERO_SHOT_TASKS), limit=10, datasets_dir=str(datasets_dir), device="cpu"
+        )
+    assert attempts == []
+    assert (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS) == (False, True)
+    assert out["source"] == "local"
+    assert out["harness_version"] == lm_eval.__version__
+    assert out["limit"] == 10 and out["num_fewshot"] == 0
+    assert list(out["tasks"]) == list(ZERO_SHOT_TASKS)
+    for task, figures in out["tasks"].items():
+        assert 0.0 <= figures["acc"] <= 1.0, task
+        assert figures["acc_stderr"] >= 0.0, task
+        assert figures["n_samples"] == 10 and figures["n_documents"] > 10, task
+        assert figures["num_fewshot"] == 0 and figures["version"] is not None, task
+        # Accuracies over 10 documents are multiples of 1/10.
+        assert round(figures["acc"] * 10, 9) == round(figures["acc"] * 10), task
+    # The harness gives acc_norm only for tasks whose answers differ in length.
+    has_norm = {t for t, f in out["tasks"].items() if "acc_norm" in f}
+    assert has_norm == {"piqa", "hellaswag", "arc_easy", "arc_challenge", "openbookqa"}
+    assert all(0.0 <= out["tasks"][t]["acc_norm"] <= 1.0 for t in has_norm)
+    assert {out["tasks"][t]["split"] for t in ("arc_easy", "arc_challenge", "openbookqa")} == {"test"}
+    assert out["tasks"]["boolq"]["split"] == "validation"
+    assert out["average_acc"] == pytest.approx(fmean(f["acc"] for f in out["tasks"].values()))
+    assert out["average_over"] == list(ZERO_SHOT_TASKS)
+
+
+def test_piqa_matches_the_harness_own_hf_model(stories_model, tmp_path, monkeypatch):
+    """The harness loading the checkpoint itself (`model="hf"`) on the same file gives the same figures."""
+    datasets_dir = datasets_dir_or_skip()
+    model, tokenizer = stories_model
+    limit = 200
+    ours = evaluate_zero_shot(model, tokenizer, ["piqa"], limit=limit, datasets_dir=str(datasets_dir), device="cpu")[
+        "tasks"
+    ]["piqa"]
+
+    # An independent task file, written as fixtures/PROVENANCE.md describes, under another name.
+    harness_piqa = f"{lm_eval.__path__[0]}/tasks/piqa/piqa.yaml"
+    task_file = {
+        "include": harness_piqa,
+        "task": "piqa_reference",
+        "dataset_path": "json",
+        "dataset_name": None,
+        "training_split": None,
+        "dataset_kwargs": {"data_files": {"validation": str(datasets_dir / "zeroshot/piqa/validation.jsonl")}},
+    }
+    (tmp_path / "piqa_reference.yaml").write_text(yaml.safe_dump(task_file))
+    with no_network(monkeypatch) as attempts:
+        reference = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={STORIES}",
+            tasks=["piqa_reference"],
+            limit=limit,
+            device="cpu",
+            batch_size=4,  # not ours (16): padding in other batches must not change a figure
+            task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+            log_samples=False,
+        )
+    assert attempts == []
+    theirs = reference["results"]["piqa_reference"]
+    assert ours["n_samples"] == limit
+    assert ours["acc"] == theirs["acc,none"]
+    assert ours["acc_norm"] == theirs["acc_norm,none"]
+    assert ours["acc_stderr"] == theirs["acc_stderr,none"]
+    assert ours["version"] == reference["versions"]["piqa_reference"]
+
+
+def test_the_network_guard_catches_connections(monkeypatch):
+    with no_network(monkeypatch) as attempts, pytest.raises(OSError):
+        socket.create_connection(("s3.amazonaws.com", 443), timeout=1)
+    assert len(attempts) == 1
+
+
+def test_missing_local_file_names_the_path(stories_model, tmp_path):
+    model, tokenizer = stories_model
+    (tmp_path / "zeroshot" / "arc_easy").mkdir(parents=True)
+    (tmp_path / "zeroshot" / "arc_easy" / "validation.jsonl").write_text("")
+    with pytest.raises(DatasetNotFound) as error:
+        evaluate_zero_shot(model, tokenizer, ["arc_easy"], limit=1, datasets_dir=str(tmp_path), device="cpu")
+    assert str(tmp_path / "zeroshot" / "arc_easy" / "test.jsonl") in error.value.message
+
+
+def test_unknown_task_is_refused(stories_model):
+    model, tokenizer = stories_model
+    with pytest.raises(InvalidConfig, match="mmlu"):
+        evaluate_zero_shot(model, tokenizer, ["piqa", "mmlu"], limit=1, datasets_dir=None, device="cpu")
