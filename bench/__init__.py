@@ -1,0 +1,1 @@
+"""CASP benchmarks: quality (perplexity, objective) and speed (stage timings, memory)."""

@@ -1,0 +1,58 @@
+"""The bench scripts in a tiny mode: they run, write the documented schema, and every number is finite."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import quality, speed
+from bench.common import all_finite, default_datasets_dir, default_models_dir
+
+pytestmark = pytest.mark.skipif(
+    not (Path(default_models_dir()) / "stories260K").is_dir() or not Path(default_datasets_dir()).is_dir(),
+    reason="needs the shared fixtures (models and data sets)",
+)
+
+ROW_FIELDS = {
+    "model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "n_samples", "seq_len", "seed",
+    "ppl", "objective", "achieved_ratio", "seconds",
+}  # fmt: skip
+
+
+def test_quality_tiny(tmp_path: Path) -> None:
+    payload = quality.main(
+        ["--models", "stories260K", "--ratios", "0.3", "--solvers", "greedy", "diagonal", "--allocations",
+         "gradient", "--alphas", "--modes", "dense", "--n-samples", "4", "--seq-len", "32", "--eval-windows", "2",
+         "--eval-seq-len", "32", "--jobs", "1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "quality.json").read_text())
+    assert written == json.loads(json.dumps(payload))
+    assert {"rows", "machine", "settings"} <= set(written)
+    assert len(written["rows"]) == 3  # greedy and diagonal (sequential), greedy with dense calibration
+    for row in written["rows"]:
+        assert set(row) >= ROW_FIELDS
+        assert set(row["ppl"]) == {"wikitext2", "ptb"}
+        assert abs(row["achieved_ratio"] - 0.3) <= 0.01
+    greedy = quality._one(written["rows"], solver="greedy", calibration_mode="sequential")
+    assert greedy is not None and greedy["objective"] <= greedy["diagonal_objective"] * (1 + 1e-9)
+    assert all_finite(written)
+    assert "## Claims" in (tmp_path / "quality.md").read_text()
+
+
+def test_speed_tiny(tmp_path: Path) -> None:
+    payload = speed.main(
+        ["--sizes", "128x1x256", "--n-samples", "2", "--seq-len", "16", "--batch-size", "1", "--repeats", "1",
+         "--greedy-d", "256", "--greedy-repeats", "1", "--memory-size", "128x1x256", "--memory-batches", "1", "2",
+         "--in-process", "--out", str(tmp_path)]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "speed.json").read_text())
+    assert {"sizes", "greedy_at_scale", "calibration_memory", "gpu", "machine", "settings"} <= set(written)
+    stages = written["sizes"][0]["stages"]
+    assert set(stages) == set(speed.STAGE_BASELINES)
+    for stage in stages.values():
+        assert stage["seconds"] > 0 and math.isfinite(stage["ratio_to_baseline"])
+    assert written["gpu"]["measured"] is False
+    assert written["greedy_at_scale"]["d"] == 256
+    assert all_finite(written) and payload["settings"]["n_samples"] == 2
+    assert "not measured" in (tmp_path / "speed.md").read_text()
