@@ -19,9 +19,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(OFFLINE) $(BIN)/casp prune --model demo/stories260K --ratio 0.3 --alpha 1.0 --out out/demo-$$(date +%Y%m%d-%H%M%S) \
-		--datasets-dir demo/datasets --calibration-data wikitext2:validation --n-samples 32 --seq-len 256 \
-		--eval-data wikitext2 --eval-seq-len 256 --eval-limit 100
+	$(OFFLINE) $(BIN)/casp demo
 
 test: $(STAMP)
 	bash scripts/services.sh

@@ -16,6 +16,7 @@ from typing import Any
 
 from api.client import CaspClient
 from api.core.settings import DEVICES, Settings
+from casp_core.cli import main as casp_main
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "demo" / "stories260K"
@@ -237,7 +238,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(run=cmd_serve)
 
     p = subparsers.add_parser("demo", help="start the embedded service and prune the bundled demo model")
     p.add_argument("--home", default="casp-home", help="where the demo keeps its database and artifacts")
@@ -245,17 +246,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default=str(DEMO_MODEL))
     p.add_argument("--datasets-dir", default=str(DEMO_DATASETS))
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(run=cmd_demo)
 
     p = subparsers.add_parser("worker", help="run a Celery worker (one job at a time) for one device queue")
     p.add_argument("--device", choices=DEVICES, help="default: CASP_DEFAULT_DEVICE")
     p.add_argument("--log-level", default="info")
-    p.set_defaults(func=cmd_worker)
+    p.set_defaults(run=cmd_worker)
 
     keys = subparsers.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("create", help="create an API key and print it")
     p.add_argument("--name", required=True)
-    p.set_defaults(func=cmd_keys_create)
+    p.set_defaults(run=cmd_keys_create)
 
     p = subparsers.add_parser("submit", help="submit a pruning job")
     _client_options(p)
@@ -278,7 +279,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="wait until the job has finished")
-    p.set_defaults(func=cmd_submit)
+    p.set_defaults(run=cmd_submit)
 
     for name, func, helptext in (("status", cmd_status, "show a job"), ("wait", cmd_wait, "wait for a job")):
         p = subparsers.add_parser(name, help=helptext)
@@ -286,20 +287,18 @@ def register(subparsers: Any) -> None:
         p.add_argument("job_id")
         if name == "wait":
             p.add_argument("--timeout", type=float)
-        p.set_defaults(func=func)
+        p.set_defaults(run=func)
 
     p = subparsers.add_parser("download", help="download a job's artifacts, checking each sha256")
     _client_options(p)
     p.add_argument("job_id")
     p.add_argument("--out", help="target folder (default: the job id)")
-    p.set_defaults(func=cmd_download)
+    p.set_defaults(run=cmd_download)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="casp", description="casp jobs service")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """The whole `casp` command: the library's commands (prune, eval) and the service's."""
+    return casp_main(argv, extensions=[register])
 
 
 if __name__ == "__main__":

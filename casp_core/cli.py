@@ -23,6 +23,7 @@ from casp_core.config import (
     PruneConfig,
 )
 from casp_core.errors import CaspError
+from casp_core.eval_cli import add_eval_parser
 
 BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found"}
 
@@ -155,19 +156,21 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = [add_prune_parser]
+Register = Callable[[argparse._SubParsersAction], None]
+LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extensions: Sequence[Register] = ()) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="casp", description="Correlation-Aware Structured Pruning for LLMs")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for register in EXTENSIONS:
+    for register in [*LIBRARY_COMMANDS, *extensions]:
         register(subparsers)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, extensions: Sequence[Register] = ()) -> int:
+    """`python -m casp_core` has the library's commands; the `casp` script adds the service's (api.cli)."""
+    parser = build_parser(extensions)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.model import resolve_device
-from casp_core.progress import ProgressFn, no_progress
+from casp_core.progress import CancelCheck, ProgressFn, check_cancelled, never_cancelled, no_progress
 
 BOS_POLICY = "once, at the start of the joined text"
 
@@ -62,12 +62,14 @@ def windows_perplexity(
     device: str = "auto",
     batch_size: int = 8,
     progress: ProgressFn = no_progress,
+    should_cancel: CancelCheck = never_cancelled,
 ) -> float:
     target = resolve_device(device)
     model.to(target)
     total_nll, total_tokens = 0.0, 0
     windows = text.windows
     for start in range(0, len(windows), batch_size):
+        check_cancelled(should_cancel)  # a full test split takes minutes on a CPU: stop between batches
         batch = windows[start : start + batch_size].to(target)
         logits = model(batch, use_cache=False).logits.float()
         total_nll += float(

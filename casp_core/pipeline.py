@@ -18,6 +18,7 @@ from casp_core import data
 from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_ratios
 from casp_core.checkpoint import save_pruned
 from casp_core.config import PruneConfig
+from casp_core.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.errors import InvalidConfig, VerificationFailed
 from casp_core.interaction import block_aggregate, interaction_matrix, objective, offdiag_ratio
 from casp_core.model import (
@@ -32,6 +33,7 @@ from casp_core.model import (
 )
 from casp_core.modeling_casp_llama import CaspLlamaForCausalLM
 from casp_core.perplexity import EvaluationText, default_seq_len, evaluation_text, windows_perplexity
+from casp_core.plots import write_plots
 from casp_core.progress import (
     CancelCheck,
     ProgressFn,
@@ -44,6 +46,7 @@ from casp_core.report import build_report, write_report
 from casp_core.solvers import diagonal, select_units
 from casp_core.statistics import SecondMoment, record_inputs
 from casp_core.surgery import LayerPruning, kept_kv_heads, mask_layer, remove_units
+from casp_core.zeroshot import evaluate_zero_shot
 
 
 @dataclass
@@ -387,20 +390,62 @@ def _evaluation_texts(
     }
 
 
-def _perplexities(
+def _evaluate(
     model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     texts: dict[str, EvaluationText],
     config: PruneConfig,
     progress: ProgressFn,
     should_cancel: CancelCheck,
-) -> dict[str, float]:
-    figures = {}
+) -> dict[str, Any]:
+    """One model's figures: perplexity per text, and zero-shot accuracy and efficiency when asked for."""
+    evaluation = config.evaluation
+    figures: dict[str, Any] = {"perplexity": {}}
     for name, text in texts.items():
-        check_cancelled(should_cancel)
-        figures[name] = windows_perplexity(
-            model, text, device=config.device, batch_size=config.calibration.batch_size, progress=progress
+        figures["perplexity"][name] = windows_perplexity(
+            model,
+            text,
+            device=config.device,
+            batch_size=config.calibration.batch_size,
+            progress=progress,
+            should_cancel=should_cancel,
         )
+    if evaluation.zero_shot:
+        check_cancelled(should_cancel)
+        progress("evaluation", 0.0, f"zero-shot {', '.join(evaluation.zero_shot)}")
+        figures["zero_shot"] = evaluate_zero_shot(
+            model,
+            tokenizer,
+            evaluation.zero_shot,
+            limit=evaluation.limit,
+            datasets_dir=config.datasets_dir,
+            device=config.device,
+        )
+    if evaluation.efficiency:
+        check_cancelled(should_cancel)
+        progress("evaluation", 0.0, "parameters, MACs and latency")
+        figures["efficiency"] = measure_efficiency(model, device=config.device)
+    model.to("cpu")
     return figures
+
+
+def _combine(dense: dict[str, Any], pruned: dict[str, Any], texts: dict[str, EvaluationText]) -> dict[str, Any]:
+    """The evaluation card's layout: each figure's dense and pruned values side by side."""
+    combined: dict[str, Any] = {
+        "perplexity": {
+            name: {"dense": dense["perplexity"][name], "pruned": pruned["perplexity"][name], **text.convention}
+            for name, text in texts.items()
+        }
+    }
+    if "zero_shot" in dense:
+        combined["zero_shot"] = {"dense": dense["zero_shot"], "pruned": pruned["zero_shot"]}
+    if "efficiency" in dense:
+        combined["efficiency"] = {
+            "dense": dense["efficiency"],
+            "pruned": pruned["efficiency"],
+            "pruned_over_dense": efficiency_ratios(dense["efficiency"], pruned["efficiency"]),
+        }
+    return combined
 
 
 def run_job(
@@ -430,8 +475,7 @@ def run_job(
             windows = calibration_windows(dense, tokenizer, config)
             texts = _evaluation_texts(tokenizer, config, default_seq_len(dense))
         with timer.stage("evaluation_dense"):
-            dense_figures = _perplexities(dense, texts, config, progress, should_cancel)
-            dense.to("cpu")
+            dense_figures = _evaluate(dense, tokenizer, texts, config, progress, should_cancel)
         result = prune(
             dense, tokenizer, config, windows=windows, progress=progress, should_cancel=should_cancel, timer=timer
         )
@@ -441,15 +485,19 @@ def run_job(
             result.model.config.casp = {"source_model": model, "revision": revision, "settings": config.to_dict()}
             save_pruned(result.model, tokenizer, staging)
         with timer.stage("evaluation_pruned"):
-            pruned_figures = _perplexities(result.model, texts, config, progress, should_cancel)
+            pruned_figures = _evaluate(result.model, tokenizer, texts, config, progress, should_cancel)
         progress("report", 0.0, "writing the report")
-        figures = {
-            name: {"dense": dense_figures[name], "pruned": pruned_figures[name], **text.convention}
-            for name, text in texts.items()
-        }
+        evaluation = _combine(dense_figures, pruned_figures, texts)
         report = build_report(
-            model_name=model, config=config, result=result, perplexity=figures, device=str(device), dtype=dtype
+            model_name=model,
+            config=config,
+            result=result,
+            perplexity=evaluation.pop("perplexity"),
+            evaluation=evaluation,
+            device=str(device),
+            dtype=dtype,
         )
+        report["plots"] = [str(path.relative_to(staging)) for path in write_plots(report, staging)]
         write_report(report, staging)
         if out_dir.exists():
             out_dir.rmdir()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from casp_core.config import PruneConfig
+from casp_core.evaluation_card import render_card
 
 if TYPE_CHECKING:  # the pipeline imports this module to write its report
     from casp_core.pipeline import PruneResult
@@ -80,21 +81,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- device {report['device']}, dtype {report['dtype']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         "",
-        "## Perplexity",
-        "",
-        "| data set | seq_len | windows | dense | pruned |",
-        "|---|---|---|---|---|",
-    ]
-    for name, figures in report["perplexity"].items():
-        lines.append(
-            f"| {name} | {figures['seq_len']} | {figures['n_windows']} | "
-            f"{figures['dense']:.3f} | {figures['pruned']:.3f} |"
-        )
-    lines += [
-        "",
-        "Convention: rows joined with blank lines, tokenized once, BOS once at the start, non-overlapping windows "
-        "(remainder dropped), exp(mean next-token NLL); dense and pruned measured in the same run.",
-        "",
+        render_card({"perplexity": report["perplexity"], **report["evaluation"]}),
         "## Objective z'Qz (sum over layers)",
         "",
         "| sub-layer | chosen solver | independent (diagonal) |",
@@ -116,6 +103,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{len(layer['pruned_channels'])}/{layer['mlp']['units']} | {layer['attn']['offdiag_ratio']:.3f} | "
             f"{layer['mlp']['offdiag_ratio']:.3f} | {layer['params_after']:,}/{layer['params_before']:,} |"
         )
+    if report.get("plots"):
+        lines += ["", "## Plots", "", *(f"![{Path(path).stem}]({path})" for path in report["plots"])]
     lines += ["", "## Time and memory by stage", "", "| stage | seconds | peak memory (MB) |", "|---|---|---|"]
     for name, record in report["timings"].items():
         memory = record.get("peak_gpu_mb", record.get("peak_rss_mb"))

@@ -71,7 +71,7 @@ class RelaxedSolution:
     lower_bound: float  # a certified lower bound on the binary optimum
 
 
-def project_capped_simplex(v: torch.Tensor, k: int, iterations: int = 100) -> torch.Tensor:
+def project_capped_simplex(v: torch.Tensor, k: int, iterations: int = 60) -> torch.Tensor:
     """Euclidean projection onto {z in [0, 1]^d : sum z = k}: clamp(v - tau, 0, 1) with tau by bisection."""
     low, high = float(v.min()) - 1.0, float(v.max())
     for _ in range(iterations):

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DATASETS_DIR, REPO, STORIES
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from casp_core.checkpoint import load_pruned
+from tests.conftest import DATASETS_DIR, REPO, STORIES
 
 SMALL = [
     "--datasets-dir",

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-from conftest import DATASETS_DIR
 
 from casp_core import data
 from casp_core.errors import DatasetNotFound
 from casp_core.perplexity import evaluation_text, perplexity
+from tests.conftest import DATASETS_DIR
 
 
 def test_named_sets_map_to_the_fixture_layout():

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, STORIES, small_config
 from transformers import AutoModelForCausalLM
 
 from casp_core.checkpoint import load_pruned
 from casp_core.errors import Cancelled, InvalidConfig
 from casp_core.model import load_model
 from casp_core.pipeline import prune, run_job
+from tests.conftest import REPO, STORIES, small_config
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.3, 0.5])
@@ -94,17 +94,36 @@ def test_cancellation_stops_at_a_layer_boundary(stories):
 
 def test_run_job_writes_a_checkpoint_both_loaders_read(tmp_path):
     out = tmp_path / "pruned"
-    report = run_job(str(STORIES), small_config(0.3), out)
+    config = small_config(0.3)
+    config.evaluation.zero_shot = ["piqa", "arc_easy"]
+    config.evaluation.efficiency = True
+    report = run_job(str(STORIES), config, out)
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
         "model.safetensors",
         "modeling_casp_llama.py",
+        "plots",
         "report.json",
         "report.md",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
+    # The evaluation card: every figure, dense beside pruned, with its convention; the plots as PNG files.
+    assert len(report["plots"]) == 4
+    for plot in report["plots"]:
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    zero_shot = report["evaluation"]["zero_shot"]
+    for side in ("dense", "pruned"):
+        for task in ("piqa", "arc_easy"):
+            assert 0.0 <= zero_shot[side]["tasks"][task]["acc"] <= 1.0
+    efficiency = report["evaluation"]["efficiency"]
+    assert efficiency["pruned"]["params"] < efficiency["dense"]["params"]
+    assert efficiency["pruned"]["macs"] < efficiency["dense"]["macs"]
+    card = (out / "report.md").read_text()
+    for heading in ("### Perplexity", "### Zero-shot accuracy", "### Efficiency", "## Plots", "limit 20 documents"):
+        assert heading in card, heading
+    assert f"{report['perplexity']['wikitext2']['dense']:.3f}" in card
     saved = json.loads((out / "report.json").read_text())
     assert saved["achieved_ratio"] == pytest.approx(report["achieved_ratio"])
     figures = saved["perplexity"]["wikitext2"]
