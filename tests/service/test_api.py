@@ -241,3 +241,23 @@ def test_readyz_reports_an_unreachable_broker(distributed_settings: Settings) ->
     assert response.status_code == 503
     checks = response.json()["checks"]
     assert checks["database"] == "ok" and checks["storage"] == "ok" and checks["broker"] != "ok"
+
+
+def test_a_job_over_its_time_limit_fails_with_a_clear_error(
+    api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
+) -> None:
+    """The deadline is checked wherever casp_core polls for cancellation; the job ends failed, not running."""
+    from api.storage import make_storage
+    from worker.runner import execute
+
+    job_id = api.post("/v1/jobs", json=PARKED, headers=keys["alice"]).json()["id"]
+    with session_scope(distributed_settings.database) as session:
+        session.get(Job, job_id).device = "cpu"  # parked on the cuda queue, run here by hand on the CPU
+    hurried = distributed_settings.model_copy(update={"job_time_limit_seconds": 1})
+    status = execute(job_id, hurried, make_storage(hurried), worker_id="hurried-worker")
+    assert status == "failed"
+    job = api.get(f"/v1/jobs/{job_id}", headers=keys["alice"]).json()
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "time_limit_exceeded"
+    assert "time limit of 1 s" in job["error"]["message"]
+    assert api.get(f"/v1/jobs/{job_id}/artifacts", headers=keys["alice"]).status_code == 409
