@@ -23,7 +23,7 @@ from casp_core.config import (
     PruneConfig,
 )
 from casp_core.errors import CaspError
-from casp_core.eval_cli import add_eval_parser
+from casp_core.eval_cli import _names, add_eval_parser
 
 BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found"}
 
@@ -66,10 +66,6 @@ def _non_negative(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
-
-
-def _names(text: str) -> list[str]:
-    return [name for name in text.split(",") if name]
 
 
 def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
