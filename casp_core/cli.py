@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
+from casp_core.arguments import names, non_negative, ratio
 from casp_core.config import (
     ALLOCATIONS,
     CALIBRATION_MODES,
@@ -23,7 +24,7 @@ from casp_core.config import (
     PruneConfig,
 )
 from casp_core.errors import CaspError
-from casp_core.eval_cli import _names, add_eval_parser
+from casp_core.eval_cli import add_eval_parser
 
 BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found"}
 
@@ -54,27 +55,13 @@ class StageBars:
             self.bar = None
 
 
-def _ratio(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
     defaults, calibration = PruneConfig(ratio=0.5), CalibrationConfig()
     parser = subparsers.add_parser("prune", help="prune a model locally and write checkpoint + report")
     parser.add_argument("--model", required=True, help="local model directory or Hugging Face id")
     parser.add_argument("--revision", help="Hugging Face revision")
-    parser.add_argument("--ratio", required=True, type=_ratio, help="fraction of decoder parameters to remove")
-    parser.add_argument("--alpha", type=_non_negative, default=defaults.alpha, help="allocation temperature")
+    parser.add_argument("--ratio", required=True, type=ratio, help="fraction of decoder parameters to remove")
+    parser.add_argument("--alpha", type=non_negative, default=defaults.alpha, help="allocation temperature")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty)")
     parser.add_argument("--solver", choices=SOLVERS, default=defaults.solver)
     parser.add_argument("--allocation", choices=ALLOCATIONS, default=defaults.allocation)
@@ -95,7 +82,7 @@ def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--eval-data",
-        type=_names,
+        type=names,
         default=EvaluationConfig().perplexity,
         help="comma-separated perplexity data sets ('' for none)",
     )

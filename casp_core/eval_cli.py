@@ -24,26 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from casp_core.arguments import names, non_negative_int, positive_int
 from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.errors import InvalidConfig, ModelNotFound
-
-
-def _names(text: str) -> list[str]:
-    return [name.strip() for name in text.split(",") if name.strip()]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,20 +36,20 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, help="local checkpoint directory (dense or pruned)")
     parser.add_argument(
         "--tasks",
-        type=_names,
+        type=names,
         default=list(ZERO_SHOT_TASKS),
         help=f"comma-separated zero-shot tasks among {','.join(ZERO_SHOT_TASKS)} (default all; '' for none)",
     )
-    parser.add_argument("--limit", type=_positive_int, help="quick runs: at most N documents per zero-shot task")
+    parser.add_argument("--limit", type=positive_int, help="quick runs: at most N documents per zero-shot task")
     parser.add_argument(
         "--perplexity",
-        type=_names,
+        type=names,
         default=["wikitext2", "ptb"],
         help="comma-separated perplexity data sets ('' for none)",
     )
-    parser.add_argument("--seq-len", type=_positive_int, help="perplexity window (default min(2048, context))")
+    parser.add_argument("--seq-len", type=positive_int, help="perplexity window (default min(2048, context))")
     parser.add_argument(
-        "--max-windows", type=_positive_int, help="quick runs: at most N perplexity windows per data set"
+        "--max-windows", type=positive_int, help="quick runs: at most N perplexity windows per data set"
     )
     parser.add_argument(
         "--datasets-dir",
@@ -75,13 +58,13 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
         "without it the data come from the Hugging Face hub",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--batch-size", type=_positive_int, default=16, help="zero-shot and perplexity batch")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="zero-shot and perplexity batch")
     parser.add_argument("--no-efficiency", dest="efficiency", action="store_false", help="skip efficiency")
-    parser.add_argument("--latency-batch-size", type=_positive_int, default=32)
-    parser.add_argument("--latency-seq-len", type=_positive_int, default=128)
-    parser.add_argument("--new-tokens", type=_positive_int, default=128, help="tokens generated per decode run")
-    parser.add_argument("--repeats", type=_positive_int, default=10, help="timed runs per latency figure")
-    parser.add_argument("--warmup", type=_non_negative_int, default=2, help="untimed runs before them")
+    parser.add_argument("--latency-batch-size", type=positive_int, default=32)
+    parser.add_argument("--latency-seq-len", type=positive_int, default=128)
+    parser.add_argument("--new-tokens", type=positive_int, default=128, help="tokens generated per decode run")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per latency figure")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed runs before them")
     parser.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     parser.set_defaults(run=run_eval)
 
