@@ -1,5 +1,7 @@
 # One image for the API (`serve`) and the GPU worker (`worker`); see docs/service.md and docker-compose.yml.
-FROM python:3.11-slim
+# BASE_IMAGE: any Debian-like image whose `python` is CPython 3.11 and whose `pip` may install (a mirror's copy, say).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -10,9 +12,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# CUDA torch first, from PyTorch's index (the wheels bundle the CUDA runtime; the host needs only the driver
-# and the NVIDIA container toolkit). constraints.txt pins the version, which the CUDA build satisfies.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# CUDA torch first: PyPI's Linux x86_64 torch is the CUDA build, and its nvidia-* wheels carry the CUDA runtime
+# (the host needs only the driver and the NVIDIA container toolkit). TORCH_INDEX_URL picks another build, e.g.
+# https://download.pytorch.org/whl/cu128. constraints.txt pins the version, which the CUDA build satisfies.
+ARG TORCH_INDEX_URL=https://pypi.org/simple
 COPY requirements.txt constraints.txt ./
 RUN pip install "torch==2.13.0" --index-url "${TORCH_INDEX_URL}" \
     && pip install -r requirements.txt -c constraints.txt

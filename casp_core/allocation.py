@@ -57,7 +57,8 @@ def layer_sensitivities(
             gradients = torch.autograd.grad(loss, outputs)
             for index, gradient in enumerate(gradients):
                 sums[index] += gradient.double().pow(2).sum().cpu()
-            progress("allocation", min(1.0, (start + batch_size) / len(windows)))
+            done = min(start + batch_size, len(windows))
+            progress("allocation", done / len(windows), f"gradients of {done} of {len(windows)} sequences")
     finally:
         for handle in handles:
             handle.remove()
