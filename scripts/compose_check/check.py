@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from api.cli import demo_request  # noqa: E402
 from api.client import CaspClient  # noqa: E402
 from casp_core.checkpoint import load_pruned  # noqa: E402
+from tests.service.conftest import wait_for  # noqa: E402
 
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates,redis-server,redis-tools,postgresql,procps"
@@ -48,14 +48,6 @@ def run(*args: str | Path, capture: bool = False, env: dict[str, str] | None = N
     print("+", " ".join(str(a) for a in args), flush=True)
     result = subprocess.run([str(a) for a in args], check=True, text=True, capture_output=capture, env=env, input=stdin)
     return result.stdout if capture else ""
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(interval)
 
 
 def build_standins(work: Path) -> None:
