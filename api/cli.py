@@ -166,32 +166,29 @@ def client_of(args: argparse.Namespace) -> CaspClient:
     return CaspClient(args.url, api_key=args.api_key)
 
 
+def given(**values: Any) -> dict[str, Any]:
+    """The options that were set: argparse leaves the others None, and the server fills in its defaults."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def submit_request(args: argparse.Namespace) -> dict[str, Any]:
     if args.json:
         return json.loads(Path(args.json).read_text())
     if args.model is None or args.ratio is None:
         raise SystemExit("casp submit: needs --model and --ratio, or --json")
-    request: dict[str, Any] = {"model": args.model, "ratio": args.ratio, "alpha": args.alpha}
-    optional = {"revision": args.revision, "solver": args.solver, "allocation": args.allocation}
-    request.update({k: v for k, v in optional.items() if v is not None})
-    if args.device:
-        request["device"] = args.device
-    calibration = {
-        "dataset": args.calibration_dataset,
-        "n_samples": args.n_samples,
-        "seq_len": args.seq_len,
-        "seed": args.seed,
+    return {
+        "model": args.model,
+        "ratio": args.ratio,
+        "alpha": args.alpha,
+        **given(revision=args.revision, solver=args.solver, allocation=args.allocation, device=args.device),
+        "calibration": given(
+            dataset=args.calibration_dataset, n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed
+        ),
+        "evaluation": given(
+            perplexity=args.perplexity, seq_len=args.eval_seq_len, zero_shot=args.zero_shot, limit=args.limit
+        ),
+        "metadata": dict(item.split("=", 1) for item in args.metadata),
     }
-    request["calibration"] = {k: v for k, v in calibration.items() if v is not None}
-    evaluation = {
-        "perplexity": args.perplexity,
-        "seq_len": args.eval_seq_len,
-        "zero_shot": args.zero_shot,
-        "limit": args.limit,
-    }
-    request["evaluation"] = {k: v for k, v in evaluation.items() if v is not None}
-    request["metadata"] = dict(item.split("=", 1) for item in args.metadata)
-    return request
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

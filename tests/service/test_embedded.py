@@ -1,5 +1,6 @@
 """The single-machine mode: `casp serve` with SQLite, local artifacts and in-process workers; `casp demo`."""
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,15 @@ import pytest
 from api.client import CaspClient
 from api.core.security import sign_download
 from casp_core.checkpoint import load_pruned
-from tests.service.conftest import FIXTURE_DATA, REPO, SMALL_JOB, expected_parameters, free_port, wait_for
+from tests.service.conftest import (
+    DEMO_MODEL,
+    FIXTURE_DATA,
+    REPO,
+    SMALL_JOB,
+    expected_parameters,
+    free_port,
+    wait_for,
+)
 
 pytestmark = pytest.mark.service
 
@@ -105,6 +114,46 @@ def test_embedded_serve_keeps_queued_jobs_across_a_restart_and_serves_signed_fil
         assert client.http.get("/readyz").json()["ready"] is True
 
     model, _ = load_pruned(tmp_path / "out")
+    assert sum(p.numel() for p in model.parameters()) == expected_parameters(done["result"])
+
+
+def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
+    home, port = tmp_path / "home", free_port()
+    home.mkdir()
+    env = embedded_env(home, workers=1) | {"CASP_URL": f"http://127.0.0.1:{port}"}
+
+    def casp(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "api.cli", *args]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True)
+
+    with casp_serve(home, port, workers=1):
+        submitted = json.loads(
+            casp(
+                "submit", "--model", str(DEMO_MODEL), "--ratio", "0.3", "--alpha", "0.5", "--device", "cpu",
+                "--calibration-dataset", "wikitext2:validation", "--n-samples", "8", "--seq-len", "128",
+                "--perplexity", "wikitext2", "--eval-seq-len", "128", "--limit", "8", "--metadata", "team=llm",
+            ).stdout
+        )  # fmt: skip
+        assert submitted["status"] == "queued" and submitted["metadata"] == {"team": "llm"}
+        settings = submitted["settings"]
+        assert (settings["ratio"], settings["alpha"], submitted["device"]) == (0.3, 0.5, "cpu")
+        calibration = {name: settings["calibration"][name] for name in ("dataset", "n_samples", "seq_len")}
+        assert calibration == {"dataset": "wikitext2:validation", "n_samples": 8, "seq_len": 128}
+        assert settings["evaluation"]["perplexity"] == ["wikitext2"] and settings["evaluation"]["limit"] == 8
+        # Options left out take the server's defaults.
+        assert settings["solver"] == "greedy" and settings["calibration"]["seed"] == 0
+
+        waited = casp("wait", submitted["id"], "--timeout", "240")
+        done = json.loads(waited.stdout)
+        assert done["status"] == "succeeded" and "succeeded" in waited.stderr, waited.stderr
+        assert json.loads(casp("status", submitted["id"]).stdout) == done
+        out = tmp_path / "out"
+        downloaded = casp("download", submitted["id"], "--out", str(out)).stdout
+        files = [path for path in out.rglob("*") if path.is_file()]
+        assert downloaded == f"{len(files)} files in {out.resolve()}\n"
+        assert {"config.json", "model.safetensors", "report.json", "report.md"} <= {path.name for path in files}
+
+    model, _ = load_pruned(out)
     assert sum(p.numel() for p in model.parameters()) == expected_parameters(done["result"])
 
 
