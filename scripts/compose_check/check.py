@@ -1,6 +1,6 @@
 """Builds the image and runs docker-compose.yml for real, then drives a job through it from the host.
 
-    python scripts/compose_check/check.py [--work DIR] [--keep]
+    .venv/bin/python scripts/compose_check/check.py [--work DIR] [--keep]     # after `make install`
 
 Needs a Docker engine, docker-compose and debootstrap (Debian: `apt-get install docker.io docker-compose
 debootstrap`, then `dockerd &`); no GPU and no container registry: derive.py says what it swaps for that. Steps:
