@@ -8,6 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from casp_core.model import decoder_layers
+from casp_core.numerics import check_finite
 from casp_core.progress import CancelCheck, ProgressFn, check_cancelled
 
 EPSILON = 1e-12
@@ -54,10 +55,23 @@ def layer_sensitivities(
                 .mean(dim=1)
                 .sum()
             )
-            gradients = torch.autograd.grad(loss, outputs)
-            for index, gradient in enumerate(gradients):
-                sums[index] += gradient.double().pow(2).sum().cpu()
             done = min(start + batch_size, len(windows))
+            if not torch.isfinite(loss):
+                # The loss says only that something overflowed: the first layer output that did names where.
+                first = next((i for i, output in enumerate(outputs) if not torch.isfinite(output).all()), None)
+                check_finite(
+                    loss,
+                    "allocation",
+                    f"the calibration loss of sequences {start}-{done - 1}, first in the output",
+                    first,
+                )
+            squared_norms = torch.stack([g.double().pow(2).sum() for g in torch.autograd.grad(loss, outputs)]).cpu()
+            # Gradients flow from the last layer down: the highest non-finite layer is where it started.
+            for index in reversed(range(len(layers))):
+                check_finite(
+                    squared_norms[index], "allocation", "S_l, the squared gradient of the loss at the output", index
+                )
+            sums += squared_norms
             progress("allocation", done / len(windows), f"gradients of {done} of {len(windows)} sequences")
     finally:
         for handle in handles:

@@ -4,12 +4,15 @@ Errors print one line, `casp: error: <code>: <message>`, and exit with status 2 
 """
 
 import argparse
+import copy
 import json
 import os
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from tqdm import tqdm
 
@@ -17,6 +20,7 @@ from casp_core.arguments import names, non_negative, ratio
 from casp_core.config import (
     ALLOCATIONS,
     CALIBRATION_MODES,
+    COMPENSATIONS,
     DTYPES,
     SOLVERS,
     CalibrationConfig,
@@ -26,7 +30,8 @@ from casp_core.config import (
 from casp_core.errors import CaspError
 from casp_core.eval_cli import add_eval_parser
 
-BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found"}
+BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found", "device_unavailable"}
+DISTRIBUTION = "casp"
 
 
 class StageBars:
@@ -68,6 +73,18 @@ def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--r-max", type=float, default=defaults.r_max, help="cap on any layer's ratio")
     parser.add_argument("--round-to", type=int, default=defaults.round_to, help="kept FFN channels multiple")
     parser.add_argument(
+        "--compensation",
+        choices=COMPENSATIONS,
+        default=defaults.compensation,
+        help="refit the kept units of o_proj/down_proj by least squares (_dense_target: towards the dense model)",
+    )
+    parser.add_argument(
+        "--compensation-damping",
+        type=float,
+        default=defaults.compensation_damping,
+        help="least-squares damping, x the mean diagonal of C over the kept units",
+    )
+    parser.add_argument(
         "--calibration-data", default=calibration.dataset, help="wikitext2|ptb|c4[:split] or a .txt/.jsonl file"
     )
     parser.add_argument("--n-samples", type=int, default=calibration.n_samples)
@@ -103,6 +120,8 @@ def run_prune(args: argparse.Namespace) -> int:
         allocation=args.allocation,
         r_max=args.r_max,
         round_to=args.round_to,
+        compensation=args.compensation,
+        compensation_damping=args.compensation_damping,
         calibration=CalibrationConfig(
             dataset=args.calibration_data,
             n_samples=args.n_samples,
@@ -125,15 +144,50 @@ def run_prune(args: argparse.Namespace) -> int:
         "out": str(args.out),
         "achieved_ratio": round(report["achieved_ratio"], 4),
         "perplexity": {
-            name: {k: round(v[k], 3) for k in ("dense", "pruned")} for name, v in report["perplexity"].items()
+            name: {"split": v["split"], **{k: round(v[k], 3) for k in ("dense", "pruned")}}
+            for name, v in report["perplexity"].items()
         },
     }
     print(json.dumps(summary))
     return 0
 
 
+def package_version() -> str:
+    """The installed distribution's version; from a source tree that was never installed, pyproject.toml's."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+        return f"{project['version']} (not installed)"
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown (not installed)"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` shows each option's default, options without help text included (argparse's own
+    ArgumentDefaultsHelpFormatter skips those); not where there is none to show (None, empty) or it is a switch."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        default = action.default
+        if action.option_strings and default not in (None, argparse.SUPPRESS) and not isinstance(default, bool):
+            if isinstance(default, list | tuple):
+                default = ",".join(map(str, default))  # as it would be typed: the list options take a,b,c
+            if default != "":
+                shown = f"default: {default}".replace("%", "%%")  # help text is a %-format string
+                action = copy.copy(action)
+                action.help = f"{action.help} ({shown})" if action.help else shown
+        return super()._format_action(action)
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad arguments get one line (`casp prune: error: argument --ratio: must be in (0, 1), got 1.5`), not usage."""
+    """Bad arguments get one line (`casp prune: error: argument --ratio: must be in (0, 1), got 1.5`), not usage.
+    Every sub-command's parser is of this class too (argparse makes them so), and shows its defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -145,6 +199,7 @@ LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser]
 
 def build_parser(extensions: Sequence[Register] = ()) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="casp", description="Correlation-Aware Structured Pruning for LLMs")
+    parser.add_argument("--version", action="version", version=f"casp {package_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for register in [*LIBRARY_COMMANDS, *extensions]:
         register(subparsers)

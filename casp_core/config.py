@@ -5,9 +5,14 @@ from typing import Any, Literal
 
 from casp_core.errors import InvalidConfig
 
-SOLVERS = ("greedy", "diagonal", "relaxation", "greedy_refine", "wanda_sp", "flap")
+SOLVERS = ("greedy", "diagonal", "relaxation", "greedy_refine", "wanda_sp", "flap", "greedy_compensated")
 ALLOCATIONS = ("gradient", "uniform")
 CALIBRATION_MODES = ("sequential", "dense")
+# least_squares fits the kept units to this layer's own output on the inputs it sees; with sequential calibration,
+# least_squares_dense_target fits them to the dense model's output on the dense model's inputs (the same in dense
+# calibration mode).
+COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target")
+DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 
@@ -41,6 +46,9 @@ class PruneConfig:
     allocation: str = "gradient"
     r_max: float = 0.9  # no layer loses more than this fraction of its units
     round_to: int = 1  # kept FFN channels rounded to a multiple of this (8, 64: faster kernels)
+    # Refit the kept columns of o_proj / down_proj by least squares from the calibration statistics.
+    compensation: str = "least_squares"  # the default from bench/results/compensation.md
+    compensation_damping: float = 0.01  # x the mean diagonal of C over the kept units
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     datasets_dir: str | None = None  # local copies of the named data sets (layout of shared/fixtures/data)
@@ -59,6 +67,16 @@ class PruneConfig:
             ),
             (self.ratio <= self.r_max <= 1.0, "r_max", f"must be in [ratio, 1], got {self.r_max}"),
             (self.round_to >= 1, "round_to", f"must be >= 1, got {self.round_to}"),
+            (
+                self.compensation in COMPENSATIONS,
+                "compensation",
+                f"must be one of {', '.join(COMPENSATIONS)}, got {self.compensation!r}",
+            ),
+            (
+                0.0 < self.compensation_damping <= 1.0,
+                "compensation_damping",
+                f"must be in (0, 1], got {self.compensation_damping}",
+            ),
             (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
             (self.calibration.n_samples >= 1, "calibration.n_samples", "must be >= 1"),
             (self.calibration.seq_len >= 2, "calibration.seq_len", "must be >= 2"),

@@ -27,6 +27,12 @@ class DatasetNotFound(CaspError):
     code = "dataset_not_found"
 
 
+class DeviceUnavailable(CaspError):
+    """A device this machine lacks (`cuda` without a usable GPU, `cuda:3` on a one-GPU machine)."""
+
+    code = "device_unavailable"
+
+
 class VerificationFailed(CaspError):
     """The physically pruned model does not reproduce the masked original."""
 
@@ -35,3 +41,9 @@ class VerificationFailed(CaspError):
 
 class Cancelled(CaspError):
     code = "cancelled"
+
+
+class NumericalError(CaspError):
+    """NaN or infinity in the statistics, Q, S_l or the calibration loss: nothing after it can be trusted."""
+
+    code = "numerical_error"

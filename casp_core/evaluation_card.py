@@ -4,15 +4,15 @@ model's figure from the same run beside the pruned model's.
 The evaluation dict it renders (each section optional; a side missing from a section shows as "-"):
 
     {
-      "perplexity": {dataset: {"dense": float, "pruned": float, "seq_len": int, "n_windows": int,
-                               "bos": "once at start", "split": str (optional)}},
+      "perplexity": {dataset: {"dense": float, "pruned": float, **EvaluationText.convention}}, i.e. also
+                    "dataset", "split" (None for a file), "seq_len", "n_windows", "n_tokens", "bos"
       "zero_shot": {"dense": evaluate_zero_shot(...), "pruned": evaluate_zero_shot(...)},
       "efficiency": compare_efficiency(...), i.e. {"dense": measure_efficiency(...),
                     "pruned": measure_efficiency(...), "pruned_over_dense": {...} (optional)},
     }
 
-`evaluate_zero_shot` is in casp_core.zeroshot, `measure_efficiency` / `compare_efficiency` in
-casp_core.efficiency; their docstrings describe their own dicts.
+`EvaluationText` is in casp_core.perplexity, `evaluate_zero_shot` in casp_core.zeroshot, `measure_efficiency` /
+`compare_efficiency` in casp_core.efficiency; their docstrings describe their own dicts.
 """
 
 from collections.abc import Callable
@@ -61,7 +61,7 @@ def perplexity_section(perplexity: dict[str, dict[str, Any]]) -> list[str]:
         rows.append(
             [
                 name,
-                str(entry.get("split", DASH)),
+                str(entry.get("split") or DASH),
                 str(entry.get("seq_len", DASH)),
                 str(entry.get("n_windows", DASH)),
                 str(entry.get("bos", "not recorded")),
@@ -75,9 +75,10 @@ def perplexity_section(perplexity: dict[str, dict[str, Any]]) -> list[str]:
         "",
         *_table(["data set", "split", "seq_len", "windows", "BOS", "dense", "pruned", "pruned / dense"], rows),
         "",
-        "Convention: the split's text joined with blank lines and tokenized once, BOS as given in the table, "
-        "cut into non-overlapping windows of seq_len tokens (remainder dropped); exp(mean next-token NLL). "
-        "Dense and pruned measured in the same run with the same settings.",
+        "Convention (LLM-Pruner's, from GPTQ): the split's rows as the Hugging Face loader gives them "
+        '(WikiText-2 raw lines as they are, PTB lines stripped) joined with "\\n\\n" and tokenized once, BOS as '
+        "given in the table, cut into non-overlapping windows of seq_len tokens (remainder dropped); "
+        "exp(mean next-token NLL). Dense and pruned measured in the same run with the same settings.",
     ]
 
 

@@ -2,26 +2,37 @@
 
 A decoder layer has attention (q/k/v/o_proj; units are query heads, blocks of `head_dim` input columns of
 o_proj) and a gated MLP (gate/up/down_proj; units are intermediate channels, input columns of down_proj).
+Supported families: Llama 1/2/3/3.x (any rope scaling transformers computes), Mistral (sliding window), Qwen2/2.5
+(q/k/v biases, sliding layers) and Qwen3 (per-head q/k norms, explicit head_dim). Anything else is refused
+with `unsupported_model` before any work, from the config alone.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from casp_core.errors import ModelNotFound, UnsupportedModel
+from casp_core.errors import DeviceUnavailable, InvalidConfig, ModelNotFound, UnsupportedModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+# The dense families whose every setting the pruned model class (modeling_casp_llama.py) can carry.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -38,46 +49,168 @@ class AttentionGeometry:
 
 
 def resolve_device(device: str) -> torch.device:
+    """`auto` is cuda when available, else cpu. A device this machine lacks is refused here, before any work,
+    rather than by an assertion deep inside torch at the first tensor moved to it."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        target = torch.device(device)
+    except RuntimeError as error:
+        raise InvalidConfig(f"device: {device!r} is not a device name (auto, cpu, cuda, cuda:1, ...)") from error
+    if target.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise DeviceUnavailable(f"device {device!r}: this torch build has no CUDA support; use cpu or auto")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise DeviceUnavailable(f"device {device!r}: no CUDA GPU is visible on this machine; use cpu or auto")
+        if target.index is not None and target.index >= count:
+            raise DeviceUnavailable(
+                f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+            )
+    return target
+
+
+def is_local_reference(name_or_path: str) -> bool:
+    """Anything that starts like a path is one; everything else is a Hugging Face id."""
+    return name_or_path.startswith((".", "/", "~"))
 
 
 def check_model_reference(name_or_path: str) -> None:
     """A Hugging Face id is `org/name`; anything that starts like a path must be a local directory."""
-    if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
-        raise ModelNotFound(f"model path {name_or_path!r} does not exist or is not a directory")
+    if is_local_reference(name_or_path):
+        if not Path(name_or_path).expanduser().is_dir():
+            raise ModelNotFound(f"model path {name_or_path!r} does not exist or is not a directory")
+        return
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError as error:
+        raise ModelNotFound(f"{name_or_path!r} is neither a local path nor a Hugging Face id: {error}") from error
+
+
+# What transformers reads from a hub repository: weights as safetensors where the repository has them, the
+# PyTorch pickles only where it has none; never the original/consolidated copies some repositories add.
+HUB_FILES = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.safetensors"]
+HUB_SKIPPED = ["original/*", "consolidated*"]
+
+
+def model_source(name_or_path: str, revision: str | None = None) -> Path:
+    """The local folder to load from. A hub id is resolved through the Hugging Face cache (downloading into it
+    unless HF_HUB_OFFLINE is set), so transformers gets an absolute folder and never reads a same-named
+    relative path from the working directory."""
+    check_model_reference(name_or_path)
+    if is_local_reference(name_or_path):
+        return Path(name_or_path).expanduser()
+    try:
+        folder = Path(
+            snapshot_download(name_or_path, revision=revision, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED)
+        )
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(
+                snapshot_download(
+                    name_or_path, revision=revision, allow_patterns=[*HUB_FILES, "*.bin"], ignore_patterns=HUB_SKIPPED
+                )
+            )
+    except (OSError, ValueError) as error:  # not cached offline, unknown repository or revision, no network
+        raise ModelNotFound(
+            f"cannot get model {name_or_path!r} from the Hugging Face hub or its cache: {error}"
+        ) from error
+    return folder
+
+
+def _first_line(error: Exception) -> str:
+    """transformers explains load errors over several lines; a CLI error and a job's message take one."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def load_config(name_or_path: str, *, revision: str | None = None) -> PretrainedConfig:
+    """The model's config, checked by `check_supported_config`; a config that cannot be read is `model_not_found`."""
+    try:
+        settings, _ = PretrainedConfig.get_config_dict(name_or_path, revision=revision)
+    except OSError as error:
+        raise ModelNotFound(f"cannot read the config of model {name_or_path!r}: {_first_line(error)}") from error
+    if not settings:  # what transformers returns for a local folder without config.json
+        raise ModelNotFound(f"cannot read the config of model {name_or_path!r}: the folder has no config.json")
+    # Checked before transformers builds the config: it cannot build one of a type it does not know.
+    _check_model_type(settings.get("model_type"))
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, revision=revision)
+    except (OSError, ValueError, TypeError) as error:
+        raise UnsupportedModel(f"the config of model {name_or_path!r} is not valid: {_first_line(error)}") from error
+    check_supported_config(config)
+    return config
 
 
 def load_model(
     name_or_path: str, *, revision: str | None = None, dtype: str = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load weights on the CPU; the pipeline moves one decoder layer at a time to the accelerator."""
-    check_model_reference(name_or_path)
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, revision=revision)
-    except OSError as error:
-        raise ModelNotFound(f"cannot load model {name_or_path!r}: {error}") from error
-    check_supported_config(config)
+    source = str(model_source(name_or_path, revision))  # a hub id: its folder in the cache, never the cwd
+    config = load_config(source)
+    tokenizer = load_tokenizer(source)  # cheap, so a missing one fails first
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, revision=revision, dtype=torch_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch_dtype)
+    except OSError as error:
+        raise ModelNotFound(f"cannot load the weights of model {name_or_path!r}: {_first_line(error)}") from error
     model.eval()
     check_supported(model)
     return model, tokenizer
 
 
-def check_supported_config(config: object) -> None:
-    model_type = getattr(config, "model_type", None)
-    missing = [
-        name
-        for name in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size")
-        if getattr(config, name, None) is None
-    ]
-    if missing:
-        raise UnsupportedModel(
-            f"model type {model_type!r} is not a LLaMA-family decoder: its config has no {', '.join(missing)}"
+def load_tokenizer(name_or_path: str, *, revision: str | None = None) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+    except (OSError, ValueError, TypeError) as error:
+        raise ModelNotFound(f"cannot load the tokenizer of model {name_or_path!r}: {_first_line(error)}") from error
+    folder = Path(name_or_path).expanduser()
+    vocabulary_files = sorted(set(tokenizer.vocab_files_names.values()))
+    # Without its files transformers builds an empty tokenizer for some families (Qwen2) instead of failing.
+    if folder.is_dir() and not any((folder / name).is_file() for name in vocabulary_files):
+        raise ModelNotFound(
+            f"cannot load the tokenizer of model {name_or_path!r}: the folder has none of {', '.join(vocabulary_files)}"
         )
+    return tokenizer
+
+
+def _check_model_type(model_type: object) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"model type {model_type!r} is not supported: CASP prunes {', '.join(SUPPORTED_MODEL_TYPES)} models"
+        )
+
+
+def check_supported_config(config: PretrainedConfig) -> None:
+    """Refuse, from the config alone, any model whose settings the pruned model class cannot carry."""
+    model_type = getattr(config, "model_type", None)
+    _check_model_type(model_type)
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise UnsupportedModel(
+            f"model type {model_type!r}: {config.num_attention_heads} attention heads cannot share "
+            f"{config.num_key_value_heads} key/value heads in equal groups"
+        )
+    if getattr(config, "quantization_config", None) is not None:
+        raise UnsupportedModel(f"model type {model_type!r}: quantized weights (quantization_config) cannot be pruned")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedModel(f"model type {model_type!r}: rope type {rope_type!r} is not supported")
+    unknown = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES)
+    if model_type != "mistral" and unknown:  # Mistral's modeling ignores layer_types
+        raise UnsupportedModel(f"model type {model_type!r}: attention layer types {sorted(unknown)} are not supported")
+
+
+def attention_layer_types(config: PretrainedConfig) -> tuple[int | None, list[str]]:
+    """The sliding window and, per layer, whether attention is full or within that window, as the family's
+    own modeling reads them: Llama always attends fully, Mistral slides on every layer when it has a window
+    (ignoring `layer_types`), Qwen2/3 and pruned models follow `layer_types`."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "llama":
+        layer_types = ["full_attention"] * config.num_hidden_layers
+    elif config.model_type == "mistral":
+        layer_types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    else:
+        layer_types = list(config.layer_types)
+    return (window if "sliding_attention" in layer_types else None), layer_types
 
 
 def check_supported(model: nn.Module) -> None:

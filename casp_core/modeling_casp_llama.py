@@ -6,6 +6,10 @@ it imports only torch and transformers, never casp_core. Per layer `l` the confi
 `layer_num_kv_heads[l]` and `layer_intermediate_sizes[l]`. Groups may be uneven after pruning (one key/value
 head serving three query heads, another one), which `repeat_kv` cannot express, so uneven layers map query
 heads to key/value heads explicitly.
+
+The same class carries every supported dense family, which differ from Llama only in settings: Mistral attends
+within a sliding window, Qwen2 biases q/k/v but not o (and may slide on some layers), Qwen3 normalises each
+query and key head (RMSNorm over head_dim) and sets head_dim apart from hidden_size / heads.
 """
 
 import torch
@@ -27,6 +31,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
 
 @strict
@@ -36,7 +41,27 @@ class CaspLlamaConfig(LlamaConfig):
     layer_kv_of_query: list | None = None
     layer_num_kv_heads: list | None = None
     layer_intermediate_sizes: list | None = None
+    # Llama's `attention_bias` is one switch for q/k/v/o; Qwen2 biases q/k/v only. None: `attention_bias`, as
+    # in checkpoints written before these settings.
+    attention_qkv_bias: bool | None = None
+    attention_o_bias: bool | None = None
+    qk_norm: bool = False  # Qwen3: one RMSNorm over head_dim for all query heads, one for all key heads
+    sliding_window: int | None = None
+    layer_types: list | None = None  # per layer "full_attention" or "sliding_attention"; None: all full
     casp: dict | None = None  # provenance: the dense model, the pruning settings
+
+    def __post_init__(self, **kwargs) -> None:
+        if self.attention_qkv_bias is None:
+            self.attention_qkv_bias = self.attention_bias
+        if self.attention_o_bias is None:
+            self.attention_o_bias = self.attention_bias
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self) -> None:
+        """Llama asks hidden_size to be a multiple of the head count; here head_dim is always explicit (Qwen3
+        sets it apart from hidden_size / heads) and each layer keeps its own heads, so there is nothing to ask."""
 
 
 def even_group_size(kv_of_query: list[int], num_kv_heads: int) -> int | None:
@@ -63,11 +88,17 @@ class CaspLlamaAttention(LlamaAttention):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        bias = config.attention_bias
+        bias = config.attention_qkv_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_o_bias)
+        if config.qk_norm:
+            # Shared by all heads of the layer, so removing heads leaves them whole.
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
 
     def forward(
         self,
@@ -78,8 +109,11 @@ class CaspLlamaAttention(LlamaAttention):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
-        query = self.q_proj(hidden_states).view(*input_shape, self.num_heads, self.head_dim).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(*input_shape, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(*input_shape, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden_states).view(*input_shape, self.num_kv_heads, self.head_dim)
+        if self.config.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(*input_shape, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
@@ -107,6 +141,7 @@ class CaspLlamaAttention(LlamaAttention):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, self.num_heads * self.head_dim).contiguous()
@@ -154,7 +189,12 @@ class CaspLlamaModel(CaspLlamaPreTrainedModel, LlamaModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.has_sliding_layers = "sliding_attention" in config.layer_types
         self.post_init()
+
+    # Llama's forward with one causal mask per layer type (full, sliding window) chosen by `layer_types`:
+    # Qwen2's forward is exactly that, and Llama's own builds a single full mask.
+    forward = Qwen2Model.forward
 
 
 class CaspLlamaForCausalLM(CaspLlamaPreTrainedModel, LlamaForCausalLM):

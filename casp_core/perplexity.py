@@ -1,6 +1,7 @@
-"""Perplexity, by the convention in docs/method-notes.md: the split's rows joined with blank lines,
-tokenized once with BOS once at the start, non-overlapping windows of `seq_len` (remainder dropped),
-exp(mean next-token NLL over every predicted token)."""
+"""Perplexity, by the convention in docs/method-notes.md (LLM-Pruner's, from GPTQ): the split's Hugging Face
+rows joined with "\n\n" (PTB: validation unless `ptb:test` is asked for), tokenized once with BOS once at the
+start, non-overlapping windows of `seq_len` (remainder dropped), exp(mean next-token NLL over every predicted
+token). docs/evaluation.md states it for users."""
 
 import math
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from casp_core.model import resolve_device
 from casp_core.progress import CancelCheck, ProgressFn, check_cancelled, never_cancelled, no_progress
 
 BOS_POLICY = "once, at the start of the joined text"
+NO_BOS = "none: the tokenizer has no BOS token"
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class EvaluationText:
     dataset: str
     split: str | None
     windows: torch.Tensor
+    bos: str = BOS_POLICY
 
     @property
     def convention(self) -> dict[str, Any]:
@@ -32,7 +35,7 @@ class EvaluationText:
             "seq_len": self.windows.shape[1],
             "n_windows": self.windows.shape[0],
             "n_tokens": self.windows[:, 1:].numel(),
-            "bos": BOS_POLICY,
+            "bos": self.bos,
         }
 
 
@@ -49,9 +52,14 @@ def evaluation_text(
     max_windows: int | None = None,
 ) -> EvaluationText:
     """`max_windows` keeps the first windows only, for quick runs; the count is part of the convention."""
-    source = data.parse_source(dataset, "test")
+    source = data.evaluation_source(dataset)
     tokens = data.tokenize(data.load_text(source, datasets_dir), tokenizer, add_bos=True)
-    return EvaluationText(source.name, source.split or None, data.evaluation_windows(tokens, seq_len)[:max_windows])
+    return EvaluationText(
+        source.name,
+        source.split or None,
+        data.evaluation_windows(tokens, seq_len)[:max_windows],
+        BOS_POLICY if tokenizer.bos_token_id is not None else NO_BOS,
+    )
 
 
 @torch.no_grad()

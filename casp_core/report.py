@@ -7,8 +7,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
 from casp_core.evaluation_card import render_card
+from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
 
 if TYPE_CHECKING:  # the pipeline imports this module to write its report
     from casp_core.pipeline import PruneResult
@@ -49,15 +51,38 @@ def build_report(
             }
             for sub in ("attn", "mlp")
         },
+        "compensation": compensation_summary(layers),
         "perplexity": perplexity,
         "evaluation": evaluation or {},
         "layers": layers,
-        "verification": {"max_abs_logit_diff": result.verification_max_abs_diff},
+        "verification": {
+            "rule": VERIFY_RULE,
+            "relative_tolerance": VERIFY_RELATIVE_TOLERANCE,
+            "max_abs_diff": result.verification_max_abs_diff,
+            "max_relative_diff": result.verification_max_relative_diff,
+        },
         "timings": result.timings,
         "settings": config.to_dict(),
         "device": device,
         "dtype": dtype,
         "versions": library_versions(),
+    }
+
+
+def compensation_summary(layers: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Expected squared output error, summed over layers, without and with the refit.
+
+    What it is measured against is each layer's `compensation.reference`: the layer unpruned on the same inputs
+    (`least_squares`), or the dense model's layer on the dense model's inputs (`least_squares_dense_target`).
+    """
+    if not layers or layers[0]["attn"]["compensation"] is None:
+        return None
+    return {
+        sub: {
+            "error_before": sum(layer[sub]["compensation"]["error_before"] for layer in layers),
+            "error_after": sum(layer[sub]["compensation"]["error_after"] for layer in layers),
+        }
+        for sub in ("attn", "mlp")
     }
 
 
@@ -68,16 +93,18 @@ def _number(value: float | None, digits: int = 4) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     calibration = settings["calibration"]
+    verification = report["verification"]
     lines = [
         f"# CASP pruning report: {report['model']}",
         "",
         f"- target ratio {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f} "
         f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
         f"- solver `{settings['solver']}`, allocation `{settings['allocation']}`, alpha {settings['alpha']}, "
-        f"r_max {settings['r_max']}",
+        f"r_max {settings['r_max']}, compensation `{settings['compensation']}`",
         f"- calibration: {calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, "
         f"seed {calibration['seed']}, {calibration['mode']} statistics",
-        f"- pruned vs masked model, max |logit difference|: {report['verification']['max_abs_logit_diff']:.3g}",
+        f"- pruned vs masked model: largest difference {verification['max_relative_diff']:.3g} of a stage's output "
+        f"({verification['max_abs_diff']:.3g} absolute); rule: {verification['rule']}",
         f"- device {report['device']}, dtype {report['dtype']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         "",
@@ -89,6 +116,20 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for sub, values in report["objective"].items():
         lines.append(f"| {sub} | {_number(values['solver'], 6)} | {_number(values['diagonal'], 6)} |")
+    if report.get("compensation"):
+        against = {
+            SAME_INPUTS: "against each layer unpruned on the inputs it sees",
+            DENSE_MODEL: "against the dense model's layer on the dense model's inputs",
+        }[report["layers"][0]["attn"]["compensation"]["reference"]]
+        lines += [
+            "",
+            f"## Least-squares compensation: sub-layer output error {against} (sum over layers)",
+            "",
+            "| sub-layer | without refit | with refit |",
+            "|---|---|---|",
+        ]
+        for sub, values in report["compensation"].items():
+            lines.append(f"| {sub} | {_number(values['error_before'], 6)} | {_number(values['error_after'], 6)} |")
     lines += [
         "",
         "## Layers",

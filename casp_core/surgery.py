@@ -12,11 +12,20 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from casp_core.errors import VerificationFailed
-from casp_core.model import AttentionGeometry, attention_geometry, decoder_layers
+from casp_core.model import AttentionGeometry, attention_geometry, attention_layer_types, decoder_layers
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
 
-# Settings of the dense config that describe its uniform layers or its class, not the pruned model.
-_DENSE_ONLY_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+# Settings of the dense config that describe its uniform layers or its class, not the pruned model, and the
+# family settings the pruned config states its own way (Qwen2/3's sliding layers become `layer_types`).
+_DENSE_ONLY_KEYS = (
+    "model_type",
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "_name_or_path",
+    "use_sliding_window",
+    "max_window_layers",
+)
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,9 @@ def _pruned_layer_tensors(
     }
     for norm in ("input_layernorm", "post_attention_layernorm"):
         tensors[f"{prefix}.{norm}.weight"] = getattr(layer, norm).weight.detach().clone()
+    for norm in ("q_norm", "k_norm"):  # Qwen3: over head_dim, shared by all heads, so kept whole
+        if hasattr(attention, norm):
+            tensors[f"{prefix}.self_attn.{norm}.weight"] = getattr(attention, norm).weight.detach().clone()
     kv_of_query = [kv_position[geometry.kv_of_query[q]] for q in heads]
     return tensors, kv_of_query, len(channels)
 
@@ -105,7 +117,15 @@ def remove_units(
 
     settings = {k: v for k, v in model.config.to_dict().items() if k not in _DENSE_ONLY_KEYS}
     settings["head_dim"] = geometry.head_dim
+    # Read from the dense layers themselves: the families differ in which projections carry a bias.
+    attention = layers[0].self_attn
+    sliding_window, layer_types = attention_layer_types(model.config)
     settings.update(
+        attention_qkv_bias=attention.q_proj.bias is not None,
+        attention_o_bias=attention.o_proj.bias is not None,
+        qk_norm=hasattr(attention, "q_norm"),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
         layer_kv_of_query=kv_maps,
         layer_num_kv_heads=kv_counts,
         layer_intermediate_sizes=widths,
@@ -117,12 +137,19 @@ def remove_units(
         pruned = CaspLlamaForCausalLM(config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    pruned.load_state_dict(state, assign=True, strict=False)
+    unused = pruned.load_state_dict(state, assign=True, strict=False).unexpected_keys
+    if unused:
+        raise VerificationFailed(f"surgery found no place for dense weights: {', '.join(unused[:5])}")
     if config.tie_word_embeddings:
         pruned.tie_weights()
     device = model.model.embed_tokens.weight.device
-    # Non-persistent buffers are not in the state dict: build the rotary tables for real.
-    pruned.model.rotary_emb = type(pruned.model.rotary_emb)(config=config).to(device)
+    # Non-persistent buffers are not in the state dict: build the rotary tables for real, then take the source
+    # model's values, so the pruned model computes what it computes (a model cast with .to(bfloat16) holds
+    # bfloat16 inverse frequencies; a fresh table would be float32 and disagree).
+    rotary = type(pruned.model.rotary_emb)(config=config).to(device)
+    for name, buffer in model.model.rotary_emb.named_buffers():
+        setattr(rotary, name, buffer.detach().clone())
+    pruned.model.rotary_emb = rotary
     missing = [name for name, p in pruned.named_parameters() if p.is_meta]
     if missing:
         raise VerificationFailed(f"surgery left parameters without weights: {', '.join(missing[:5])}")

@@ -37,6 +37,7 @@ from lm_eval.tasks import TaskManager
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.config import ZERO_SHOT_TASKS
+from casp_core.data import POINT_ELSEWHERE
 from casp_core.errors import DatasetNotFound, InvalidConfig
 from casp_core.model import resolve_device
 
@@ -78,7 +79,7 @@ def local_task_config(task: str, datasets_dir: str | Path) -> dict[str, Any]:
     for split in spec.splits:
         path = (Path(datasets_dir) / "zeroshot" / task / f"{split}.jsonl").resolve()
         if not path.is_file():
-            raise DatasetNotFound(f"zero-shot task {task}: {path} does not exist")
+            raise DatasetNotFound(f"zero-shot task {task}: {path} does not exist; {POINT_ELSEWHERE}")
         data_files[split] = str(path)
     harness_tasks = Path(lm_eval.__file__).parent / "tasks"
     return {

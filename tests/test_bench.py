@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import quality, speed
+from bench import load, quality, speed
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -23,21 +23,31 @@ ROW_FIELDS = {
 def test_quality_tiny(tmp_path: Path) -> None:
     payload = quality.main(
         ["--models", "stories260K", "--ratios", "0.3", "--solvers", "greedy", "diagonal", "--allocations",
-         "gradient", "--alphas", "--modes", "dense", "--n-samples", "4", "--seq-len", "32", "--eval-windows", "2",
-         "--eval-seq-len", "32", "--jobs", "1", "--out", str(tmp_path)]
+         "gradient", "--alphas", "--modes", "dense", "--compensation-ratios", "0.3",
+         "--compensation-solvers", "greedy", "--zero-shot", "piqa", "--zero-shot-limit", "4", "--n-samples", "4",
+         "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "32", "--jobs", "1", "--out", str(tmp_path)]
     )  # fmt: skip
     written = json.loads((tmp_path / "quality.json").read_text())
     assert written == json.loads(json.dumps(payload))
     assert {"rows", "machine", "settings"} <= set(written)
-    assert len(written["rows"]) == 3  # greedy and diagonal (sequential), greedy with dense calibration
+    # greedy and diagonal (sequential), greedy with dense calibration, and that one again with compensation
+    assert len(written["rows"]) == 4
     for row in written["rows"]:
         assert set(row) >= ROW_FIELDS
         assert set(row["ppl"]) == {"wikitext2", "ptb"}
         assert abs(row["achieved_ratio"] - 0.3) <= 0.01
     greedy = quality._one(written["rows"], solver="greedy", calibration_mode="sequential")
     assert greedy is not None and greedy["objective"] <= greedy["diagonal_objective"] * (1 + 1e-9)
+    compensated = quality._one(written["rows"], compensation="least_squares")
+    assert compensated is not None and compensated["calibration_mode"] == "dense"
+    # Zero-shot on the compensation study's greedy rows (over 4 documents: multiples of 1/4) and the dense model.
+    for figures in (compensated["zero_shot"], written["dense"][0]["zero_shot"]):
+        assert set(figures) == {"piqa", "mean"} and figures["piqa"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert greedy["zero_shot"] is None  # not in the compensation study
     assert all_finite(written)
     assert "## Claims" in (tmp_path / "quality.md").read_text()
+    assert "(6) Least-squares compensation" in (tmp_path / "quality.md").read_text()
+    assert "Least squares has the higher mean in" in (tmp_path / "quality.md").read_text()
 
 
 def test_speed_tiny(tmp_path: Path) -> None:
@@ -56,3 +66,21 @@ def test_speed_tiny(tmp_path: Path) -> None:
     assert written["greedy_at_scale"]["d"] == 256
     assert all_finite(written) and payload["settings"]["n_samples"] == 2
     assert "not measured" in (tmp_path / "speed.md").read_text()
+
+
+def test_load_tiny(tmp_path: Path) -> None:
+    payload = load.main(
+        ["--modes", "embedded", "--jobs", "6", "--polls", "10", "--concurrency", "2", "--out", str(tmp_path)]
+    )
+    written = json.loads((tmp_path / "load.json").read_text())
+    assert written == json.loads(json.dumps(payload))
+    embedded = written["modes"]["embedded"]
+    pairs, polls = embedded["submit_cancel"], embedded["status"]
+    assert (pairs["errors"], polls["errors"]) == (0, 0)
+    assert pairs["statuses_after_cancel"] == {"cancelled": 6}
+    assert pairs["pairs_per_second"] > 0 and polls["polls_per_second"] > 0
+    for latency in (pairs["latency_ms"]["submit"], pairs["latency_ms"]["cancel"], polls["latency_ms"]):
+        assert 0 < latency["p50"] <= latency["p99"] <= latency["max"]
+    assert {"loadavg_start", "loadavg_end", "git_commit"} <= set(written["machine"])
+    assert all_finite(written)
+    assert "| embedded | sqlite |" in (tmp_path / "load.md").read_text()

@@ -4,12 +4,22 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 
 import pytest
+import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from api.cli import register
+from casp_core import cli
 from casp_core.checkpoint import load_pruned
+from casp_core.errors import InvalidConfig
+from casp_core.model import resolve_device
+from casp_core.perplexity import BOS_POLICY
 from tests.conftest import DATASETS_DIR, REPO, STORIES
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 
 SMALL = [
     "--datasets-dir",
@@ -43,10 +53,16 @@ def test_prune_end_to_end(tmp_path):
     summary = json.loads(completed.stdout)
     assert abs(summary["achieved_ratio"] - 0.3) <= 0.01
     assert set(summary["perplexity"]) == {"wikitext2", "ptb"}
+    assert summary["perplexity"]["ptb"]["split"] == "validation"  # LLM-Pruner's PTB split, named in the result
     assert "casp: pruning:" in completed.stderr  # stage progress, one line per stage in a log
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["alpha"] == 1.5 and report["settings"]["calibration"]["n_samples"] == 8
     assert report["perplexity"]["ptb"]["n_windows"] == 10
+    assert {key: report["perplexity"]["ptb"][key] for key in ("split", "seq_len", "bos")} == {
+        "split": "validation",
+        "seq_len": 128,
+        "bos": BOS_POLICY,
+    }
     model, tokenizer = load_pruned(out)
     generated = model.generate(**tokenizer("Once upon a time", return_tensors="pt"), max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > 5
@@ -62,6 +78,15 @@ def test_prune_end_to_end(tmp_path):
         (["--model", str(STORIES), "--ratio", "1.5"], "argument --ratio: must be in (0, 1), got 1.5"),
         (["--model", str(STORIES), "--ratio", "0"], "argument --ratio: must be in (0, 1), got 0.0"),
         (["--model", str(STORIES), "--ratio", "0.3", "--alpha", "-1"], "argument --alpha: must be >= 0, got -1.0"),
+        pytest.param(
+            ["--model", str(STORIES), "--ratio", "0.3", "--device", "cuda"],
+            "device_unavailable: device 'cuda': ",
+            marks=NO_CUDA,
+        ),
+        (
+            ["--model", str(STORIES), "--ratio", "0.3", "--device", "gpu0"],
+            "invalid_config: device: 'gpu0' is not a device name",
+        ),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(tmp_path, arguments, expected):
@@ -77,8 +102,8 @@ def test_unsupported_architecture(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)).save_pretrained(gpt2)
     completed = casp("prune", "--model", str(gpt2), "--ratio", "0.3", "--out", str(tmp_path / "out"), *SMALL)
     assert completed.returncode == 2
-    assert "unsupported_model: model type 'gpt2' is not a LLaMA-family decoder" in completed.stderr
-    assert "num_key_value_heads" in completed.stderr
+    assert "unsupported_model: model type 'gpt2' is not supported" in completed.stderr
+    assert "CASP prunes llama, mistral, qwen2, qwen3 models" in completed.stderr
 
 
 def test_missing_local_split_names_the_file(tmp_path):
@@ -96,3 +121,70 @@ def test_missing_local_split_names_the_file(tmp_path):
     )
     assert completed.returncode == 2
     assert f"wikitext2 train: looked for {DATASETS_DIR}/wikitext-2-raw/wiki.train.raw" in completed.stderr
+    assert completed.stderr.strip().endswith("point --datasets-dir or CASP_DATASETS_DIR at a folder that has it")
+
+
+@NO_CUDA
+def test_eval_on_a_missing_device_gets_one_line() -> None:
+    completed = casp("eval", "--model", str(STORIES), "--device", "cuda:1", "--tasks", "", "--perplexity", "")
+    assert completed.returncode == 2
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("casp: error: device_unavailable: device 'cuda:1': "), lines
+
+
+def test_resolve_device_refuses_what_is_not_a_device() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(InvalidConfig, match="'cuda:x' is not a device name"):
+        resolve_device("cuda:x")
+
+
+def test_version() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "api.cli", "--version"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert completed.returncode == 0
+    assert completed.stdout == f"casp {metadata.version('casp')}\n"
+
+
+def test_version_of_a_source_tree_that_was_never_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert cli.package_version() == f"{project['version']} (not installed)"
+
+
+def help_of(command: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser([register]).parse_args([*command, "--help"])
+    assert exited.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        (["prune"], ["--solver {greedy,", "default: greedy", "--n-samples N_SAMPLES default: 128", "(default: auto)"]),
+        (["eval"], ["--latency-seq-len LATENCY_SEQ_LEN default: 128", "(default: wikitext2,ptb)"]),
+        (["serve"], ["--port PORT default: 8000", "--host HOST default: 127.0.0.1"]),
+        (["demo"], ["--timeout TIMEOUT default: 1800.0", "(default: casp-home)"]),
+        (["worker"], ["--log-level LOG_LEVEL default: info"]),
+        (["keys", "create"], ["--name NAME"]),
+        (["submit"], ["(default: http://127.0.0.1:8000)", "--alpha ALPHA default: 1.0", "(default: 3)"]),
+        (["status"], ["(default: http://127.0.0.1:8000)", "(default: 3)"]),
+        (["wait"], ["(default: http://127.0.0.1:8000)"]),
+        (["download"], ["(default: http://127.0.0.1:8000)"]),
+    ],
+)
+def test_help_shows_defaults(
+    command: list[str], shown: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CASP_URL", raising=False)
+    monkeypatch.setenv("CASP_API_KEY", "casp-secret-key")
+    text = help_of(command, capsys)
+    for part in shown:
+        assert part in text, text
+    assert "default: None" not in text and "default: False" not in text
+    assert "casp-secret-key" not in text  # the key is read when needed, never shown as a default

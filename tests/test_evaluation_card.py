@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from casp_core.efficiency import compare_efficiency
 from casp_core.evaluation_card import render_card
+from casp_core.perplexity import BOS_POLICY
 from casp_core.zeroshot import evaluate_zero_shot
 from tests.eval_helpers import (
     STORIES,
@@ -38,9 +39,12 @@ def evaluation() -> dict:
         "wikitext2": {
             "dense": 3.0512,
             "pruned": 58.734,
+            "dataset": "wikitext2",
+            "split": "test",
             "seq_len": 512,
             "n_windows": 12,
-            "bos": "once at start",
+            "n_tokens": 12 * 511,
+            "bos": BOS_POLICY,
         }
     }
     return {"perplexity": perplexity, "zero_shot": zero_shot, "efficiency": efficiency}
@@ -81,7 +85,7 @@ def test_every_efficiency_figure_dense_and_pruned(evaluation: dict):
 
 def test_perplexity_with_its_conventions(evaluation: dict):
     card = render_card(evaluation)
-    assert f"| wikitext2 | - | 512 | 12 | once at start | 3.051 | 58.734 | {58.734 / 3.0512:.3f} |" in card
+    assert f"| wikitext2 | test | 512 | 12 | {BOS_POLICY} | 3.051 | 58.734 | {58.734 / 3.0512:.3f} |" in card
     assert "non-overlapping windows of seq_len tokens" in card
 
 

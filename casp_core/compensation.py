@@ -1,0 +1,174 @@
+"""Compensation: refit the kept input columns of o_proj and down_proj by least squares.
+
+A sub-layer computes W y with W its weight (out x d_in) and y its input. Pruning the columns p of W leaves
+W_k y_k, which misses W_p y_p. The best linear stand-in for the missing part, in expectation over the
+calibration tokens, is W_p y_p ≈ D y_k with
+
+    D = W_p C_pk C_kk^-1,   C = E[y yᵀ] (the statistics CASP already has),
+
+so the kept columns become W_k + D (SparseGPT, ZipLM and SlimGPT make updates of this kind; the CASP paper
+leaves the kept weights as they were). C_kk is damped by `damping` x its mean diagonal and solved by Cholesky
+in float64; when it is still not positive definite the damping grows tenfold (with a warning) until it is.
+
+With sequential calibration the layer's inputs y come from the already pruned layers (the pruned stream), and
+the fit above makes the kept units reproduce what this layer, unpruned, would output on them. The dense-target
+variant (GPTAQ-style) asks instead for the dense model's output on its own inputs y_d (the dense stream):
+minimise E||W y_d - (W_k + D) y_k||² + λ||D||², whose solution is
+
+    D = (W M_:k - W_k C_kk)(C_kk + λI)^-1,   M = E[y_d yᵀ] (the cross-moment of the two streams),
+
+which is the update above when the streams are one (M = C, so W M_:k - W_k C_kk = W_p C_pk). It refits a layer
+that loses no unit too, since the drift of its inputs still leaves an error to reduce.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from casp_core.model import AttentionGeometry
+from casp_core.statistics import SecondMoment, StreamCrossMoment
+from casp_core.surgery import LayerPruning, head_columns
+
+logger = logging.getLogger(__name__)
+
+MAX_DAMPING_GROWTH = 6  # up to 10^6 x the requested damping before giving up on the refit
+
+
+# What a CompensationReport's errors measure the sub-layer's output against.
+SAME_INPUTS = "unpruned_layer_on_same_inputs"  # W y on the inputs the layer sees: the removed units' part only
+DENSE_MODEL = "dense_model"  # W y_d on the dense stream: also what the earlier layers' pruning shifted
+
+
+@dataclass
+class CompensationReport:
+    """Expected squared error of the sub-layer's output per token against `reference`, before and after."""
+
+    error_before: float
+    error_after: float
+    damping: float  # relative to the mean diagonal of C_kk, as finally used (0.0 when nothing was refitted)
+    reference: str = SAME_INPUTS  # SAME_INPUTS or DENSE_MODEL
+
+
+@dataclass
+class LeastSquaresFit:
+    update: torch.Tensor  # D, float64 (out x |k|), to add to the kept columns
+    damping: float
+
+
+def fit_kept_columns(
+    weight: torch.Tensor,
+    second_moment: torch.Tensor,
+    pruned: list[int],
+    kept_columns: list[int],
+    damping: float,
+    cross_moment: torch.Tensor | None = None,
+) -> LeastSquaresFit:
+    """D = (W M_:k - W_k C_kk)(C_kk + λI)^-1 with λ = damping x mean diag(C_kk), in float64 by Cholesky.
+
+    `cross_moment` is M = E[y_d yᵀ] for the dense target; without it M = C and the numerator is W_p C_pk.
+    """
+    weight = weight.detach().double()
+    moment = second_moment.double()
+    c_kk = moment[kept_columns][:, kept_columns]
+    scale = float(c_kk.diagonal().mean().clamp(min=torch.finfo(torch.float64).tiny))
+    identity = torch.eye(len(kept_columns), dtype=torch.float64, device=c_kk.device)
+    for growth in range(MAX_DAMPING_GROWTH + 1):
+        used = damping * 10**growth
+        factor, info = torch.linalg.cholesky_ex(c_kk + used * scale * identity)
+        if int(info) == 0:
+            break
+        logger.warning("C_kk is not positive definite with damping %.3g; retrying with %.3g", used, used * 10)
+    else:
+        raise torch.linalg.LinAlgError(f"C_kk stays singular up to damping {used:.3g}")
+    # The numerator as weights @ momentsᵀ, so that D = weights @ ((C_kk + λI)^-1 moments)ᵀ (C_kk is symmetric).
+    if cross_moment is None:
+        weights, moments = weight[:, pruned], moment[kept_columns][:, pruned]  # W_p, C_kp
+    else:
+        weights = torch.cat([weight, weight[:, kept_columns]], dim=1)  # [W, W_k]
+        moments = torch.cat([cross_moment.double()[:, kept_columns].T, -c_kk], dim=1)  # [M_:kᵀ, -C_kk]
+    solved = torch.cholesky_solve(moments, factor)
+    return LeastSquaresFit(update=weights @ solved.T, damping=used)
+
+
+def removal_error(
+    weight: torch.Tensor,
+    second_moment: torch.Tensor,
+    pruned: list[int],
+    kept_columns: list[int],
+    update: torch.Tensor,
+    dense: StreamCrossMoment | None = None,
+) -> float:
+    """The expected squared output error per token of the kept columns plus `update`, with the undamped moments.
+
+    Against the same layer on the same inputs: E||W_p y_p - D y_k||² = tr(W_p C_pp W_pᵀ) - 2 tr(D C_kp W_pᵀ)
+    + tr(D C_kk Dᵀ). Against the dense model (`dense` given), with W' = W_k + D:
+    E||W y_d - W' y_k||² = tr(W C_d Wᵀ) - 2 tr(W' M_:kᵀ Wᵀ) + tr(W' C_kk W'ᵀ).
+    """
+    moment = second_moment.double()
+    c_kk = moment[kept_columns][:, kept_columns]
+    if dense is None:
+        w_pruned = weight.detach()[:, pruned].double()
+        c_pp = moment[pruned][:, pruned]
+        c_kp = moment[kept_columns][:, pruned]
+        error = (w_pruned @ c_pp * w_pruned).sum()
+        error -= 2 * (update @ c_kp * w_pruned).sum()
+        error += (update @ c_kk * update).sum()
+        return float(error)
+    full = weight.detach().double()
+    refitted = full[:, kept_columns] + update
+    error = (full @ dense.dense_second_moment.double() * full).sum()
+    error -= 2 * (refitted @ dense.cross_moment.double()[:, kept_columns].T * full).sum()
+    error += (refitted @ c_kk * refitted).sum()
+    return float(error)
+
+
+@torch.no_grad()
+def compensate_linear(
+    linear: nn.Linear,
+    moment: SecondMoment,
+    pruned: list[int],
+    damping: float,
+    dense: StreamCrossMoment | None = None,
+) -> CompensationReport:
+    """Add D to the kept columns of `linear` in place; the pruned columns are left for masking to zero.
+
+    With `dense` (the dense stream's statistics) the target is the dense model's output, otherwise this layer's.
+    """
+    pruned_set = set(pruned)
+    kept_columns = [i for i in range(linear.in_features) if i not in pruned_set]
+    second_moment = moment.second_moment
+    reference = SAME_INPUTS if dense is None else DENSE_MODEL
+    no_update = torch.zeros(linear.out_features, len(kept_columns), dtype=torch.float64, device=second_moment.device)
+    before = removal_error(linear.weight, second_moment, pruned, kept_columns, no_update, dense)
+    # Against its own unpruned output a layer that loses nothing has nothing to refit; against the dense model's
+    # it still does. A layer that keeps nothing has nothing to refit with.
+    if (not pruned and dense is None) or not kept_columns:
+        return CompensationReport(error_before=before, error_after=before, damping=0.0, reference=reference)
+    cross_moment = None if dense is None else dense.cross_moment
+    fit = fit_kept_columns(linear.weight, second_moment, pruned, kept_columns, damping, cross_moment)
+    after = removal_error(linear.weight, second_moment, pruned, kept_columns, fit.update, dense)
+    linear.weight[:, kept_columns] += fit.update.to(linear.weight.dtype)
+    return CompensationReport(error_before=before, error_after=after, damping=fit.damping, reference=reference)
+
+
+def compensate_layer(
+    layer: nn.Module,
+    geometry: AttentionGeometry,
+    pruning: LayerPruning,
+    moments: dict[str, SecondMoment],
+    damping: float,
+    dense: dict[str, StreamCrossMoment] | None = None,
+) -> tuple[CompensationReport, CompensationReport]:
+    """Refit o_proj over the kept heads' columns and down_proj over the kept channels, before masking.
+
+    `dense` holds the dense stream's statistics per sub-layer when the target is the dense model's output.
+    """
+    heads = head_columns(geometry, list(pruning.pruned_heads))
+    dense = dense or {}
+    attn = compensate_linear(layer.self_attn.o_proj, moments["attn"], heads, damping, dense.get("attn"))
+    mlp = compensate_linear(
+        layer.mlp.down_proj, moments["mlp"], list(pruning.pruned_channels), damping, dense.get("mlp")
+    )
+    return attn, mlp

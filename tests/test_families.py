@@ -1,0 +1,296 @@
+"""Supported model families prune exactly; any other model is refused before any work.
+
+The dense models are tiny, randomly initialised checkpoints built with transformers' own config classes: fine
+for exactness (pruned == masked), never for quality numbers.
+"""
+
+import copy
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+)
+
+from casp_core import cli
+from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.config import CalibrationConfig, PruneConfig
+from casp_core.errors import UnsupportedModel
+from casp_core.model import (
+    attention_geometry,
+    check_supported_config,
+    decoder_layers,
+    load_model,
+    sublayer_parameters,
+)
+from casp_core.pipeline import PruneResult, attention_params_removed, channel_params, prune
+from casp_core.surgery import LayerPruning, mask_layer, remove_units
+from tests.conftest import DATASETS_DIR, STORIES
+
+VOCAB, WIDTH, LAYERS = 512, 96, 3  # the stories260K tokenizer has 512 tokens
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": WIDTH,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+WINDOW = 8  # shorter than the test inputs, so a lost sliding window changes the logits
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
+    # Llama 1 / Llama 2 7B: every query head has its own key/value head.
+    "llama": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 8}),
+    # Llama 3.x: grouped-query attention, llama3 rope scaling, tied embeddings (as 3.2 1B/3B).
+    "llama3": lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
+    # Llama-layout models that bias every projection.
+    "llama-biases": lambda: LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW),
+    # Qwen2/2.5: q/k/v biased, o not; a sliding window on the layers from max_window_layers on.
+    "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    # Qwen3: per-head q/k norms; head_dim 16 with 6 heads, so q_proj is 96 wide on a 64-wide model.
+    "qwen3": lambda: Qwen3Config(**{**COMMON, "num_attention_heads": 6}, head_dim=16),
+}
+MAIN_FAMILIES = ("llama3", "mistral", "qwen2", "qwen3")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def write_dense(config: PretrainedConfig, folder: Path, *, weights: bool = True, tokenizer: bool = True) -> Path:
+    """A random checkpoint: every weight, bias and norm drawn at random, so none of them may be lost unseen."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
+            else:
+                parameter.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    if not weights:
+        (folder / "model.safetensors").unlink()
+    if tokenizer:
+        for name in TOKENIZER_FILES:
+            shutil.copy(STORIES / name, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dense_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dense")
+    return {name: write_dense(make(), root / name) for name, make in FAMILIES.items()}
+
+
+def masked_copy(model: PreTrainedModel, prunings: list[LayerPruning]) -> PreTrainedModel:
+    masked = copy.deepcopy(model)
+    for layer, pruning in zip(decoder_layers(masked), prunings, strict=True):
+        mask_layer(layer, attention_geometry(masked, layer), pruning)
+    return masked
+
+
+def written_and_loaded_back(pruned: PreTrainedModel, tokenizer, folder: Path) -> list[PreTrainedModel]:
+    save_pruned(pruned, tokenizer, folder)
+    return [load_pruned(folder)[0], AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()]
+
+
+@torch.no_grad()
+def assert_computes_the_same(
+    masked: PreTrainedModel, pruned_models: list[PreTrainedModel], *, generation: bool = True
+) -> None:
+    """Logits in float64 (where removing units and masking them agree to rounding) and, with `generation`,
+    greedy generation through the KV cache past the sliding window."""
+    masked = copy.deepcopy(masked).double()
+    tokens = torch.randint(0, VOCAB, (2, 4 * WINDOW), generator=torch.Generator().manual_seed(3))
+    expected = masked(tokens, use_cache=False).logits
+    prompt = tokens[:1, :6]
+    if generation:
+        generated = masked.generate(prompt, max_new_tokens=WINDOW + 4, do_sample=False, use_cache=True)
+    for pruned in pruned_models:
+        pruned = copy.deepcopy(pruned).double()
+        difference = (expected - pruned(tokens, use_cache=False).logits).abs().max().item()
+        assert difference <= 1e-9 * max(1.0, expected.abs().max().item())
+        if generation:
+            assert torch.equal(
+                pruned.generate(prompt, max_new_tokens=WINDOW + 4, do_sample=False, use_cache=True), generated
+            )
+
+
+def chosen_prunings(num_heads: int) -> list[LayerPruning]:
+    """Uneven groups (two key/value heads left serving different numbers of query heads), a layer that loses
+    every head and half its channels, and a layer that loses one whole group."""
+    return [
+        LayerPruning((0, 1, 4), (0, 3, 7)),
+        LayerPruning(tuple(range(num_heads)), tuple(range(0, WIDTH, 2))),
+        LayerPruning(tuple(range(num_heads // 2)), ()),
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chosen_units_prune_exactly(family: str, dense_folders: dict[str, Path], tmp_path: Path) -> None:
+    model, tokenizer = load_model(str(dense_folders[family]))
+    prunings = chosen_prunings(attention_geometry(model, decoder_layers(model)[0]).num_heads)
+    masked = masked_copy(model, prunings)
+    pruned = remove_units(model, prunings)
+    assert pruned.config.layer_kv_of_query[1] == []
+    if model.config.num_key_value_heads < model.config.num_attention_heads:
+        assert pruned.model.layers[0].self_attn.gather_kv  # the uneven groups
+    assert_computes_the_same(masked, written_and_loaded_back(pruned, tokenizer, tmp_path / "pruned"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameter_counts_agree_with_surgery(family: str, dense_folders: dict[str, Path]) -> None:
+    """What the budget counts as removed (q/k/v biases included) is what surgery removes."""
+    model, _ = load_model(str(dense_folders[family]))
+    prunings = chosen_prunings(attention_geometry(model, decoder_layers(model)[0]).num_heads)
+    pruned = remove_units(model, prunings)
+    for dense_layer, pruned_layer, pruning in zip(decoder_layers(model), decoder_layers(pruned), prunings, strict=True):
+        geometry = attention_geometry(model, dense_layer)
+        expected = attention_params_removed(dense_layer, geometry, list(pruning.pruned_heads))
+        expected += len(pruning.pruned_channels) * channel_params(dense_layer)
+        assert sum(sublayer_parameters(dense_layer)) - sum(sublayer_parameters(pruned_layer)) == expected
+
+
+def prune_small(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ratio: float, solver: str) -> PruneResult:
+    """The real pipeline (gradient allocation, sequential calibration, its own verification) on a few random
+    windows; it masks `model` in place."""
+    calibration = CalibrationConfig(n_samples=4, seq_len=32, batch_size=4)
+    config = PruneConfig(ratio=ratio, solver=solver, calibration=calibration, device="cpu")
+    windows = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(5))
+    return prune(model, tokenizer, config, windows=windows)
+
+
+@pytest.mark.parametrize("family", MAIN_FAMILIES)
+def test_pipeline_checkpoint_loads_back_exact(family: str, dense_folders: dict[str, Path], tmp_path: Path) -> None:
+    model, tokenizer = load_model(str(dense_folders[family]))
+    result = prune_small(model, tokenizer, 0.5, "greedy")
+    assert_computes_the_same(model, written_and_loaded_back(result.model, tokenizer, tmp_path / "pruned"))
+
+
+@pytest.mark.parametrize("ratio", [0.2, 0.5, 0.8])
+@pytest.mark.parametrize("solver", ["greedy", "diagonal"])
+@pytest.mark.parametrize("family", MAIN_FAMILIES)
+def test_pipeline_prunes_exactly(family: str, solver: str, ratio: float, dense_folders: dict[str, Path]) -> None:
+    model, tokenizer = load_model(str(dense_folders[family]))
+    result = prune_small(model, tokenizer, ratio, solver)  # raises unless its own verification passes
+    assert_computes_the_same(model, [result.model], generation=False)  # generation: checked above, at 0.5
+    # Within one rounding unit (one FFN channel's parameters), coarse 16-wide heads included.
+    unit = channel_params(decoder_layers(model)[0])
+    assert abs(result.params_dense - result.params_pruned - ratio * result.params_dense) <= unit
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A few kilobytes of WikiText-2 for calibration and evaluation: tokenizing a whole split takes seconds."""
+    text = tmp_path_factory.mktemp("text") / "wiki.txt"
+    with (DATASETS_DIR / "wikitext-2-raw" / "wiki.test.raw").open(encoding="utf-8") as source:
+        text.write_text(source.read(6000), encoding="utf-8")
+    return [
+        *("--calibration-data", str(text), "--n-samples", "4", "--seq-len", "32"),
+        *("--eval-data", str(text), "--eval-seq-len", "32", "--eval-limit", "2", "--device", "cpu"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("family", "solver", "ratio"),
+    [
+        ("llama3", "greedy", "0.2"),
+        ("mistral", "diagonal", "0.5"),
+        ("qwen2", "greedy", "0.8"),
+        ("qwen3", "diagonal", "0.5"),
+    ],
+)
+def test_casp_prune_succeeds(
+    family: str,
+    solver: str,
+    ratio: str,
+    dense_folders: dict[str, Path],
+    small_run: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The whole job through the command line (evaluation, checkpoint, report, plots) once per family."""
+    out = tmp_path / "pruned"
+    model = str(dense_folders[family])
+    status = cli.main(["prune", "--model", model, "--ratio", ratio, "--solver", solver, "--out", str(out), *small_run])
+    assert status == 0, capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["verification"]["max_relative_diff"] <= 1e-10
+    assert load_pruned(out)[0].config.casp["source_model"] == model
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        (GPT2Config(n_layer=1, n_embd=32, n_head=2), "model type 'gpt2' is not supported"),
+        (Qwen2MoeConfig(num_hidden_layers=1), "model type 'qwen2_moe' is not supported"),
+        (MixtralConfig(num_hidden_layers=1), "model type 'mixtral' is not supported"),
+        (LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=4), "6 attention heads cannot share 4"),
+    ],
+)
+def test_unsupported_configs_are_refused(config: PretrainedConfig, named: str) -> None:
+    with pytest.raises(UnsupportedModel, match=named):
+        check_supported_config(config)
+
+
+def test_settings_the_pruned_model_cannot_carry_are_refused() -> None:
+    quantized = LlamaConfig()
+    quantized.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(UnsupportedModel, match="quantization_config"):
+        check_supported_config(quantized)
+    unknown_rope = LlamaConfig()
+    unknown_rope.rope_parameters = {"rope_type": "spiral", "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModel, match="rope type 'spiral'"):
+        check_supported_config(unknown_rope)
+    chunked = Qwen3Config(num_hidden_layers=2)
+    chunked.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(UnsupportedModel, match="chunked_attention"):
+        check_supported_config(chunked)
+
+
+def test_cli_says_in_one_line_what_is_wrong_with_the_model_folder(
+    tmp_path: Path, small_run: list[str], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Each folder is broken in one way; the refusal comes before any calibration or pruning."""
+    unknown_type = tmp_path / "unknown-type"
+    unknown_type.mkdir()
+    (unknown_type / "config.json").write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
+    moe = tmp_path / "moe"
+    Qwen2MoeConfig(num_hidden_layers=1).save_pretrained(moe)  # a config alone: refused without weights
+    cases = {
+        unknown_type: "casp: error: unsupported_model: model type 'no_such_model' is not supported",
+        moe: "casp: error: unsupported_model: model type 'qwen2_moe' is not supported",
+        write_dense(FAMILIES["qwen2"](), tmp_path / "no-weights", weights=False): (
+            "casp: error: model_not_found: cannot load the weights of model"
+        ),
+        write_dense(FAMILIES["qwen2"](), tmp_path / "no-tokenizer", tokenizer=False): (
+            "casp: error: model_not_found: cannot load the tokenizer of model"
+        ),
+    }
+    capfd.readouterr()
+    for folder, expected in cases.items():
+        out = tmp_path / f"{folder.name}-out"
+        status = cli.main(["prune", "--model", str(folder), "--ratio", "0.3", "--out", str(out), *small_run])
+        # All of stderr but the stage line naming the model being loaded: one line, no traceback.
+        errors = [line for line in capfd.readouterr().err.splitlines() if not line.startswith("casp: load:")]
+        assert status == 2 and len(errors) == 1 and errors[0].startswith(expected), errors
+        assert not out.exists()

@@ -1,0 +1,50 @@
+"""The settings a job names reach the method: allocation from the sensitivities with alpha and r_max, the seed."""
+
+import pytest
+import torch
+
+from casp_core.allocation import allocate_ratios, layer_sensitivities
+from casp_core.pipeline import calibration_windows, prune
+from casp_core.progress import never_cancelled, no_progress
+from tests.conftest import small_config
+
+RATIO, ALPHA, R_MAX = 0.4, 2.0, 0.6
+
+
+def test_gradient_allocation_follows_the_sensitivities_alpha_and_r_max(stories):
+    model, tokenizer = stories
+    config = small_config(RATIO, alpha=ALPHA, r_max=R_MAX)
+    config.calibration.n_samples, config.calibration.seq_len = 8, 64
+    windows = calibration_windows(model, tokenizer, config)
+    sensitivities = layer_sensitivities(
+        model,
+        windows,
+        batch_size=config.calibration.batch_size,
+        device=torch.device("cpu"),
+        progress=no_progress,
+        should_cancel=never_cancelled,
+    )
+    expected = allocate_ratios(sensitivities, RATIO, ALPHA, R_MAX)
+    # The settings are chosen so that each of them changes the allocation here.
+    assert expected != pytest.approx(allocate_ratios(sensitivities, RATIO, 1.0, R_MAX), abs=1e-3)
+    assert max(allocate_ratios(sensitivities, RATIO, ALPHA, 1.0)) > R_MAX + 1e-3
+    assert max(expected) == pytest.approx(R_MAX)
+
+    result = prune(model, tokenizer, config, windows=windows)
+    assert [layer.sensitivity for layer in result.layers] == pytest.approx(sensitivities, rel=1e-9)
+    assert [layer.ratio for layer in result.layers] == pytest.approx(expected, abs=1e-12)
+    # No layer loses more than r_max of its heads or of its channels, even where r_l * units rounds up past it.
+    for layer in result.layers:
+        assert len(layer.pruned_heads) <= int(R_MAX * 8), layer.index
+        assert len(layer.pruned_channels) <= int(R_MAX * 172), layer.index
+
+
+def test_the_calibration_seed_picks_the_windows(stories):
+    model, tokenizer = stories
+    config = small_config(0.3)
+    first = calibration_windows(model, tokenizer, config)
+    assert torch.equal(first, calibration_windows(model, tokenizer, config))
+    config.calibration.seed = 1
+    second = calibration_windows(model, tokenizer, config)
+    assert first.shape == second.shape == (16, 128)
+    assert not torch.equal(first, second)
