@@ -14,9 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from api.client import CaspClient
-from api.core.settings import DEVICES, Settings
+import httpx
+
+from api.client import DEFAULT_RETRIES, CaspAPIError, CaspClient
+from api.core.settings import AUTO, DEVICES, Settings, local_devices, resolve_device
+from casp_core.arguments import non_negative_int
 from casp_core.cli import main as casp_main
+from casp_core.errors import InvalidConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "demo" / "stories260K"
@@ -60,12 +64,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device or Settings().default_device)
+    if device not in local_devices():
+        raise SystemExit(f"casp worker: no {device} device on this machine (torch sees: {', '.join(local_devices())})")
+    # The worker's own device is the default its jobs for any device (queue casp-auto) run on.
+    os.environ["CASP_DEFAULT_DEVICE"] = device
     from worker.tasks import app, settings
 
-    device = args.device or settings.default_device
-    app.worker_main(
-        ["worker", "-Q", settings.queue_for(device), "-n", f"casp-{device}@%h", "--loglevel", args.log_level]
-    )
+    queues = f"{settings.queue_for(device)},{settings.queue_for(AUTO)}"
+    app.worker_main(["worker", "-Q", queues, "-n", f"casp-{device}@%h", "--loglevel", args.log_level])
     return 0
 
 
@@ -130,7 +137,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{counted}: {result['params']['dense']:,} -> {result['params']['pruned']:,}", end="")
     print(f" (achieved ratio {result['achieved_ratio']:.3f})")
     for dataset, ppl in result["perplexity"].items():
-        print(f"perplexity {dataset}: dense {ppl['dense']:.2f}, pruned {ppl['pruned']:.2f}")
+        split = f" ({ppl['split']} split)" if ppl.get("split") else ""
+        print(f"perplexity {dataset}: dense {ppl['dense']:.2f}, pruned {ppl['pruned']:.2f}{split}")
     print(f"checkpoint: {out}")
     print(f"report:     {out / 'report.md'}")
     return 0
@@ -163,7 +171,8 @@ def progress_printer() -> Callable[[dict[str, Any]], None]:
 
 
 def client_of(args: argparse.Namespace) -> CaspClient:
-    return CaspClient(args.url, api_key=args.api_key)
+    # The key is read here, not as the option's default, so that `--help` never prints it.
+    return CaspClient(args.url, api_key=args.api_key or os.environ.get("CASP_API_KEY"), retries=args.retries)
 
 
 def given(**values: Any) -> dict[str, Any]:
@@ -173,14 +182,24 @@ def given(**values: Any) -> dict[str, Any]:
 
 def submit_request(args: argparse.Namespace) -> dict[str, Any]:
     if args.json:
-        return json.loads(Path(args.json).read_text())
+        try:
+            return json.loads(Path(args.json).read_text())
+        except (OSError, ValueError) as error:
+            raise InvalidConfig(f"--json {args.json}: {error}") from error
     if args.model is None or args.ratio is None:
         raise SystemExit("casp submit: needs --model and --ratio, or --json")
     return {
         "model": args.model,
         "ratio": args.ratio,
         "alpha": args.alpha,
-        **given(revision=args.revision, solver=args.solver, allocation=args.allocation, device=args.device),
+        **given(
+            revision=args.revision,
+            solver=args.solver,
+            allocation=args.allocation,
+            compensation=args.compensation,
+            compensation_damping=args.compensation_damping,
+            device=args.device,
+        ),
         "calibration": given(
             dataset=args.calibration_dataset, n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed
         ),
@@ -208,7 +227,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     with client_of(args) as client:
-        job = client.wait(args.job_id, timeout=args.timeout, on_update=progress_printer())
+        try:
+            job = client.wait(args.job_id, timeout=args.timeout, on_update=progress_printer())
+        except TimeoutError as error:
+            print(f"casp: error: timeout: {error}", file=sys.stderr)
+            return 1
     print(json.dumps(job, indent=2))
     return 0 if job["status"] == "succeeded" else 1
 
@@ -226,7 +249,13 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=os.environ.get("CASP_URL", DEFAULT_URL), help="service URL (CASP_URL)")
-    parser.add_argument("--api-key", default=os.environ.get("CASP_API_KEY"), help="API key (CASP_API_KEY)")
+    parser.add_argument("--api-key", help="API key (default: CASP_API_KEY)")
+    parser.add_argument(
+        "--retries",
+        type=non_negative_int,
+        default=DEFAULT_RETRIES,
+        help="how many times a request is sent again after a connection error or a 503, with backoff",
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -246,7 +275,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=cmd_demo)
 
     p = subparsers.add_parser("worker", help="run a Celery worker (one job at a time) for one device queue")
-    p.add_argument("--device", choices=DEVICES, help="default: CASP_DEFAULT_DEVICE")
+    p.add_argument("--device", choices=DEVICES, help="default: CASP_DEFAULT_DEVICE (auto: cuda if present, else cpu)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=cmd_worker)
 
@@ -255,7 +284,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", required=True)
     p.set_defaults(run=cmd_keys_create)
 
-    p = subparsers.add_parser("submit", help="submit a pruning job")
+    p = subparsers.add_parser(
+        "submit", help="submit a pruning job", description="Options left out take the server's defaults."
+    )
     _client_options(p)
     p.add_argument("--json", help="a file with the whole request body (the other options are ignored)")
     p.add_argument("--model", help="Hugging Face id or a path under the server's allowed roots")
@@ -264,6 +295,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--solver")
     p.add_argument("--allocation")
+    p.add_argument("--compensation", help="none, least_squares or least_squares_dense_target")
+    p.add_argument("--compensation-damping", type=float)
     p.add_argument("--device", choices=DEVICES)
     p.add_argument("--calibration-dataset")
     p.add_argument("--n-samples", type=int)
@@ -294,8 +327,23 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The whole `casp` command: the library's commands (prune, eval) and the service's."""
-    return casp_main(argv, extensions=[register])
+    """The whole `casp` command: the library's commands (prune, eval) and the service's. The service's errors
+    get one line too: a refused request exits 2 when it was the caller's to fix (4xx), 1 otherwise."""
+    try:
+        return casp_main(argv, extensions=[register])
+    except CaspAPIError as error:
+        # The service's own error code, as casp_core's errors print theirs; the HTTP status where it gave none.
+        print(f"casp: error: {error.code or f'HTTP {error.status_code}'}: {error.message}", file=sys.stderr)
+        return 2 if 400 <= error.status_code < 500 else 1
+    except httpx.TransportError as error:
+        # The transport's note says how many attempts were made, and over how long.
+        tried = "; ".join(getattr(error, "__notes__", []))
+        print(
+            f"casp: error: service_unreachable: {error.request.method} {error.request.url}: "
+            f"{type(error).__name__}: {error or 'no detail'}" + (f" ({tried})" if tried else ""),
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

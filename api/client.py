@@ -8,21 +8,118 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import tenacity
 
 FINISHED = ("succeeded", "failed", "cancelled")
+DEFAULT_RETRIES = 3
+CONNECT_TIMEOUT = 5.0  # a host that drops packets costs at most this per attempt, not the whole read timeout
+RETRIED_STATUS = 503  # the service is up but cannot serve now (its database or queue is down): ask again later
+# A request that may have reached the server is sent again only if a second copy does nothing more than the first.
+REPEATABLE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+# These errors mean the request never left this machine, so any request may be sent again.
+NOT_SENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def _repeatable(request: httpx.Request) -> bool:
+    return request.method in REPEATABLE_METHODS or "Idempotency-Key" in request.headers
+
+
+def _discard_answer(state: tenacity.RetryCallState) -> None:
+    """Before waiting for the next attempt: a 503's connection goes back to the pool."""
+    if state.outcome is not None and not state.outcome.failed:
+        state.outcome.result().close()
+
+
+class RetryingTransport(httpx.BaseTransport):
+    """Sends a request again after a connection error or a 503, waiting `backoff` seconds doubled each time
+    with as much jitter (tenacity), or what a 503's Retry-After asks, never more than `max_backoff`; after
+    `retries` more attempts the last answer or error goes back as is, the error with a note of the attempts.
+    Bounded on purpose: a service that is down fails a command in seconds."""
+
+    def __init__(
+        self,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = 0.5,
+        max_backoff: float = 4.0,
+        inner: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.inner = inner or httpx.HTTPTransport()
+        self.max_backoff = max_backoff
+        self._exponential = tenacity.wait_exponential(multiplier=backoff, max=max_backoff) + tenacity.wait_random(
+            0, backoff
+        )
+        self._retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(retries + 1),
+            wait=self._wait,
+            before_sleep=_discard_answer,
+            # Past the last attempt: its answer (the caller sees the 503) or its error, unchanged.
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+        )
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        if state.outcome is not None and not state.outcome.failed:
+            retry_after = state.outcome.result().headers.get("Retry-After", "")
+            if retry_after.isdigit():  # seconds; the rarer HTTP-date form falls back to the backoff
+                return min(float(retry_after), self.max_backoff)
+        return self._exponential(state)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        def worth_retrying(error: BaseException) -> bool:
+            return isinstance(error, NOT_SENT_ERRORS) or (
+                isinstance(error, httpx.TransportError) and _repeatable(request)
+            )
+
+        # A copy per request: its statistics count this request's attempts, whichever thread sends it.
+        retrying = self._retrying.copy(
+            retry=tenacity.retry_if_exception(worth_retrying)
+            | tenacity.retry_if_result(lambda response: response.status_code == RETRIED_STATUS)
+        )
+        try:
+            return retrying(self.inner.handle_request, request)
+        except httpx.TransportError as error:
+            attempts = retrying.statistics.get("attempt_number", 1)
+            seconds = retrying.statistics.get("delay_since_first_attempt", 0.0)
+            error.add_note(f"{attempts} attempt{'s' if attempts > 1 else ''} in {seconds:.1f} s")
+            raise
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class CaspAPIError(Exception):
-    def __init__(self, status_code: int, detail: Any) -> None:
-        super().__init__(f"HTTP {status_code}: {detail}")
+    """An error answer: `code`, `message` and `param` as in the service's `{"error": {...}}` body."""
+
+    def __init__(self, status_code: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(f"HTTP {status_code}: {message}")
         self.status_code = status_code
-        self.detail = detail
+        self.message = message
+        self.code = code
+        self.param = param
 
 
 class CaspClient:
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 30.0) -> None:
+    """Every request goes through a RetryingTransport: `retries` more attempts after a connection error or a 503,
+    the first after about `backoff` seconds."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = 0.5,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries, self.backoff = retries, backoff
+        self.http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT)),
+            transport=self._transport(),
+        )
+
+    def _transport(self) -> RetryingTransport:
+        return RetryingTransport(self.retries, self.backoff)
 
     def __enter__(self) -> "CaspClient":
         return self
@@ -34,10 +131,10 @@ class CaspClient:
         response = self.http.request(method, path, **kwargs)
         if response.is_error:
             try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
-            raise CaspAPIError(response.status_code, detail)
+                error = response.json()["error"]
+            except (ValueError, KeyError, TypeError):  # not the service's answer (a proxy's, say)
+                raise CaspAPIError(response.status_code, response.text) from None
+            raise CaspAPIError(response.status_code, error["message"], error["code"], error["param"])
         return response.json() if response.content else None
 
     def submit(self, request: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
@@ -88,7 +185,7 @@ class CaspClient:
         dest = dest.resolve()
         paths = []
         # The URLs carry their own credentials (signed); an Authorization header would upset S3.
-        with httpx.Client(timeout=self.http.timeout) as plain:
+        with httpx.Client(timeout=self.http.timeout, transport=self._transport()) as plain:
             for artifact in self.artifacts(job_id):
                 path = (dest / artifact["name"]).resolve()
                 if not path.is_relative_to(dest):

@@ -92,12 +92,6 @@ def create_job(
     return job, True
 
 
-def finish_unqueued(session: Session, job: Job, error: tuple[str, str]) -> None:
-    job.status, job.finished_at = "failed", utcnow()
-    job.error_code, job.error_message = error
-    add_event(session, job, kind="status", message=error[1])
-
-
 def get_job(session: Session, caller: Caller, job_id: str) -> Job | None:
     return session.scalar(select(Job).where(Job.id == job_id, _visible(caller)))
 
@@ -277,7 +271,7 @@ def finish(
 
 @dataclass(frozen=True)
 class Reaped:
-    requeued: list[tuple[str, str]]  # (job id, queue) to send to the broker again
+    requeued: list[tuple[str, str, datetime]]  # (job id, queue, dispatched_at) to send to the broker again
     ended: list[str]  # failed or cancelled for good
 
 
@@ -307,8 +301,9 @@ def reap(
                 "error_message": f"the job ran longer than the time limit of {time_limit:.0f} s",
                 "finished_at": now,
             }
+            message = values["error_message"]
         elif job.cancel_requested:
-            values = {"status": "cancelled", "finished_at": now}
+            values, message = {"status": "cancelled", "finished_at": now}, "cancelled"
         elif job.attempts >= max_attempts:
             values = {
                 "status": "failed",
@@ -316,18 +311,76 @@ def reap(
                 "error_message": f"the worker stopped responding in attempt {job.attempts} of {max_attempts}",
                 "finished_at": now,
             }
+            message = values["error_message"]
         else:
-            values = {"status": "queued", "worker_id": None}
+            # Nothing of a lost attempt is kept: the next one starts from the beginning, as stage and progress
+            # now say; the event says where the lost one was.
+            values = {"status": "queued", "worker_id": None, "stage": None, "progress": 0.0, "dispatched_at": now}
+            where = f"in {job.stage} at {job.progress:.0f} %" if job.stage else "before its first stage"
+            message = f"worker lost; queued again, to start over (no heartbeat for {heartbeat_timeout:.0f} s {where})"
         # Conditional on the attempt seen: a worker that finishes the job meanwhile wins.
         if not session.execute(update(Job).where(_ours(job.id, job.attempts)).values(**values)).rowcount:
             continue
         session.refresh(job)
-        add_event(session, job, kind="status", message=values.get("error_message", "worker lost; queued again"))
+        add_event(session, job, kind="status", message=message)
         if job.status == "queued":
-            requeued.append((job.id, job.queue))
+            requeued.append((job.id, job.queue, now))
         else:
             ended.append(job.id)
     return Reaped(requeued, ended)
+
+
+# --- whether a queued job's message reached the broker --------------------------------------------------
+#
+# `dispatched_at` is set before the message is sent (conditionally, so that two reapers never both send it)
+# and cleared again when sending fails. A crash between the two leaves it set without a message: the broker
+# check (`dispatched_before`) finds that job like one whose message the broker lost.
+
+
+def claim_dispatch(session: Session, job_id: str, *, was: datetime | None, reason: str = "") -> datetime | None:
+    """Marks a queued job's message as sent, if its `dispatched_at` is still `was` (None: not sent); returns the
+    new mark, or None when the job is no longer queued or another process is sending it. `reason`, when
+    given, becomes an event."""
+    now = utcnow()
+    sent = Job.dispatched_at.is_(None) if was is None else Job.dispatched_at == was
+    condition = and_(Job.id == job_id, Job.status == "queued", Job.cancel_requested.is_(False), sent)
+    if not session.execute(update(Job).where(condition).values(dispatched_at=now)).rowcount:
+        return None
+    if reason:
+        add_event(session, session.get_one(Job, job_id, populate_existing=True), kind="status", message=reason)
+    return now
+
+
+def dispatch_failed(session: Session, job_id: str, mark: datetime, reason: str) -> None:
+    """The message marked sent at `mark` never reached the broker: the reaper sends it again later.
+    `reason`, when given, becomes an event (once per outage, not once per retry)."""
+    unsent = session.execute(
+        update(Job).where(Job.id == job_id, Job.dispatched_at == mark).values(dispatched_at=None)
+    ).rowcount
+    if unsent and reason:
+        add_event(session, session.get_one(Job, job_id, populate_existing=True), kind="status", message=reason)
+
+
+def unsent_jobs(session: Session, limit: int = 100) -> Sequence[tuple[str, str]]:
+    """(id, queue) of queued jobs without a message in the broker, oldest first."""
+    query = select(Job.id, Job.queue).where(
+        Job.status == "queued", Job.cancel_requested.is_(False), Job.dispatched_at.is_(None)
+    )
+    return [(row.id, row.queue) for row in session.execute(query.order_by(Job.created_at).limit(limit))]
+
+
+def dispatched_before(session: Session, cutoff: datetime) -> Sequence[tuple[str, str, datetime]]:
+    """(id, queue, dispatched_at) of queued jobs whose message was sent before `cutoff`."""
+    query = select(Job.id, Job.queue, Job.dispatched_at).where(
+        Job.status == "queued", Job.cancel_requested.is_(False), Job.dispatched_at < cutoff
+    )
+    return [(row.id, row.queue, row.dispatched_at) for row in session.execute(query)]
+
+
+def is_claimable(session: Session, job_id: str) -> bool:
+    """What claim_job asks, without claiming: a message whose job is not claimable can be dropped unread."""
+    row = session.execute(select(Job.status, Job.cancel_requested).where(Job.id == job_id)).one_or_none()
+    return row is not None and row.status == "queued" and not row.cancel_requested
 
 
 # --- metrics --------------------------------------------------------------------------------------------

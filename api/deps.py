@@ -3,7 +3,8 @@
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api import crud
@@ -37,15 +38,20 @@ StorageDep = Annotated[Storage, Depends(get_storage)]
 DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
 
 
+# Declared as an HTTP bearer scheme so that the OpenAPI document (and /docs) knows how to send the key;
+# auto_error=False: a missing key is answered below, in the service's own error shape.
+api_key_scheme = HTTPBearer(auto_error=False, description="an API key from `casp keys create`")
+
+
 def get_caller(
     settings: SettingsDep,
     session: SessionDep,
-    authorization: Annotated[str | None, Header()] = None,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(api_key_scheme)],
 ) -> crud.Caller:
     if settings.auth == "none":
         return crud.Caller(key_id=None)
-    scheme, _, token = (authorization or "").partition(" ")
-    key = crud.find_api_key(session, token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+    token = credentials.credentials.strip() if credentials else ""
+    key = crud.find_api_key(session, token) if token else None
     if key is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,

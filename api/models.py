@@ -68,6 +68,9 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # When the queued job's message was handed to the broker; None while it has none there (not sent yet, or
+    # the broker was unreachable). The reaper sends those again, and those the broker has since lost.
+    dispatched_at: Mapped[datetime | None]
 
 
 class JobEvent(Base):

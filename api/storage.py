@@ -2,6 +2,7 @@
 
 import hashlib
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,8 +40,9 @@ class Storage(Protocol):
 
     def delete(self, job_id: str) -> None: ...
 
-    def ping(self) -> None:
-        """Raises when the storage cannot be reached."""
+    def check_writable(self, min_free_bytes: int) -> None:
+        """Raises unless a file can be written, and (where the storage has a size) at least `min_free_bytes`
+        are free."""
 
 
 class LocalStorage:
@@ -74,10 +76,14 @@ class LocalStorage:
     def delete(self, job_id: str) -> None:
         shutil.rmtree(self.root / "jobs" / job_id, ignore_errors=True)
 
-    def ping(self) -> None:
+    def check_writable(self, min_free_bytes: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        if not self.root.is_dir():
-            raise OSError(f"{self.root} is not a folder")
+        probe = self.root / f".ready-{uuid.uuid4().hex}"
+        probe.write_bytes(b"ready")
+        probe.unlink()
+        free = shutil.disk_usage(self.root).free
+        if free < min_free_bytes:
+            raise OSError(f"{free} bytes free in {self.root}, below CASP_READY_MIN_FREE_BYTES ({min_free_bytes})")
 
 
 class S3Storage:
@@ -123,8 +129,11 @@ class S3Storage:
             if objects:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
 
-    def ping(self) -> None:
-        self.client.head_bucket(Bucket=self.bucket)
+    def check_writable(self, min_free_bytes: int) -> None:
+        # A bucket has no free space to read: only writing is checked.
+        key = "/".join(part for part in (self.prefix, f".ready-{uuid.uuid4().hex}") if part)
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=b"ready")
+        self.client.delete_object(Bucket=self.bucket, Key=key)
 
 
 def make_storage(settings: Settings) -> Storage:

@@ -1,18 +1,23 @@
 """Takes back jobs whose worker stopped beating: queued again (and re-sent), or failed after the last attempt.
+Sends again queued jobs that have no message in the broker: their send failed, or the broker lost it.
 
 Runs as a thread in every API process (distributed and embedded): the API is always up, and the
-conditional updates in crud.reap make several reapers at once harmless.
+conditional updates in crud make several reapers at once harmless.
 """
 
 import logging
 import threading
+from datetime import timedelta
 
 from api import crud
 from api.core.db import session_scope
 from api.core.settings import Settings
-from api.queue import Dispatcher
+from api.models import utcnow
+from api.queue import Dispatcher, send
 
 log = logging.getLogger(__name__)
+
+LOST_MESSAGE = "the broker no longer holds the job's message (restarted without persistence?); sent again"
 
 
 def reap_once(settings: Settings, dispatcher: Dispatcher) -> crud.Reaped:
@@ -24,11 +29,58 @@ def reap_once(settings: Settings, dispatcher: Dispatcher) -> crud.Reaped:
             time_limit=settings.job_time_limit_seconds,
         )
     # Sent after the commit, so a worker that receives the message finds the row queued.
-    for job_id, queue in reaped.requeued:
-        dispatcher.enqueue(job_id, queue)
+    for job_id, queue, mark in reaped.requeued:
+        send(settings, dispatcher, job_id, queue, mark, failure_event=True)
     if reaped.requeued or reaped.ended:
-        log.warning("reaper: queued again %s, ended %s", [j for j, _ in reaped.requeued], reaped.ended)
+        log.warning("reaper: queued again %s, ended %s", [j for j, _, _ in reaped.requeued], reaped.ended)
+    send_unsent(settings, dispatcher)
+    resend_lost(settings, dispatcher)
     return reaped
+
+
+def send_unsent(settings: Settings, dispatcher: Dispatcher) -> list[str]:
+    """Queued jobs whose send failed, oldest first; stops at the first failure (the broker is still away)."""
+    with session_scope(settings.database) as session:
+        unsent = crud.unsent_jobs(session)
+    sent = []
+    for job_id, queue in unsent:
+        with session_scope(settings.database) as session:
+            mark = crud.claim_dispatch(session, job_id, was=None)
+        if mark is None:
+            continue
+        if not send(settings, dispatcher, job_id, queue, mark, failure_event=False):
+            break
+        sent.append(job_id)
+    if sent:
+        log.warning("reaper: sent %d jobs the broker had not taken: %s", len(sent), sent)
+    return sent
+
+
+def resend_lost(settings: Settings, dispatcher: Dispatcher) -> list[str]:
+    """Queued jobs sent more than a reaper round ago whose message is neither waiting in the broker nor held
+    by a worker: the broker lost it (a restart without persistence). A job waiting its turn behind others
+    still has its message in the queue and is left alone."""
+    cutoff = utcnow() - timedelta(seconds=settings.reaper_interval_seconds)
+    # The database first, then the broker: a message taken by a worker in between belongs to a job that is
+    # running by the time it is re-marked, and claim_dispatch leaves it alone.
+    with session_scope(settings.database) as session:
+        candidates = crud.dispatched_before(session, cutoff)
+    if not candidates:
+        return []
+    held = dispatcher.held_job_ids()
+    if held is None:
+        return []
+    resent = []
+    for job_id, queue, was in candidates:
+        if job_id in held:
+            continue
+        with session_scope(settings.database) as session:
+            mark = crud.claim_dispatch(session, job_id, was=was, reason=LOST_MESSAGE)
+        if mark is not None and send(settings, dispatcher, job_id, queue, mark, failure_event=True):
+            resent.append(job_id)
+    if resent:
+        log.warning("reaper: the broker had lost the messages of %s; sent again", resent)
+    return resent
 
 
 class Reaper(threading.Thread):
@@ -42,5 +94,5 @@ class Reaper(threading.Thread):
         while not self.stopped.wait(self.settings.reaper_interval_seconds):
             try:
                 reap_once(self.settings, self.dispatcher)
-            except Exception:  # the database may be briefly away; try again next round
-                log.exception("reaper round failed")
+            except Exception as exc:  # the database or the broker may be briefly away; try again next round
+                log.warning("reaper round failed: %s: %s", type(exc).__name__, exc)

@@ -15,8 +15,9 @@ from typing import Any
 
 from api import crud
 from api.core.db import session_scope
-from api.core.settings import Settings
+from api.core.settings import AUTO, Settings
 from api.models import Job
+from api.paths import check_job_inputs
 from api.storage import Storage
 from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
@@ -173,7 +174,9 @@ def execute(
         if job is None:
             log.info("job %s is not queued; nothing to do", job_id)
             return None
-        config = PruneConfig.from_dict({**job.config, "device": job.device})
+        # A job for any device runs on this worker's own (its default device, resolved when it started).
+        device = settings.default_device if job.device == AUTO else job.device
+        config = PruneConfig.from_dict({**job.config, "device": device})
         model, revision, number = job.model, job.revision, job.attempts
 
     attempt = Attempt(
@@ -204,6 +207,8 @@ def _run(
     from casp_core.pipeline import run_job
 
     try:
+        # Checked again here: the row may have been written past the API, or the roots changed since.
+        check_job_inputs(model, config, attempt.settings)
         report = run_job(
             model,
             config,
@@ -215,7 +220,13 @@ def _run(
         if attempt.should_cancel():
             raise Cancelled("the job was cancelled")
         attempt.report("upload", 0.0, "uploading artifacts")
-        stored = storage.upload_dir(attempt.job_id, out_dir)
+        try:
+            stored = storage.upload_dir(attempt.job_id, out_dir)
+        except Exception as exc:
+            log.exception("upload of job %s failed", attempt.job_id)
+            _drop_upload(storage, attempt.job_id)
+            error = ("upload_failed", f"could not store the artifacts: {type(exc).__name__}: {exc}")
+            return "failed" if attempt.finish("failed", error=error) else None
         attempt.report("upload", 1.0, f"uploaded {len(stored)} files")
         if attempt.finish("succeeded", result=summary_of(report), artifacts=stored):
             return "succeeded"
@@ -241,6 +252,15 @@ def _run(
         log.exception("job %s failed", attempt.job_id)
         error = ("internal_error", f"{type(exc).__name__}: {exc}")
         return "failed" if attempt.finish("failed", error=error) else None
+
+
+def _drop_upload(storage: Storage, job_id: str) -> None:
+    """Removes what a failed upload stored, so that no partial checkpoint stays behind; the job's artifact
+    list was never written (that happens only with success)."""
+    try:
+        storage.delete(job_id)
+    except Exception:  # the storage is failing: what remains is overwritten by a rerun, or deleted with the job
+        log.exception("could not remove the partial upload of job %s", job_id)
 
 
 def _release(attempt: Attempt) -> None:

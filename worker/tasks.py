@@ -1,11 +1,22 @@
-"""The Celery task: `celery -A worker.tasks worker -Q casp-cuda` (or `casp worker`)."""
+"""The Celery task: `celery -A worker.tasks worker -Q casp-cuda,casp-auto` (or `casp worker`)."""
 
+import logging
 from functools import cache
 
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+from api import crud
 from api.core.settings import Settings
 from api.storage import Storage, make_storage
 from worker.celery_app import TASK_NAME, make_celery
 from worker.runner import execute
+
+log = logging.getLogger(__name__)
 
 settings = Settings()
 app = make_celery(settings)
@@ -16,6 +27,37 @@ def storage() -> Storage:
     return make_storage(settings)
 
 
-@app.task(name=TASK_NAME)
+@cache
+def _main_process_engine() -> Engine:
+    # No pool: the main process forks the pool's children, which must not inherit its open connections.
+    return create_engine(settings.database, poolclass=NullPool)
+
+
+class JobRequest(Request):
+    """Drops, in the worker's main process, a message whose job is not queued (cancelled, finished, or running
+    elsewhere), so that it never reaches the pool. Each message the pool runs costs a fresh child process
+    (`worker_max_tasks_per_child=1`): stale messages of cancelled jobs used to drain at about 1.5 a second
+    ahead of the live jobs behind them."""
+
+    def revoked(self) -> bool:
+        if super().revoked():
+            return True
+        job_id = self.args[0]
+        try:
+            with Session(_main_process_engine()) as session:
+                if crud.is_claimable(session, job_id):
+                    return False
+        except SQLAlchemyError:  # the database is away: the pool's run of the task deals with that as before
+            log.warning("could not check job %s before running it", job_id, exc_info=True)
+            return False
+        log.info("job %s is not queued; nothing to do", job_id)
+        # What Celery does for a revoked task, less the result backend (there is none).
+        task_ready(self)
+        self.acknowledge()
+        self._already_revoked = True
+        return True
+
+
+@app.task(name=TASK_NAME, Request=JobRequest)
 def run_job(job_id: str) -> str | None:
     return execute(job_id, settings, storage())

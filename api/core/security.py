@@ -30,4 +30,5 @@ def sign_download(secret: bytes, job_id: str, name: str, ttl_seconds: int) -> tu
 def verify_download(secret: bytes, job_id: str, name: str, expires: int, signature: str) -> bool:
     if expires < time.time():
         return False
-    return hmac.compare_digest(_signature(secret, job_id, name, expires), signature)
+    # Compared as bytes: compare_digest refuses str with non-ASCII characters, and a signature is the caller's.
+    return hmac.compare_digest(_signature(secret, job_id, name, expires).encode(), signature.encode())

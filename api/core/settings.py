@@ -1,5 +1,6 @@
 """Service settings, read from the environment (prefix `CASP_`)."""
 
+import os
 import secrets
 from functools import cached_property
 from pathlib import Path
@@ -9,6 +10,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEVICES = ("cpu", "cuda")
+# "auto": the device of the machine the job lands on. Resolved where that is known (the embedded service at
+# start, a worker for what it serves); the distributed API sends such jobs to the queue every worker reads.
+AUTO = "auto"
 
 
 class Settings(BaseSettings):
@@ -39,8 +43,12 @@ class Settings(BaseSettings):
     heartbeat_timeout_seconds: float = Field(default=120.0, gt=0)
     reaper_interval_seconds: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
-    default_device: Literal["cpu", "cuda"] = "cuda"
+    default_device: Literal["auto", "cpu", "cuda"] = AUTO
     embedded_workers: int = Field(default=1, ge=0)
+    # /readyz answers 503 when the artifact storage has less free space than this (local storage only).
+    ready_min_free_bytes: int = Field(default=1 << 30, ge=0)
+    # A job request is a few KiB; anything much larger is refused (413) before it is read.
+    max_request_bytes: int = Field(default=64 * 1024, ge=1024)
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod
@@ -77,5 +85,26 @@ class Settings(BaseSettings):
     def queue_for(self, device: str) -> str:
         return f"casp-{device}"
 
+    def queues(self) -> list[str]:
+        """Every queue a job can be sent to: one per device, and the one of jobs for any device."""
+        return [self.queue_for(device) for device in (AUTO, *DEVICES)]
+
     def model_roots(self) -> list[Path]:
         return [root.expanduser().resolve() for root in self.allowed_model_roots]
+
+
+def local_devices() -> tuple[str, ...]:
+    """The devices jobs can run on here. Imports torch: call it only where jobs run."""
+    # Asked through NVML, which leaves CUDA uninitialised: `casp worker` asks before Celery forks the pool
+    # children that run the jobs, and CUDA initialised in a parent cannot be used in a forked child.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    return DEVICES if torch.cuda.is_available() else ("cpu",)
+
+
+def resolve_device(device: str) -> str:
+    """`auto` becomes cuda when this machine has it, else cpu; a named device stays as it is."""
+    if device != AUTO:
+        return device
+    return "cuda" if "cuda" in local_devices() else "cpu"

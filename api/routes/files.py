@@ -7,15 +7,17 @@ from fastapi.responses import FileResponse
 
 from api.core.security import verify_download
 from api.deps import SessionDep, SettingsDep, StorageDep
+from api.errors import responses
 from api.models import Artifact
+from api.schemas import JobId
 from api.storage import LocalStorage
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=responses(403, 404, 422))
 
 
 @router.get("/{job_id}/{name:path}", response_class=FileResponse)
 def download(
-    job_id: str,
+    job_id: JobId,
     name: str,
     session: SessionDep,
     settings: SettingsDep,

@@ -1,20 +1,27 @@
 """/healthz, /readyz and /metrics."""
 
+import logging
 from typing import Any
 
-from fastapi import APIRouter, Response
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 
 from api import crud
 from api.core.db import session_scope
 from api.core.settings import Settings
-from api.deps import DispatcherDep, SettingsDep, StorageDep
+from api.deps import DispatcherDep, SettingsDep, StorageDep, get_caller
+from api.errors import error_response, responses
 from api.models import JOB_STATUSES
 from api.queue import Dispatcher
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["health"])
 
@@ -24,8 +31,26 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
-def readyz(settings: SettingsDep, storage: StorageDep, dispatcher: DispatcherDep) -> JSONResponse:
+def authenticated(request: Request, settings: Settings) -> bool:
+    """Whether the caller holds a valid API key (or auth is off); False, too, when that cannot be checked.
+
+    The header is read here, with FastAPI's own parser, rather than through the bearer dependency: /readyz is
+    open to anyone, and the dependency would list it in the OpenAPI document as needing a key."""
+    scheme, token = get_authorization_scheme_param(request.headers.get("Authorization"))
+    credentials = HTTPAuthorizationCredentials(scheme=scheme, credentials=token) if scheme.lower() == "bearer" else None
+    try:
+        with session_scope(settings.database) as session:
+            get_caller(settings, session, credentials)
+        return True
+    except (HTTPException, SQLAlchemyError):
+        return False
+
+
+@router.get("/readyz", responses=responses(503))
+def readyz(request: Request, settings: SettingsDep, storage: StorageDep, dispatcher: DispatcherDep) -> JSONResponse:
+    """Ready: the database answers, the broker answers, and the artifact storage takes a file and has at
+    least CASP_READY_MIN_FREE_BYTES free. Only callers with an API key see which check failed (the log
+    always says). Not ready is a 503 in the API's error shape, code `not_ready`."""
     checks: dict[str, str] = {}
 
     def check(name: str, probe: Any) -> None:
@@ -41,9 +66,17 @@ def readyz(settings: SettingsDep, storage: StorageDep, dispatcher: DispatcherDep
 
     check("database", database)
     check("broker", dispatcher.ping)
-    check("storage", storage.ping)
-    ready = all(value == "ok" for value in checks.values())
-    return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+    check("storage", lambda: storage.check_writable(settings.ready_min_free_bytes))
+    failed = {name: value for name, value in checks.items() if value != "ok"}
+    detailed = authenticated(request, settings)
+    if failed:
+        log.warning("not ready: %s", failed)
+        reasons = "; ".join(f"{name}: {value}" for name, value in failed.items())
+        return error_response(503, f"not ready: {reasons}" if detailed else "not ready", code="not_ready")
+    body: dict[str, Any] = {"ready": True}
+    if detailed:
+        body["checks"] = checks
+    return JSONResponse(body)
 
 
 class JobsCollector(Collector):
@@ -67,9 +100,16 @@ class JobsCollector(Collector):
         for stage, count, total in durations:
             stages.add_metric([stage], count_value=count, sum_value=total)
         depth = GaugeMetricFamily("casp_queue_depth", "Jobs waiting in each queue", labels=["queue"])
-        for queue, waiting in self.dispatcher.depth().items():
-            depth.add_metric([queue], waiting)
-        return [jobs, stages, depth]
+        broker_up = GaugeMetricFamily("casp_broker_up", "1 when the broker answered this scrape, else 0")
+        try:
+            waiting, up = self.dispatcher.depth(), 1
+        except Exception as exc:  # whatever the transport raises: the metrics still answer, saying so
+            log.warning("metrics: the broker is unreachable: %s", exc)
+            waiting, up = {}, 0
+        broker_up.add_metric([], up)
+        for queue, count in waiting.items():
+            depth.add_metric([queue], count)
+        return [jobs, stages, depth, broker_up]
 
 
 def metrics_registry(settings: Settings, dispatcher: Dispatcher) -> CollectorRegistry:
@@ -78,6 +118,6 @@ def metrics_registry(settings: Settings, dispatcher: Dispatcher) -> CollectorReg
     return registry
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 def metrics(settings: SettingsDep, dispatcher: DispatcherDep) -> Response:
     return Response(generate_latest(metrics_registry(settings, dispatcher)), media_type=CONTENT_TYPE_LATEST)

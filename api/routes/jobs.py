@@ -2,9 +2,9 @@
 
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -12,78 +12,69 @@ from fastapi.exceptions import RequestValidationError
 from api import crud
 from api.core.settings import Settings
 from api.deps import CallerDep, DispatcherDep, SessionDep, SettingsDep, StorageDep
-from api.models import JOB_STATUSES, Job
+from api.errors import responses
+from api.models import JOB_STATUSES, Job, utcnow
+from api.paths import InputRefused, Loc, check_dataset, check_model
+from api.queue import send
 from api.schemas import (
+    MAX_EVENT_ID,
     ArtifactList,
     ArtifactOut,
     EventList,
     EventOut,
     JobCreate,
     JobError,
+    JobId,
+    JobIdText,
     JobList,
     JobOut,
-    is_local_path,
 )
 from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
-from casp_core.data import LOCAL_FILES as NAMED_DATASETS
-from casp_core.errors import InvalidConfig
+from casp_core.data import TextSource, calibration_source, evaluation_source
+from casp_core.errors import CaspError, InvalidConfig
+from casp_core.model import is_local_reference, load_config
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422))
 
-DATASET_FILE_SUFFIXES = (".txt", ".jsonl")
 # Settings the service decides, not the caller: shown elsewhere on the job or private to the server.
 HIDDEN_SETTINGS = ("datasets_dir", "device")
 
 
-def invalid(loc: tuple[str | int, ...], message: str, value: Any) -> RequestValidationError:
-    """A 422 in FastAPI's own shape, so checks made here read like the schema's."""
-    return RequestValidationError([{"type": "value_error", "loc": ("body", *loc), "msg": message, "input": value}])
-
-
-def _under_roots(path: Path, roots: list[Path]) -> bool:
-    return any(path.is_relative_to(root) for root in roots)
+def invalid(loc: Loc, message: str) -> RequestValidationError:
+    """A 422 like the schema's own, so checks made here read the same (the input is not echoed)."""
+    return RequestValidationError([{"type": "value_error", "loc": ("body", *loc), "msg": message}])
 
 
 def resolve_model(body: JobCreate, settings: Settings) -> str:
-    if not is_local_path(body.model):
-        return body.model
-    if body.revision is not None:
-        raise invalid(("revision",), "only a Hugging Face id takes a revision", body.revision)
-    # Resolved first, so `..` and symbolic links cannot lead outside the allowed roots.
-    path = Path(body.model).expanduser().resolve()
-    roots = settings.model_roots()
-    if not _under_roots(path, roots):
-        allowed = ":".join(map(str, roots)) or "none configured"
-        raise invalid(("model",), f"local models must lie under CASP_ALLOWED_MODEL_ROOTS ({allowed})", body.model)
-    if not path.is_dir():
-        raise invalid(("model",), "no such model folder", body.model)
-    return str(path)
+    if is_local_reference(body.model) and body.revision is not None:
+        raise invalid(("revision",), "only a Hugging Face id takes a revision")
+    try:
+        model = check_model(body.model, settings)
+    except InputRefused as exc:
+        raise invalid(exc.loc, exc.message) from exc
+    if is_local_reference(model):
+        try:
+            load_config(model)  # an unsupported family is refused now, not after the worker loads it
+        except CaspError as exc:
+            raise invalid(("model",), f"{exc.code}: {exc.message}") from exc
+    return model
 
 
-def resolve_dataset(spec: str, loc: tuple[str | int, ...], settings: Settings) -> str:
-    """A named set (`name[:split]`, as casp_core knows them) or a file under the allowed roots: anything else
-    casp_core would read as a path relative to the worker's directory."""
-    name, colon, split = spec.partition(":")
-    if name in NAMED_DATASETS:
-        if colon and split not in NAMED_DATASETS[name]:
-            raise invalid(loc, f"{name} has no split {split!r} (known: {', '.join(NAMED_DATASETS[name])})", spec)
-        return spec
-    path = Path(spec).expanduser().resolve()
-    roots = settings.model_roots() + ([settings.datasets_dir.resolve()] if settings.datasets_dir else [])
-    if path.suffix not in DATASET_FILE_SUFFIXES:
-        known = ", ".join(NAMED_DATASETS)
-        raise invalid(loc, f"must be one of {known} (optionally `:split`) or a .txt or .jsonl file", spec)
-    if not _under_roots(path, roots) or not path.is_file():
-        raise invalid(loc, "data set files must exist under CASP_ALLOWED_MODEL_ROOTS or CASP_DATASETS_DIR", spec)
-    return str(path)
+def resolve_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable[[str], TextSource]) -> str:
+    try:
+        return check_dataset(spec, loc, settings, source_of)
+    except InputRefused as exc:
+        raise invalid(exc.loc, exc.message) from exc
 
 
 def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
     calibration = body.calibration.model_dump()
-    calibration["dataset"] = resolve_dataset(calibration["dataset"], ("calibration", "dataset"), settings)
+    calibration["dataset"] = resolve_dataset(
+        calibration["dataset"], ("calibration", "dataset"), settings, calibration_source
+    )
     evaluation = body.evaluation.model_dump()
     evaluation["perplexity"] = [
-        resolve_dataset(spec, ("evaluation", "perplexity", i), settings)
+        resolve_dataset(spec, ("evaluation", "perplexity", i), settings, evaluation_source)
         for i, spec in enumerate(evaluation["perplexity"])
     ]
     config = PruneConfig(
@@ -91,6 +82,8 @@ def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
         alpha=body.alpha,
         solver=body.solver,
         allocation=body.allocation,
+        compensation=body.compensation,
+        compensation_damping=body.compensation_damping,
         calibration=CalibrationConfig(**calibration),
         evaluation=EvaluationConfig(**evaluation),
         datasets_dir=str(settings.datasets_dir) if settings.datasets_dir else None,
@@ -100,7 +93,7 @@ def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
     except InvalidConfig as exc:
         # casp_core reports "field.sub: reason": keep the 422 pointing at that field.
         field, _, reason = exc.message.partition(": ")
-        raise invalid(tuple(field.split(".")), reason or exc.message, None) from exc
+        raise invalid(tuple(field.split(".")), reason or exc.message) from exc
 
 
 def job_out(job: Job) -> JobOut:
@@ -132,9 +125,10 @@ def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
     return job
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobOut)
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobOut, responses=responses(400, 409, 413, 503))
 def create_job(
     body: JobCreate,
+    request: Request,
     response: Response,
     session: SessionDep,
     caller: CallerDep,
@@ -143,6 +137,11 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
     device = body.device or settings.default_device
+    devices: tuple[str, ...] | None = request.app.state.devices
+    if devices is not None and device not in devices:
+        why = "asks for" if body.device else f"has no device and CASP_DEFAULT_DEVICE is {device}, but needs"
+        raise invalid(("device",), f"the job {why} {device}; this server runs jobs on {', '.join(devices)}")
+    dispatched_at = utcnow()
     fields = {
         "model": resolve_model(body, settings),
         "revision": body.revision,
@@ -150,6 +149,7 @@ def create_job(
         "queue": settings.queue_for(device),
         "config": build_config(body, settings).to_dict(),
         "metadata_": body.metadata,
+        "dispatched_at": dispatched_at,
     }
     request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     try:
@@ -162,13 +162,9 @@ def create_job(
     if not created:
         response.headers["Idempotent-Replayed"] = "true"
         return job_out(job)
-    try:
-        dispatcher.enqueue(job.id, job.queue)
-    except Exception as exc:
-        # Without a message no worker would ever see the job: end it now rather than leave it queued.
-        crud.finish_unqueued(session, job, ("broker_unavailable", f"could not queue the job: {exc}"))
-        session.commit()
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the job queue is unreachable") from exc
+    # The row is committed first: if the broker is down, the job stays queued, unsent, and the reaper sends it
+    # once the broker is back.
+    send(settings, dispatcher, job.id, job.queue, dispatched_at, failure_event=True)
     return job_out(job)
 
 
@@ -177,25 +173,27 @@ def list_jobs(
     session: SessionDep,
     caller: CallerDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: Annotated[str | None, Query(description="id of the last job of the previous page")] = None,
+    after: Annotated[JobIdText | None, Query(description="id of the last job of the previous page")] = None,
     status_: Annotated[str | None, Query(alias="status", pattern=f"^({'|'.join(JOB_STATUSES)})$")] = None,
 ) -> JobList:
     rows, has_more = crud.list_jobs(session, caller, status=status_, limit=limit, after=after)
     return JobList(data=[job_out(job) for job in rows], has_more=has_more)
 
 
-@router.get("/{job_id}", response_model=JobOut)
-def get_job(job_id: str, session: SessionDep, caller: CallerDep) -> JobOut:
+@router.get("/{job_id}", response_model=JobOut, responses=responses(404))
+def get_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> JobOut:
     return job_out(visible_job(session, caller, job_id))
 
 
-@router.get("/{job_id}/events", response_model=EventList)
+@router.get("/{job_id}/events", response_model=EventList, responses=responses(404))
 def list_events(
-    job_id: str,
+    job_id: JobId,
     session: SessionDep,
     caller: CallerDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 100,
-    after: Annotated[int | None, Query(description="id of the last event of the previous page")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=MAX_EVENT_ID, description="id of the last event of the previous page")
+    ] = None,
 ) -> EventList:
     visible_job(session, caller, job_id)
     rows, has_more = crud.list_events(session, job_id, limit=limit, after=after)
@@ -215,8 +213,8 @@ def list_events(
     return EventList(data=data, has_more=has_more)
 
 
-@router.post("/{job_id}/cancel", response_model=JobOut)
-def cancel_job(job_id: str, session: SessionDep, caller: CallerDep) -> JobOut:
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=responses(404, 409))
+def cancel_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> JobOut:
     job = visible_job(session, caller, job_id)
     if not crud.request_cancel(session, job):
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job has already {job.status}")
@@ -224,9 +222,9 @@ def cancel_job(job_id: str, session: SessionDep, caller: CallerDep) -> JobOut:
     return job_out(job)
 
 
-@router.get("/{job_id}/artifacts", response_model=ArtifactList)
+@router.get("/{job_id}/artifacts", response_model=ArtifactList, responses=responses(404, 409, 410))
 def list_artifacts(
-    job_id: str,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     caller: CallerDep,
@@ -254,8 +252,8 @@ def list_artifacts(
     return ArtifactList(data=data)
 
 
-@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_job_artifacts(job_id: str, session: SessionDep, caller: CallerDep, storage: StorageDep) -> Response:
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT, responses=responses(404, 409))
+def delete_job_artifacts(job_id: JobId, session: SessionDep, caller: CallerDep, storage: StorageDep) -> Response:
     job = visible_job(session, caller, job_id)
     if not crud.is_finished(job):
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job is {job.status}; cancel it first")

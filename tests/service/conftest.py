@@ -49,6 +49,15 @@ SMALL_JOB: dict[str, Any] = {
     "evaluation": {"perplexity": ["wikitext2"], "seq_len": 128, "limit": 8},
 }
 
+# Less still, for tests that run several jobs or only need artifacts: every stage but evaluation, in seconds
+# on a busy machine. No device: the server's default (`auto`) picks the queue.
+TINY_JOB: dict[str, Any] = {
+    "model": str(DEMO_MODEL),
+    "ratio": 0.3,
+    "calibration": {"dataset": "wikitext2:validation", "n_samples": 2, "seq_len": 32},
+    "evaluation": {"perplexity": []},
+}
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -248,9 +257,11 @@ def worker(distributed_settings: Settings, tmp_path_factory: pytest.TempPathFact
     process.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def api(distributed_settings: Settings) -> Iterator[TestClient]:
-    """The API in this process (with its reaper thread), against the shared database, broker and bucket."""
+    """The API in this process (with its reaper thread), against the shared database, broker and bucket. It
+    stops with the service tests: its reaper talks to Redis every second, which tests after them that assert
+    no network use would see."""
     with TestClient(create_app(distributed_settings)) as client:
         yield client
 

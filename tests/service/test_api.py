@@ -1,9 +1,11 @@
 """The HTTP API against PostgreSQL, Redis and S3, without running the pipeline: jobs sent to the `cuda`
 queue, which no test worker consumes, stay queued."""
 
+import re
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,57 +23,64 @@ pytestmark = pytest.mark.service
 PARKED = {**SMALL_JOB, "device": "cuda"}
 
 
-def loc_and_msg(response: Any) -> list[tuple[tuple[Any, ...], str]]:
-    assert response.status_code == 422, response.text
-    return [(tuple(error["loc"]), error["msg"]) for error in response.json()["detail"]]
+def refusal(response: Any, status: int = 422) -> dict[str, Any]:
+    """The service's one error shape: {"error": {"code", "message", "param"}}."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "param"}, body
+    return body["error"]
 
 
 @pytest.mark.parametrize(
-    ("change", "loc", "reason"),
+    ("change", "param", "reason"),
     [
-        ({"ratio": 1.5}, ("body", "ratio"), "less than 1"),
-        ({"ratio": 0}, ("body", "ratio"), "greater than 0"),
-        ({"alpha": -1}, ("body", "alpha"), "greater than or equal to 0"),
-        ({"solver": "magic"}, ("body", "solver"), "'greedy'"),
-        ({"model": "/etc"}, ("body", "model"), "CASP_ALLOWED_MODEL_ROOTS"),
-        ({"model": f"{REPO}/demo/../casp_core"}, ("body", "model"), "CASP_ALLOWED_MODEL_ROOTS"),
-        ({"model": f"{REPO}/demo/missing"}, ("body", "model"), "no such model folder"),
-        ({"model": "not a model"}, ("body", "model"), "Hugging Face id"),
-        ({"revision": "main"}, ("body", "revision"), "only a Hugging Face id"),
+        ({"ratio": 1.5}, "ratio", "less than 1"),
+        ({"ratio": 0}, "ratio", "greater than 0"),
+        ({"alpha": -1}, "alpha", "greater than or equal to 0"),
+        ({"solver": "magic"}, "solver", "'greedy'"),
+        ({"model": "/etc"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
+        ({"model": f"{REPO}/demo/../casp_core"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
+        ({"model": f"{REPO}/demo/missing"}, "model", "no such model folder"),
+        ({"model": "not a model"}, "model", "Hugging Face id"),
+        ({"revision": "main"}, "revision", "only a Hugging Face id"),
         (
             {"calibration": {"n_samples": 0}},
-            ("body", "calibration", "n_samples"),
+            "calibration.n_samples",
             "greater than or equal to 1",
         ),
-        ({"calibration": {"dataset": "/etc/passwd"}}, ("body", "calibration", "dataset"), ".txt or .jsonl"),
-        ({"calibration": {"dataset": "wikitext3"}}, ("body", "calibration", "dataset"), "wikitext2, ptb, c4"),
-        ({"calibration": {"dataset": "ptb:dev"}}, ("body", "calibration", "dataset"), "no split 'dev'"),
-        ({"evaluation": {"zero_shot": ["chess"]}}, ("body", "evaluation", "zero_shot", 0), "'boolq'"),
+        ({"calibration": {"dataset": "/etc/passwd"}}, "calibration.dataset", ".txt or .jsonl"),
+        ({"calibration": {"dataset": "wikitext3"}}, "calibration.dataset", "wikitext2, ptb, c4"),
+        ({"calibration": {"dataset": "ptb:dev"}}, "calibration.dataset", "no split 'dev'"),
+        ({"evaluation": {"zero_shot": ["chess"]}}, "evaluation.zero_shot.0", "'boolq'"),
         (
-            {"evaluation": {"perplexity": ["c4", "x/../y.txt"]}},
-            ("body", "evaluation", "perplexity", 1),
-            "exist",
+            {"evaluation": {"perplexity": ["ptb", "x/../y.txt"]}},
+            "evaluation.perplexity.1",
+            "local paths must be absolute",
         ),
-        ({"metadata": {f"k{i}": "v" for i in range(17)}}, ("body", "metadata"), "at most 16"),
-        ({"colour": "blue"}, ("body", "colour"), "Extra inputs are not permitted"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
+        ({"colour": "blue"}, "colour", "Extra inputs are not permitted"),
     ],
 )
 def test_bad_input_is_422_naming_the_field(
     api: TestClient,
     keys: dict[str, dict[str, str]],
     change: dict[str, Any],
-    loc: tuple[Any, ...],
+    param: str,
     reason: str,
 ) -> None:
     response = api.post("/v1/jobs", json={**PARKED, **change}, headers=keys["alice"])
-    errors = loc_and_msg(response)
-    assert any(error_loc == loc and reason in msg for error_loc, msg in errors), errors
+    error = refusal(response)
+    assert error["code"] == "invalid_request" and error["param"] == param and reason in error["message"], error
 
 
 def test_casp_config_checks_surface_as_422(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
     # r_max is casp_core's own rule (ratio <= r_max), checked by PruneConfig.validate(): ratio 0.95 > 0.9.
     response = api.post("/v1/jobs", json={**PARKED, "ratio": 0.95}, headers=keys["alice"])
-    assert loc_and_msg(response) == [(("body", "r_max"), "must be in [ratio, 1], got 0.9")]
+    assert refusal(response) == {
+        "code": "invalid_request",
+        "message": "r_max: must be in [ratio, 1], got 0.9",
+        "param": "r_max",
+    }
 
 
 def test_submit_answers_201_with_the_job_and_maps_settings(
@@ -109,7 +118,8 @@ def test_idempotency_key(api: TestClient, keys: dict[str, dict[str, str]]) -> No
     assert again.json()["id"] == first.json()["id"]
     assert again.headers["Idempotent-Replayed"] == "true"
     conflict = api.post("/v1/jobs", json={**PARKED, "ratio": 0.4}, headers=alice)
-    assert conflict.status_code == 409 and "Idempotency-Key" in conflict.json()["detail"]
+    error = refusal(conflict, 409)
+    assert error["code"] == "conflict" and "Idempotency-Key" in error["message"]
     # Keys are per API key: bob's identical key makes bob's own job.
     bobs = api.post("/v1/jobs", json=PARKED, headers={**keys["bob"], "Idempotency-Key": "submit-1"})
     assert bobs.status_code == 201 and bobs.json()["id"] != first.json()["id"]
@@ -215,12 +225,15 @@ def test_reaper_requeues_then_fails_a_job_whose_worker_died(
         )
     assert job["error"]["code"] == "worker_lost" and job["attempts"] == distributed_settings.max_attempts
     messages = [e["message"] for e in api.get(f"/v1/jobs/{job_id}/events", headers=keys["alice"]).json()["data"]]
-    assert messages.count("worker lost; queued again") == distributed_settings.max_attempts - 1
+    requeued = [m for m in messages if m.startswith("worker lost; queued again, to start over")]
+    assert len(requeued) == distributed_settings.max_attempts - 1
 
 
-def test_health_ready_metrics_and_docs(api: TestClient) -> None:
+def test_health_ready_metrics_and_docs(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
     assert api.get("/healthz").json() == {"status": "ok"}
-    ready = api.get("/readyz")
+    # Without a key, only whether it is ready; with one, each check.
+    assert api.get("/readyz").json() == {"ready": True}
+    ready = api.get("/readyz", headers=keys["alice"])
     assert ready.status_code == 200 and ready.json()["checks"] == {
         "database": "ok",
         "broker": "ok",
@@ -228,19 +241,27 @@ def test_health_ready_metrics_and_docs(api: TestClient) -> None:
     }
     metrics = api.get("/metrics").text
     assert 'casp_jobs{status="queued"}' in metrics and 'casp_queue_depth{queue="casp-cuda"}' in metrics
+    assert "casp_broker_up 1.0" in metrics
     assert api.get("/docs").status_code == 200
     assert "/v1/jobs/{job_id}/artifacts" in api.get("/openapi.json").json()["paths"]
 
 
-def test_readyz_reports_an_unreachable_broker(distributed_settings: Settings) -> None:
+def test_an_unreachable_broker_fails_readyz_and_shows_in_metrics(
+    distributed_settings: Settings, keys: dict[str, dict[str, str]]
+) -> None:
     from api.main import create_app
 
     broken = distributed_settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
     with TestClient(create_app(broken)) as client:
-        response = client.get("/readyz")
+        response = client.get("/readyz", headers=keys["alice"])
+        assert client.get("/readyz").json() == {"error": {"code": "not_ready", "message": "not ready", "param": None}}
+        metrics = client.get("/metrics")
     assert response.status_code == 503
-    checks = response.json()["checks"]
-    assert checks["database"] == "ok" and checks["storage"] == "ok" and checks["broker"] != "ok"
+    reasons = response.json()["error"]["message"]
+    assert reasons.startswith("not ready: broker: ") and "database" not in reasons and "storage" not in reasons
+    # The metrics still answer, from the database, and say the broker is away.
+    assert metrics.status_code == 200, metrics.text
+    assert "casp_broker_up 0.0" in metrics.text and 'casp_jobs{status="queued"}' in metrics.text
 
 
 def test_a_job_over_its_time_limit_fails_with_a_clear_error(
@@ -261,3 +282,19 @@ def test_a_job_over_its_time_limit_fails_with_a_clear_error(
     assert job["error"]["code"] == "time_limit_exceeded"
     assert "time limit of 1 s" in job["error"]["message"]
     assert api.get(f"/v1/jobs/{job_id}/artifacts", headers=keys["alice"]).status_code == 409
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_every_asset_from_the_service(api: TestClient, page: str) -> None:
+    """No CDN: on a machine without internet the page must still render."""
+    html = api.get(page)
+    assert html.status_code == 200
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html.text)
+    assert assets and all(url.startswith("/") and not url.startswith("//") for url in assets), assets
+    scripts = [url for url in assets if url.endswith(".js")]
+    assert scripts, assets
+    for url in assets:
+        response = api.get(url)
+        assert response.status_code == 200, url
+        expected = {".js": "javascript", ".css": "text/css", ".png": "image/png"}[Path(url).suffix]
+        assert expected in response.headers["content-type"] and len(response.content) > 1000, url

@@ -157,6 +157,29 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
     assert sum(p.numel() for p in model.parameters()) == expected_parameters(done["result"])
 
 
+def test_client_commands_refused_by_the_service_say_so_in_one_line(tmp_path: Path) -> None:
+    home, port = tmp_path / "home", free_port()
+    home.mkdir()
+    env = embedded_env(home, workers=0) | {"CASP_URL": f"http://127.0.0.1:{port}"}
+
+    def casp(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "api.cli", *args]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+    with casp_serve(home, port, workers=0) as client:  # no worker: the job stays queued
+        job = client.submit(SMALL_JOB)
+        unknown = casp("status", "0123456789abcdef")  # a job id's shape, but no such job
+        waited = casp("wait", job["id"], "--timeout", "0.5")
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    lines = unknown.stderr.strip().splitlines()
+    assert lines == ["casp: error: not_found: no job 0123456789abcdef"], unknown.stderr
+    assert waited.returncode == 1
+    assert (
+        waited.stderr.strip().splitlines()[-1] == f"casp: error: timeout: job {job['id']} is still queued after 0.5 s"
+    )
+    assert "Traceback" not in unknown.stderr + waited.stderr
+
+
 def test_casp_demo_prunes_the_bundled_model(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")} | {"PYTHONPATH": str(REPO)}
     result = subprocess.run(

@@ -1,0 +1,87 @@
+"""Where a job may read its model and text from. The API checks at submit, and the worker again before it runs
+(a row may have been written past the API): a local path must be absolute and, with symbolic links and `..`
+resolved, lie under CASP_ALLOWED_MODEL_ROOTS (data set files: or CASP_DATASETS_DIR); anything else is a Hugging
+Face id, which casp_core loads from the hub cache only, or a named data set installed under the datasets dir."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from api.core.settings import Settings
+from api.errors import excerpt
+from casp_core.config import PruneConfig
+from casp_core.data import LOCAL_FILES, TextSource, calibration_source, evaluation_source, local_copy
+from casp_core.errors import CaspError, DatasetNotFound, ModelNotFound
+from casp_core.model import is_local_reference
+
+DATASET_FILE_SUFFIXES = (".txt", ".jsonl")
+
+Loc = tuple[str | int, ...]
+
+
+class InputRefused(CaspError):
+    """A model or data set the job may not read; `loc` is the request field, `code` the job's error code."""
+
+    code = "input_not_allowed"
+
+    def __init__(self, loc: Loc, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.loc = loc
+        if code:
+            self.code = code
+
+
+def _under_roots(value: str, loc: Loc, roots: list[Path], roots_setting: str) -> Path:
+    if not value.startswith("/"):
+        raise InputRefused(loc, "local paths must be absolute")
+    # Resolved first, so `..` and symbolic links cannot lead outside the allowed roots.
+    path = Path(value).resolve()
+    if not any(path.is_relative_to(root) for root in roots):
+        allowed = ":".join(map(str, roots)) or "none configured"
+        raise InputRefused(loc, f"local paths must lie under {roots_setting} ({allowed})")
+    return path
+
+
+def check_model(model: str, settings: Settings) -> str:
+    """The model as the job stores it: a hub id as given, a local folder resolved."""
+    if not is_local_reference(model):
+        try:
+            validate_repo_id(model)
+        except HFValidationError as exc:
+            raise InputRefused(("model",), f"not a Hugging Face id: {exc}") from exc
+        return model
+    path = _under_roots(model, ("model",), settings.model_roots(), "CASP_ALLOWED_MODEL_ROOTS")
+    if not path.is_dir():
+        raise InputRefused(("model",), "no such model folder", ModelNotFound.code)
+    return str(path)
+
+
+def check_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable[[str], TextSource]) -> str:
+    """A named set (`name[:split]`, installed under the datasets dir when there is one) or a file under the
+    allowed roots: anything else casp_core would read as a path relative to the worker's directory."""
+    if spec.partition(":")[0] in LOCAL_FILES:
+        try:
+            source = source_of(spec)
+            if settings.datasets_dir:
+                local_copy(source, str(settings.datasets_dir))
+        except DatasetNotFound as exc:
+            raise InputRefused(loc, exc.message, DatasetNotFound.code) from exc
+        return spec
+    if Path(spec).suffix not in DATASET_FILE_SUFFIXES:
+        known = ", ".join(LOCAL_FILES)
+        raise InputRefused(loc, f"must be one of {known} (optionally `:split`) or a .txt or .jsonl file")
+    roots = settings.model_roots() + ([settings.datasets_dir.resolve()] if settings.datasets_dir else [])
+    path = _under_roots(spec, loc, roots, "CASP_ALLOWED_MODEL_ROOTS or CASP_DATASETS_DIR")
+    if not path.is_file():
+        raise InputRefused(loc, f"no such file: {excerpt(spec)}", DatasetNotFound.code)
+    return str(path)
+
+
+def check_job_inputs(model: str, config: PruneConfig, settings: Settings) -> None:
+    """The worker's second look at what the job reads."""
+    check_model(model, settings)
+    check_dataset(config.calibration.dataset, ("calibration", "dataset"), settings, calibration_source)
+    for i, spec in enumerate(config.evaluation.perplexity):
+        check_dataset(spec, ("evaluation", "perplexity", i), settings, evaluation_source)

@@ -1,0 +1,355 @@
+"""Load bench of the jobs service: submissions+cancels per second and status polls per second, with p50/p99
+latency and the error count, in the embedded mode (SQLite, local storage) and the distributed one (PostgreSQL,
+Redis, local storage).
+
+Each mode starts a real `casp serve` process on a loopback port, with no worker (embedded: no in-process
+worker; distributed: none consumes the queue), so that only the API is measured and every job is cancelled
+while queued. Client threads, each with its own `CaspClient` (retries off: every error counts), first submit a
+job and cancel it (a pair), then poll the jobs' status. Bounded: `--jobs` pairs and `--polls` polls per mode.
+Writes bench/results/load.json and load.md.
+"""
+
+import argparse
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from api import crud
+from api.cli import prepare
+from api.client import CaspAPIError, CaspClient
+from api.core.db import session_scope
+from api.core.settings import Settings
+from bench.common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    all_finite,
+    concurrency_note,
+    default_datasets_dir,
+    finish_machine_info,
+    machine_info,
+    machine_line,
+    write_json,
+)
+
+MODES = ("embedded", "distributed")
+DEMO_MODEL = REPO_ROOT / "demo" / "stories260K"
+# A valid request the service accepts; no worker ever runs it.
+JOB = {
+    "model": str(DEMO_MODEL),
+    "ratio": 0.3,
+    "device": "cpu",
+    "calibration": {"dataset": "wikitext2:validation", "n_samples": 8, "seq_len": 128},
+    "evaluation": {"perplexity": ["wikitext2"], "seq_len": 128, "limit": 8},
+}
+WARMUP_PAIRS = 5  # the first requests pay for imports and connections: not measured
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--jobs", type=int, default=300, help="submit+cancel pairs per mode")
+    parser.add_argument("--polls", type=int, default=1000, help="status polls per mode")
+    parser.add_argument("--concurrency", type=int, default=4, help="client threads")
+    parser.add_argument(
+        "--pg-admin-url",
+        default=os.environ.get("CASP_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test"),
+        help="distributed mode: a database of its own is created there and dropped at the end",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("CASP_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15"),
+        help="distributed mode: a Redis database of its own (emptied before and after)",
+    )
+    parser.add_argument("--note", default="", help="what else ran on the machine, said with the results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return parser.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def postgres_database(admin_url: str) -> Iterator[str]:
+    import psycopg
+
+    name = f"casp_load_{secrets.token_hex(6)}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin_url.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + f"/{name}"
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def empty_redis(url: str) -> Iterator[str]:
+    """The stale messages of the cancelled jobs stay in the queue (no worker drains them): removed at the end."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    try:
+        yield url
+    finally:
+        client.flushdb()
+
+
+def service_settings(mode: str, home: Path, database_url: str | None, broker_url: str | None) -> dict[str, str]:
+    values = {
+        "home": str(home),
+        "auth": "apikey",
+        "allowed_model_roots": str(DEMO_MODEL.parent),
+        "datasets_dir": default_datasets_dir(),
+        "default_device": "cpu",
+        "embedded_workers": "0",
+        "storage_url": f"file://{home / 'artifacts'}",
+    }
+    if mode == "distributed":
+        assert database_url and broker_url
+        values |= {"database_url": database_url, "broker_url": broker_url}
+    return values
+
+
+@contextmanager
+def casp_serve(values: dict[str, str], home: Path) -> Iterator[tuple[str, str]]:
+    """`casp serve` in its own process group, with an API key; yields (url, key)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}
+    env |= {f"CASP_{name.upper()}": value for name, value in values.items()}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    settings = Settings(**values)  # type: ignore[arg-type]  # pydantic parses the strings, as from CASP_*
+    prepare(settings)
+    with session_scope(settings.database) as session:
+        _, key = crud.create_api_key(session, "load-bench")
+    port = free_port()
+    log_path = home / "serve.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--log-level", "warning"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"casp serve exited: {log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("casp serve did not answer within 120 s")
+            time.sleep(0.2)
+        yield url, key
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    if len(seconds) < 2:
+        only = 1000 * seconds[0] if seconds else float("nan")
+        return {"p50": only, "p99": only, "max": only}
+    cuts = statistics.quantiles(seconds, n=100, method="inclusive")
+    return {"p50": 1000 * cuts[49], "p99": 1000 * cuts[98], "max": 1000 * max(seconds)}
+
+
+class Recorder:
+    """Latencies per request kind and errors (with a few examples), from every client thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.latencies: dict[str, list[float]] = {}
+        self.errors: list[str] = []
+
+    def timed(self, kind: str, call: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            result = call()
+        except (CaspAPIError, httpx.HTTPError) as error:
+            with self.lock:
+                self.errors.append(f"{kind}: {type(error).__name__}: {error}")
+            return None
+        elapsed = time.perf_counter() - start
+        with self.lock:
+            self.latencies.setdefault(kind, []).append(elapsed)
+        return result
+
+
+def run_phase(
+    url: str, key: str, concurrency: int, count: int, one: Callable[[CaspClient, int, Recorder], None]
+) -> tuple[float, Recorder]:
+    """`count` calls of `one`, spread over `concurrency` threads with a client each; returns the wall time."""
+    recorder = Recorder()
+    clients = [CaspClient(url, api_key=key, retries=0) for _ in range(concurrency)]
+
+    def worker(index: int) -> None:
+        for n in range(index, count, concurrency):
+            one(clients[index], n, recorder)
+
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(worker, range(concurrency)))
+        return time.perf_counter() - start, recorder
+    finally:
+        for client in clients:
+            client.http.close()
+
+
+def measure_mode(mode: str, args: argparse.Namespace, database_url: str | None, broker_url: str | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"casp-load-{mode}-") as tmp:
+        home = Path(tmp)
+        with casp_serve(service_settings(mode, home, database_url, broker_url), home) as (url, key):
+            ids: list[str] = []
+            statuses: dict[str, int] = {}
+
+            def submit_and_cancel(client: CaspClient, n: int, recorder: Recorder) -> None:
+                job = recorder.timed("submit", lambda: client.submit(JOB))
+                if job is None:
+                    return
+                cancelled = recorder.timed("cancel", lambda: client.cancel(job["id"]))
+                with recorder.lock:
+                    ids.append(job["id"])
+                    if cancelled is not None:
+                        statuses[cancelled["status"]] = statuses.get(cancelled["status"], 0) + 1
+
+            run_phase(url, key, args.concurrency, WARMUP_PAIRS, submit_and_cancel)
+            statuses.clear()
+            pair_seconds, pairs = run_phase(url, key, args.concurrency, args.jobs, submit_and_cancel)
+            poll_seconds, polls = run_phase(
+                url,
+                key,
+                args.concurrency,
+                args.polls,
+                lambda c, n, r: r.timed("status", lambda: c.get(ids[n % len(ids)])),
+            )
+    return {
+        "database": "postgresql" if mode == "distributed" else "sqlite",
+        "broker": "redis" if mode == "distributed" else None,
+        "storage": "local",
+        "submit_cancel": {
+            "pairs": args.jobs,
+            "seconds": pair_seconds,
+            "pairs_per_second": args.jobs / pair_seconds,
+            "errors": len(pairs.errors),
+            "error_examples": pairs.errors[:5],
+            "latency_ms": {kind: percentiles_ms(pairs.latencies.get(kind, [])) for kind in ("submit", "cancel")},
+            # A queued job is cancelled at once: anything else would mean a worker took it.
+            "statuses_after_cancel": statuses,
+            "not_cancelled": sum(count for status, count in statuses.items() if status != "cancelled"),
+        },
+        "status": {
+            "polls": args.polls,
+            "seconds": poll_seconds,
+            "polls_per_second": args.polls / poll_seconds,
+            "errors": len(polls.errors),
+            "error_examples": polls.errors[:5],
+            "latency_ms": percentiles_ms(polls.latencies.get("status", [])),
+        },
+    }
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    if mode == "embedded":
+        return measure_mode(mode, args, None, None)
+    with postgres_database(args.pg_admin_url) as database_url, empty_redis(args.redis_url) as broker_url:
+        return measure_mode(mode, args, database_url, broker_url)
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    machine, settings = payload["machine"], payload["settings"]
+    lines = [
+        "# Load: the jobs API under submissions, cancels and status polls",
+        "",
+        f"{machine_line(machine)}; load average {machine['loadavg_start'][0]:.1f} at the start, "
+        f"{machine['loadavg_end'][0]:.1f} at the end (1 minute).",
+        "",
+        " ".join(filter(None, [concurrency_note(machine), settings["note"]])),
+        "",
+        f"`casp serve` (one process, no worker) and {settings['concurrency']} client threads on the same machine, "
+        f"over loopback; {settings['jobs']} submit+cancel pairs, then {settings['polls']} status polls per mode; "
+        "API-key auth; latency as the client sees it.",
+        "",
+        "| mode | store | submit+cancel pairs/s | submit p50 / p99 ms | cancel p50 / p99 ms | status polls/s "
+        "| status p50 / p99 ms | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, result in payload["modes"].items():
+        pairs, polls = result["submit_cancel"], result["status"]
+        submit, cancel, status = pairs["latency_ms"]["submit"], pairs["latency_ms"]["cancel"], polls["latency_ms"]
+        store = result["database"] + (f" + {result['broker']}" if result["broker"] else "")
+        lines.append(
+            f"| {mode} | {store} | {pairs['pairs_per_second']:.1f} | {submit['p50']:.1f} / {submit['p99']:.1f} "
+            f"| {cancel['p50']:.1f} / {cancel['p99']:.1f} | {polls['polls_per_second']:.1f} "
+            f"| {status['p50']:.1f} / {status['p99']:.1f} | {pairs['errors'] + polls['errors']} |"
+        )
+    lines += ["", "Rerun: `PYTHONPATH=. python -m bench.load` (see bench/README.md).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    machine = machine_info()
+    start = time.perf_counter()
+    modes = {}
+    for mode in args.modes:
+        modes[mode] = run_mode(mode, args)
+        result = modes[mode]
+        print(
+            f"{mode}: {result['submit_cancel']['pairs_per_second']:.1f} submit+cancel pairs/s, "
+            f"{result['status']['polls_per_second']:.1f} status polls/s, "
+            f"{result['submit_cancel']['errors'] + result['status']['errors']} errors"
+        )
+    payload = {
+        "modes": modes,
+        "machine": finish_machine_info(machine),
+        "settings": {
+            "jobs": args.jobs,
+            "polls": args.polls,
+            "concurrency": args.concurrency,
+            "warmup_pairs": WARMUP_PAIRS,
+            "niceness": os.nice(0),  # the bench and its server ran at this priority
+            "note": args.note,
+            "total_seconds": time.perf_counter() - start,
+        },
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "load.json", payload)
+    (args.out / "load.md").write_text(render_markdown(payload))
+    errors = sum(m["submit_cancel"]["errors"] + m["status"]["errors"] for m in modes.values())
+    not_cancelled = sum(m["submit_cancel"]["not_cancelled"] for m in modes.values())
+    if errors or not_cancelled or not all_finite(payload):
+        raise SystemExit(f"load bench: {errors} errors, {not_cancelled} jobs not cancelled or a non-finite number")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Submit-time refusal of model families casp cannot prune: a local model's config is read by the API."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from transformers import Qwen2Config, Qwen2MoeConfig
+
+from api.core.settings import Settings
+from api.main import create_app
+from tests.service.conftest import SMALL_JOB
+
+pytestmark = pytest.mark.service
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Configs alone: the API reads nothing else, and the jobs below never reach a worker."""
+    root = tmp_path_factory.mktemp("models")
+    Qwen2MoeConfig(num_hidden_layers=1).save_pretrained(root / "qwen2-moe")
+    Qwen2Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
+        root / "qwen2"
+    )
+    (root / "empty").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def api_with_root(distributed_settings: Settings, model_root: Path) -> Iterator[TestClient]:
+    settings = distributed_settings.model_copy(update={"allowed_model_roots": [model_root]})
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("folder", "expected"),
+    [
+        ("qwen2-moe", "unsupported_model: model type 'qwen2_moe' is not supported"),
+        ("empty", "model_not_found: cannot read the config of model"),
+    ],
+)
+def test_unsupported_local_model_is_422_at_submit(
+    api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path, folder: str, expected: str
+) -> None:
+    body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / folder)}
+    response = api_with_root.post("/v1/jobs", json=body, headers=keys["alice"])
+    assert response.status_code == 422, response.text
+    assert expected in response.text and "model" in response.text
+
+
+def test_supported_local_model_is_accepted(
+    api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
+) -> None:
+    # Sent to the cuda queue, which no test worker consumes: the job stays queued.
+    body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "qwen2")}
+    response = api_with_root.post("/v1/jobs", json=body, headers=keys["alice"])
+    assert response.status_code == 201, response.text
