@@ -4,6 +4,7 @@ PostgreSQL and Redis are started by scripts/services.sh when down; each test ses
 Redis database and bucket, so it can run beside other sessions on the same machine.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -113,11 +114,9 @@ def pg_database(local_services: None) -> Iterator[Callable[[], str]]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A real S3 API (SeaweedFS) that checks signatures and expiry, with a fresh bucket."""
+def _start_seaweed(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`weed server` (master, volume, filer, S3) on free ports under `root`; its output goes to root/weed.log."""
     weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-    root = tmp_path_factory.mktemp("seaweed")
     config = root / "s3.json"
     identity = {"name": "casp", "credentials": [{"accessKey": S3_ACCESS, "secretKey": S3_SECRET}]}
     identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
@@ -133,13 +132,49 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         f"-filer.port.grpc={grpc['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={grpc['s3']}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
     ]  # fmt: skip
-    log = (root / "weed.log").open("wb")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
-    bucket = "casp-test"
-    try:
-        import boto3
+    with (root / "weed.log").open("wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, f"http://127.0.0.1:{ports['s3']}"
 
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it may have exited by itself
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _create_bucket(process: subprocess.Popen[bytes], client: Any, bucket: str, timeout: float) -> None:
+    """Create `bucket` once the S3 server answers; the error names the last answer it gave."""
+    last_error = "no answer"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"weed exited with {process.returncode}")
+        try:
+            client.create_bucket(Bucket=bucket)
+            return
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            return
+        except Exception as error:
+            last_error = f"{type(error).__name__}: {error}"
+        time.sleep(0.5)
+    raise TimeoutError(f"gave up after {timeout:.0f} s waiting for the S3 server (last error: {last_error})")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real S3 API (SeaweedFS) that checks signatures and expiry, with a fresh bucket.
+
+    A start that does not serve within 90 s is killed and tried again on fresh ports and a fresh folder (a
+    port picked free can be taken by the time weed binds it); after three, the error carries weed's last words.
+    """
+    import boto3
+
+    bucket = "casp-test"
+    failures: list[str] = []
+    for _ in range(3):
+        root = tmp_path_factory.mktemp("seaweed")
+        process, endpoint = _start_seaweed(root)
         client = boto3.client(
             "s3",
             endpoint_url=endpoint,
@@ -147,22 +182,18 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
             aws_secret_access_key=S3_SECRET,
             region_name="us-east-1",
         )
-
-        def bucket_ready() -> bool:
-            try:
-                client.create_bucket(Bucket=bucket)
-                return True
-            except client.exceptions.BucketAlreadyOwnedByYou:
-                return True
-            except Exception:
-                return False
-
-        wait_for(bucket_ready, 60, "the S3 server", interval=0.5)
-        yield {"endpoint": endpoint, "bucket": bucket}
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        log.close()
+        try:
+            _create_bucket(process, client, bucket, timeout=90)
+        except (TimeoutError, RuntimeError) as error:
+            _stop_group(process)
+            failures.append(f"{error}\n{(root / 'weed.log').read_text(errors='replace')[-3000:]}")
+            continue
+        try:
+            yield {"endpoint": endpoint, "bucket": bucket}
+        finally:
+            _stop_group(process)
+        return
+    pytest.fail("SeaweedFS did not start in three tries:\n" + "\n---\n".join(failures), pytrace=False)
 
 
 @pytest.fixture(scope="session")
