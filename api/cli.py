@@ -18,8 +18,8 @@ import httpx
 
 from api.client import DEFAULT_RETRIES, CaspAPIError, CaspClient
 from api.core.settings import AUTO, DEVICES, Settings, local_devices, resolve_device
-from casp_core.arguments import non_negative_int
-from casp_core.cli import main as casp_main
+from casp_core.cli.arguments import non_negative_int
+from casp_core.cli.main import main as casp_main
 from casp_core.errors import InvalidConfig
 
 REPO = Path(__file__).resolve().parents[1]

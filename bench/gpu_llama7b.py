@@ -18,29 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from bench.common import RESULTS_DIR, default_datasets_dir, default_models_dir, machine_info, write_json
+from bench.shapes import llama2_7b_config
 from casp_core.checkpoint import save_pruned
 from casp_core.config import CalibrationConfig, PruneConfig
-from casp_core.pipeline import prune
-from casp_core.progress import StageTimer
+from casp_core.prune import prune
+from casp_core.run import Run, StageTimer
 
 TARGET_SECONDS = 60.0
 TARGET_PEAK_GPU_GB = 24.0
 
 
 def llama7b_shaped(dtype: torch.dtype) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        dtype=dtype,
-    )
+    config = llama2_7b_config(dtype=dtype)
     torch.manual_seed(0)
     # Initialising 6.7B parameters on the GPU takes seconds, on the CPU minutes; the pipeline expects the
     # model on the CPU (it moves one layer at a time to the device), so it goes back there afterwards.
@@ -82,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     error = None
     try:
-        result = prune(model, tokenizer, config, timer=timer)
+        result = prune(model, tokenizer, config, Run(timer=timer))
         with timer.stage("save"), tempfile.TemporaryDirectory() as directory:
             save_pruned(result.model, tokenizer, Path(directory))
     except torch.OutOfMemoryError as oom:  # a finding, not a crash: say which stage ran out

@@ -28,7 +28,6 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import casp_core.data
-import casp_core.pipeline
 from bench.common import (
     RESULTS_DIR,
     all_finite,
@@ -41,6 +40,7 @@ from bench.common import (
     write_json,
 )
 from casp_core.allocation import layer_sensitivities
+from casp_core.calibration import calibration_windows
 from casp_core.config import (
     COMPENSATIONS,
     DENSE_TARGET_COMPENSATION,
@@ -49,10 +49,11 @@ from casp_core.config import (
     CalibrationConfig,
     PruneConfig,
 )
+from casp_core.eval.perplexity import perplexity
+from casp_core.eval.zeroshot import evaluate_zero_shot
 from casp_core.model import load_model
-from casp_core.perplexity import perplexity
-from casp_core.progress import StageTimer, never_cancelled, no_progress
-from casp_core.zeroshot import evaluate_zero_shot
+from casp_core.prune import prune
+from casp_core.run import Run, StageTimer
 
 MODELS = ("stories260K", "ptbwiki-7M")
 RATIOS = (0.1, 0.2, 0.3, 0.5)
@@ -138,7 +139,6 @@ def plan(
 _TOKENS: dict[str, torch.Tensor] = {}
 _SENSITIVITIES: dict[str, list[float]] = {}
 _tokenize = casp_core.data.tokenize
-_layer_sensitivities = layer_sensitivities
 
 
 def _digest(data: bytes) -> str:
@@ -152,21 +152,22 @@ def _cached_tokenize(text: str, tokenizer: PreTrainedTokenizerBase, *, add_bos: 
     return _TOKENS[key]
 
 
-def _cached_sensitivities(model: PreTrainedModel, windows: torch.Tensor, **kwargs: Any) -> list[float]:
-    # The allocation runs before any masking, so the model here is always the dense one.
-    key = f"{model.config._name_or_path}|{kwargs['batch_size']}|{_digest(windows.numpy().tobytes())}"
+def cached_sensitivities(model: PreTrainedModel, windows: torch.Tensor) -> list[float]:
+    """The gradient allocation's S_l of the dense `model` on `windows`, measured once and handed to `prune`."""
+    key = f"{model.config._name_or_path}|{BATCH_SIZE}|{_digest(windows.numpy().tobytes())}"
     if key not in _SENSITIVITIES:
-        _SENSITIVITIES[key] = _layer_sensitivities(model, windows, **kwargs)
+        _SENSITIVITIES[key] = layer_sensitivities(
+            model, windows, batch_size=BATCH_SIZE, device=torch.device("cpu"), run=Run()
+        )
     return _SENSITIVITIES[key]
 
 
 def install_caches(tokens: dict[str, torch.Tensor], sensitivities: dict[str, list[float]], threads: int) -> None:
-    """Route the pipeline's tokenizer and sensitivity calls through the caches (also a worker's initializer)."""
+    """Fill the caches and route the pipeline's tokenizer calls through them (also a worker's initializer)."""
     torch.set_num_threads(threads)
     _TOKENS.update(tokens)
     _SENSITIVITIES.update(sensitivities)
     casp_core.data.tokenize = _cached_tokenize
-    casp_core.pipeline.layer_sensitivities = _cached_sensitivities
 
 
 @contextlib.contextmanager
@@ -178,7 +179,6 @@ def caches_installed(threads: int) -> Iterator[None]:
         yield
     finally:
         casp_core.data.tokenize = _tokenize
-        casp_core.pipeline.layer_sensitivities = _layer_sensitivities
         _TOKENS.clear()
         _SENSITIVITIES.clear()
         torch.set_num_threads(previous_threads)
@@ -220,16 +220,9 @@ def prepare_model(model_name: str, settings: Settings) -> dict[str, Any]:
     text = casp_core.data.load_text(casp_core.data.parse_source(CALIBRATION_SET, "train"), settings.datasets_dir)
     tokens = casp_core.data.tokenize(text, tokenizer, add_bos=False)
     seq_len = min(settings.seq_len, model.config.max_position_embeddings)
-    windows = casp_core.data.calibration_windows(tokens, settings.n_samples, seq_len, settings.seed)
+    windows = casp_core.data.sample_windows(tokens, settings.n_samples, seq_len, settings.seed)
     tokenized = time.perf_counter()
-    casp_core.pipeline.layer_sensitivities(
-        model,
-        windows,
-        batch_size=BATCH_SIZE,
-        device=torch.device("cpu"),
-        progress=no_progress,
-        should_cancel=never_cancelled,
-    )
+    cached_sensitivities(model, windows)
     sensed = time.perf_counter()
     dense_ppl = evaluate(model, tokenizer, settings)
     return {
@@ -270,7 +263,11 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
     )
     timer = StageTimer(torch.device("cpu"))
     start = time.perf_counter()
-    result = casp_core.pipeline.prune(model, tokenizer, config, timer=timer)
+    with timer.stage("calibration_data"):
+        windows = calibration_windows(model, tokenizer, config)
+    with timer.stage("allocation"):
+        sensitivities = cached_sensitivities(model, windows) if spec.allocation == "gradient" else None
+    result = prune(model, tokenizer, config, Run(timer=timer), windows=windows, sensitivities=sensitivities)
     seconds = time.perf_counter() - start
     sublayers = [sub for layer in result.layers for sub in (layer.attn, layer.mlp)]
     bounds = [sub.lower_bound for sub in sublayers]

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from bench.common import (
     REPO_ROOT,
@@ -38,14 +38,14 @@ from bench.common import (
     machine_line,
     write_json,
 )
+from bench.shapes import llama_config
 from casp_core.allocation import layer_sensitivities
+from casp_core.calibration import capture_first_layer_inputs, record_inputs, run_layer
 from casp_core.checkpoint import save_pruned
 from casp_core.interaction import block_aggregate, interaction_matrix
 from casp_core.model import attention_geometry, decoder_layers
-from casp_core.pipeline import capture_first_layer_inputs, run_layer
-from casp_core.progress import never_cancelled, no_progress
+from casp_core.run import Run
 from casp_core.solvers import greedy
-from casp_core.statistics import record_inputs
 from casp_core.surgery import LayerPruning, mask_layer, remove_units
 
 CPU = torch.device("cpu")
@@ -76,16 +76,7 @@ class Size:
 
 
 def random_model(size: Size) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=size.hidden,
-        intermediate_size=size.ffn,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        num_key_value_heads=size.heads,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
+    config = llama_config(hidden=size.hidden, layers=size.layers, ffn=size.ffn, heads=size.heads, vocab=VOCAB)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -153,7 +144,7 @@ def timed(record: dict[str, float], name: str) -> Iterator[None]:
 
 
 def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int, out_dir: Path) -> dict[str, Any]:
-    """The stages of `casp_core.pipeline.prune`, called directly with a timer and a memory probe on each.
+    """The stages of `casp_core.prune.prune`, called directly with a timer and a memory probe on each.
 
     Each layer prunes half its heads and channels with greedy; the baseline ops are timed beside them.
     """
@@ -165,9 +156,7 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
         return _Probe(memory, name)
 
     with probe("allocation"), timed(seconds, "allocation"):
-        layer_sensitivities(
-            model, windows, batch_size=batch_size, device=CPU, progress=no_progress, should_cancel=never_cancelled
-        )
+        layer_sensitivities(model, windows, batch_size=batch_size, device=CPU, run=Run())
     with torch.no_grad(), timed(baseline, "allocation"):
         for start in range(0, len(windows), batch_size):
             model(windows[start : start + batch_size], use_cache=False)
@@ -479,7 +468,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"({memory['model_mb']['layer_weights']:.0f} MB), one batch's activations and the d x d statistics "
         f"({memory['model_mb']['statistics']:.0f} MB in float64).",
         "",
-        "How the pipeline does it (`casp_core/pipeline.py`): `capture_first_layer_inputs` runs the embeddings "
+        "How the pipeline does it (`casp_core/calibration.py`, `casp_core/prune.py`): "
+        "`capture_first_layer_inputs` runs the embeddings "
         "and stops at the first decoder layer by raising from a pre-hook, keeping one hidden-state tensor per "
         "batch on the `store` device (the CPU). For each layer, `run_layer` moves one batch at a time to the "
         "device, runs the layer (the `record_inputs` hooks fold that batch into the d x d accumulators and drop "

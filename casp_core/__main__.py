@@ -1,5 +1,5 @@
 import sys
 
-from casp_core.cli import main
+from casp_core.cli.main import main
 
 sys.exit(main())

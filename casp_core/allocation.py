@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from casp_core.model import decoder_layers
 from casp_core.numerics import check_finite
-from casp_core.progress import CancelCheck, ProgressFn, check_cancelled
+from casp_core.run import Run
 
 EPSILON = 1e-12
 
@@ -20,8 +20,7 @@ def layer_sensitivities(
     *,
     batch_size: int,
     device: torch.device,
-    progress: ProgressFn,
-    should_cancel: CancelCheck,
+    run: Run,
 ) -> list[float]:
     """One forward and backward pass per batch, gradients taken only with respect to layer outputs."""
     layers = decoder_layers(model)
@@ -42,7 +41,7 @@ def layer_sensitivities(
     handles += [layer.register_forward_hook(keep_output) for layer in layers]
     try:
         for start in range(0, len(windows), batch_size):
-            check_cancelled(should_cancel)
+            run.check_cancelled()
             batch = windows[start : start + batch_size].to(device)
             outputs.clear()
             logits = model(batch, use_cache=False).logits.float()
@@ -72,7 +71,7 @@ def layer_sensitivities(
                     squared_norms[index], "allocation", "S_l, the squared gradient of the loss at the output", index
                 )
             sums += squared_norms
-            progress("allocation", done / len(windows), f"gradients of {done} of {len(windows)} sequences")
+            run.report("allocation", done / len(windows), f"gradients of {done} of {len(windows)} sequences")
     finally:
         for handle in handles:
             handle.remove()

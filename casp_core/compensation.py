@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from casp_core.calibration import SecondMoment, StreamCrossMoment
 from casp_core.model import AttentionGeometry
-from casp_core.statistics import SecondMoment, StreamCrossMoment
 from casp_core.surgery import LayerPruning, head_columns
 
 logger = logging.getLogger(__name__)

@@ -183,7 +183,7 @@ def tokenize(text: str, tokenizer: PreTrainedTokenizerBase, *, add_bos: bool) ->
     return torch.tensor(ids, dtype=torch.long)
 
 
-def calibration_windows(tokens: torch.Tensor, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+def sample_windows(tokens: torch.Tensor, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
     """`n_samples` windows of `seq_len` tokens at random offsets (fixed seed), as in SparseGPT and the paper."""
     if tokens.numel() <= seq_len:
         raise DatasetNotFound(f"calibration text has {tokens.numel()} tokens, fewer than one window of {seq_len}")

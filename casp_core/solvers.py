@@ -9,6 +9,7 @@ the refit, not z'Qz. Ties always go to the lowest index, so every solver is dete
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ def greedy(q: torch.Tensor, k: int) -> torch.Tensor:
     return torch.from_numpy(picks)
 
 
-def greedy_refine(q: torch.Tensor, k: int, max_swaps: int | None = None) -> torch.Tensor:
+def greedy_refine(q: torch.Tensor, k: int) -> torch.Tensor:
     """Greedy, then the best swap of one pruned and one kept unit while it lowers z'Qz."""
     pruned = torch.zeros(q.shape[0], dtype=torch.bool)
     pruned[greedy(q, k)] = True
@@ -59,7 +60,7 @@ def greedy_refine(q: torch.Tensor, k: int, max_swaps: int | None = None) -> torc
     u = q[pruned].sum(dim=0)  # u_i = sum over pruned j of Q_ij
     diag = q.diagonal()
     tolerance = 1e-12 * float(diag.abs().max().clamp(min=1e-30))
-    for _ in range(max_swaps if max_swaps is not None else q.shape[0]):
+    for _ in range(q.shape[0]):
         out_units, in_units = pruned.nonzero().flatten(), (~pruned).nonzero().flatten()
         # f(S - i + j) - f(S) = (Q_ii - 2u_i) + (Q_jj + 2u_j) - 2 Q_ij
         change = (diag[out_units] - 2 * u[out_units])[:, None] + (diag[in_units] + 2 * u[in_units])[None, :]
@@ -202,6 +203,48 @@ def greedy_compensated(weight: torch.Tensor, second_moment: torch.Tensor, k: int
     return torch.tensor(picks, dtype=torch.int64)
 
 
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class SubLayerProblem:
+    """What a solver may look at for one sub-layer: Q over its units, and the statistics Q was built from."""
+
+    q: torch.Tensor
+    weight: torch.Tensor
+    second_moment: torch.Tensor
+    mean: torch.Tensor
+    block: int  # input columns per unit (head_dim for heads, 1 for channels)
+
+
+@dataclass(frozen=True)
+class Selection:
+    pruned: torch.Tensor  # indices of the pruned units
+    lower_bound: float | None = None  # a lower bound on the optimum z'Qz, where the solver proves one
+
+
+class Solver(Protocol):
+    def __call__(self, problem: SubLayerProblem, k: int) -> Selection:
+        """Choose the k units to prune."""
+
+
+def _relaxation(problem: SubLayerProblem, k: int) -> Selection:
+    solution = relax(problem.q, k)
+    return Selection(project_to_binary(solution.z, k), solution.lower_bound)
+
+
+# A new solver is one function of (problem, k) and one line here; `config.SOLVERS` lists the same names.
+SOLVER_REGISTRY: dict[str, Solver] = {
+    "greedy": lambda p, k: Selection(greedy(p.q, k)),
+    "diagonal": lambda p, k: Selection(diagonal(p.q, k)),
+    "relaxation": _relaxation,
+    "greedy_refine": lambda p, k: Selection(greedy_refine(p.q, k)),
+    "wanda_sp": lambda p, k: Selection(lowest(wanda_sp_scores(p.weight, p.second_moment, p.block), k)),
+    "flap": lambda p, k: Selection(lowest(flap_scores(p.weight, p.second_moment, p.mean, p.block), k)),
+    "greedy_compensated": lambda p, k: Selection(greedy_compensated(p.weight, p.second_moment, k, p.block)),
+}
+
+
 def select_units(
     solver: str,
     q: torch.Tensor,
@@ -212,14 +255,6 @@ def select_units(
     mean: torch.Tensor,
     block: int,
 ) -> tuple[torch.Tensor, float | None]:
-    """Dispatch by name; returns the pruned units and, for `relaxation`, its lower bound on the optimum."""
-    if solver == "relaxation":
-        solution = relax(q, k)
-        return project_to_binary(solution.z, k), solution.lower_bound
-    if solver == "wanda_sp":
-        return lowest(wanda_sp_scores(weight, second_moment, block), k), None
-    if solver == "flap":
-        return lowest(flap_scores(weight, second_moment, mean, block), k), None
-    if solver == "greedy_compensated":
-        return greedy_compensated(weight, second_moment, k, block), None
-    return QUADRATIC_SOLVERS[solver](q, k), None
+    """The named solver's pruned units and, for `relaxation`, its lower bound on the optimum."""
+    selection = SOLVER_REGISTRY[solver](SubLayerProblem(q, weight, second_moment, mean, block), k)
+    return selection.pruned, selection.lower_bound

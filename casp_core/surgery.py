@@ -98,9 +98,7 @@ def _pruned_layer_tensors(
 
 
 @torch.no_grad()
-def remove_units(
-    model: PreTrainedModel, prunings: list[LayerPruning], provenance: dict | None = None
-) -> CaspLlamaForCausalLM:
+def remove_units(model: PreTrainedModel, prunings: list[LayerPruning]) -> CaspLlamaForCausalLM:
     """Build the physically smaller model. `model` may be the dense or the masked model: same result."""
     layers = decoder_layers(model)
     state: dict[str, torch.Tensor] = {
@@ -129,7 +127,7 @@ def remove_units(
         layer_kv_of_query=kv_maps,
         layer_num_kv_heads=kv_counts,
         layer_intermediate_sizes=widths,
-        casp=provenance or settings.get("casp"),
+        casp=settings.get("casp"),
         architectures=["CaspLlamaForCausalLM"],
     )
     config = CaspLlamaConfig(**settings)

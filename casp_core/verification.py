@@ -1,12 +1,20 @@
-"""The rule by which a pruned model must reproduce its masked original before it is published.
+"""Verification: a pruned model must reproduce its masked original before it is published.
 
-`pipeline.verify` applies it; the report states it.
+`verify` applies the rule stage by stage; the report states it.
 """
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from transformers import PreTrainedModel
+
+from casp_core.calibration import LayerInputs, capture_first_layer_inputs
 from casp_core.errors import VerificationFailed
+from casp_core.model import decoder_layers
 
 # Masked and pruned stages, both in float64, differ only in the order their sums are rounded (the masked model
 # adds the removed units as exact zeros): measured at 3e-16 to 7e-15 of a stage's largest output, so 1e-10
@@ -35,3 +43,97 @@ class Verification:
                 f"{stage} of the pruned model differs from the masked model by {difference:.3g} in float64, "
                 f"{relative:.3g} of its largest output magnitude {scale:.3g} (allowed {VERIFY_RELATIVE_TOLERANCE:g})"
             )
+
+
+HEAD_ROWS_PER_CHUNK = 8192  # the head is compared in slices of the vocabulary, so float64 never holds all of it
+
+
+def _float64_inputs(model: PreTrainedModel, tokens: torch.Tensor, device: torch.device) -> LayerInputs:
+    """The first decoder layer's input and its attention mask and rotary tables, as `model` builds them."""
+    inputs = capture_first_layer_inputs(model, tokens, len(tokens), device, device)
+    model.model.embed_tokens.to("cpu")
+    model.model.rotary_emb.to("cpu")
+    inputs.batches = [x.double() for x in inputs.batches]
+    inputs.layer_kwargs = {
+        size: {name: _to_float64(value) for name, value in kwargs.items()}
+        for size, kwargs in inputs.layer_kwargs.items()
+    }
+    return inputs
+
+
+def _to_float64(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_to_float64(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.double()
+    return value
+
+
+class _StayFloat64(TorchFunctionMode):
+    """A float64 tensor asked to become float32 (or lower) stays float64, on the device it was asked for.
+
+    transformers' RMSNorm computes in float32 whatever its input, and eager attention takes its softmax in
+    float32: float32 rounding of float64 values that differ in the last bits would differ by a float32 step.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            if func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16):
+                return args[0]
+            args = tuple(torch.float64 if isinstance(a, torch.dtype) and a.is_floating_point else a for a in args)
+            if isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:
+                kwargs = {**kwargs, "dtype": torch.float64}
+        return func(*args, **kwargs)
+
+
+def float64_forward(module: nn.Module, device: torch.device, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """`module` computed wholly in float64 with a copy of its weights on `device`; the module stays as it is."""
+    weights = {name: tensor.to(device, torch.float64) for name, tensor in module.state_dict().items()}
+    with _StayFloat64():
+        return torch.func.functional_call(module, weights, args, kwargs)
+
+
+@torch.no_grad()
+def verify(
+    masked: PreTrainedModel, pruned: PreTrainedModel, tokens: torch.Tensor, device: torch.device
+) -> Verification:
+    """Removing units must compute what masking them computes; nothing is published otherwise.
+
+    Both models are compared in float64, one stage at a time with one decoder layer of each on the device:
+    the same input goes through the masked and the pruned stage, and the masked output goes on to the next
+    stage, so each stage is judged on its own rounding. The rule (`VERIFY_RULE`): at
+    every stage (the embeddings, each decoder layer, the final norm + head), max |masked - pruned| <=
+    1e-10 x max |masked output|, else `VerificationFailed` names the stage. Float32 or float16 rounding, which
+    differs between the two models' shapes, never enters: even the float32 casts inside transformers' RMSNorm
+    stay float64 here. Returns the largest differences found.
+    """
+    device = device if device.type != "mps" else torch.device("cpu")  # MPS has no float64
+    tokens = tokens.to(device)
+    masked_inputs, pruned_inputs = _float64_inputs(masked, tokens, device), _float64_inputs(pruned, tokens, device)
+    (stream,), (pruned_stream,) = masked_inputs.batches, pruned_inputs.batches
+    verification = Verification()
+    verification.check("the embedding", float((stream - pruned_stream).abs().max()), float(stream.abs().max()))
+    masked_kwargs, pruned_kwargs = masked_inputs.layer_kwargs[len(tokens)], pruned_inputs.layer_kwargs[len(tokens)]
+    for index, (masked_layer, pruned_layer) in enumerate(
+        zip(decoder_layers(masked), decoder_layers(pruned), strict=True)
+    ):
+        expected = float64_forward(masked_layer, device, stream, **masked_kwargs)
+        actual = float64_forward(pruned_layer, device, stream, **pruned_kwargs)
+        verification.check(
+            f"decoder layer {index}", float((expected - actual).abs().max()), float(expected.abs().max())
+        )
+        stream = expected
+
+    masked_normed = float64_forward(masked.model.norm, device, stream)
+    pruned_normed = float64_forward(pruned.model.norm, device, stream)
+    difference = scale = 0.0
+    vocab = masked.lm_head.out_features
+    for start in range(0, vocab, HEAD_ROWS_PER_CHUNK):
+        rows = slice(start, min(start + HEAD_ROWS_PER_CHUNK, vocab))
+        expected = masked_normed @ masked.lm_head.weight[rows].to(device, torch.float64).T
+        actual = pruned_normed @ pruned.lm_head.weight[rows].to(device, torch.float64).T
+        difference = max(difference, float((expected - actual).abs().max()))
+        scale = max(scale, float(expected.abs().max()))
+    verification.check("the final norm and head (logits)", difference, scale)
+    return verification

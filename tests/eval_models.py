@@ -11,7 +11,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
-from casp_core.pipeline import run_job
+from casp_core.job import run_job
 from tests.eval_helpers import STORIES
 
 

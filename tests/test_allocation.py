@@ -7,7 +7,7 @@ import torch
 
 from casp_core import data
 from casp_core.allocation import allocate_ratios, layer_sensitivities
-from casp_core.progress import never_cancelled, no_progress
+from casp_core.run import Run
 
 SENSITIVITIES = [3e-1, 1.2e-1, 4e-2, 9e-3, 2e-3, 2.5e-3, 7e-4, 1e-4]
 
@@ -56,10 +56,8 @@ def test_equal_sensitivities_give_uniform():
 def test_sensitivities_of_the_real_model_fall_with_depth(stories, datasets_dir):
     model, tokenizer = stories
     text = data.load_text(data.parse_source("wikitext2:validation", "train"), datasets_dir)
-    windows = data.calibration_windows(data.tokenize(text, tokenizer, add_bos=False), 8, 128, seed=0)
-    sensitivities = layer_sensitivities(
-        model, windows, batch_size=4, device=torch.device("cpu"), progress=no_progress, should_cancel=never_cancelled
-    )
+    windows = data.sample_windows(data.tokenize(text, tokenizer, add_bos=False), 8, 128, seed=0)
+    sensitivities = layer_sensitivities(model, windows, batch_size=4, device=torch.device("cpu"), run=Run())
     assert len(sensitivities) == 5
     assert all(math.isfinite(s) and s > 0 for s in sensitivities)
     assert sensitivities[0] > sensitivities[-1]  # the paper's observation holds on this model too

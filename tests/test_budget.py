@@ -9,11 +9,7 @@ import re
 import pytest
 import torch
 
-from casp_core.cli import main
-from casp_core.config import CalibrationConfig
-from casp_core.errors import InvalidConfig
-from casp_core.model import attention_geometry, decoder_layers, load_model
-from casp_core.pipeline import (
+from casp_core.budget import (
     BudgetPlan,
     channel_counts,
     channel_params,
@@ -21,9 +17,14 @@ from casp_core.pipeline import (
     heads_emptying_groups_last,
     layer_plan,
     plan_budget,
-    prune,
-    run_job,
 )
+from casp_core.cli.main import main
+from casp_core.config import CalibrationConfig
+from casp_core.errors import InvalidConfig
+from casp_core.job import run_job
+from casp_core.model import attention_geometry, decoder_layers, load_model
+from casp_core.prune import prune
+from casp_core.run import Run
 from casp_core.solvers import select_units
 from tests.conftest import DATASETS_DIR, STORIES, small_config
 
@@ -95,7 +96,7 @@ def test_an_unreachable_ratio_is_refused_before_calibration_with_the_reachable_m
     stages: list[str] = []
     # r_max 0.9 of 8 heads is 7 (0.875), and of 172 channels 154 (0.895): 0.9 of the parameters is out of reach.
     with pytest.raises(InvalidConfig, match=r"ratio: 0\.9 cannot be reached") as refused:
-        prune(model, tokenizer, tiny_config(0.9), progress=lambda stage, *_: stages.append(stage))
+        prune(model, tokenizer, tiny_config(0.9), Run(progress=lambda stage, *_: stages.append(stage)))
     assert stages == []  # not even the calibration text was read
     assert refused.value.code == "invalid_config"
     reachable = float(re.search(r"at most (0\.\d+) of the decoder", refused.value.message).group(1))
@@ -110,7 +111,7 @@ def test_an_unreachable_ratio_is_refused_before_calibration_with_the_reachable_m
 def test_run_job_and_the_command_line_refuse_before_calibration(tmp_path, capsys):
     stages: list[str] = []
     with pytest.raises(InvalidConfig, match=r"at most 0\.8785"):
-        run_job(str(STORIES), tiny_config(0.88), tmp_path / "out", progress=lambda stage, *_: stages.append(stage))
+        run_job(str(STORIES), tiny_config(0.88), tmp_path / "out", Run(progress=lambda stage, *_: stages.append(stage)))
     assert stages == ["load"]
     assert not (tmp_path / "out").exists()
 

@@ -9,10 +9,11 @@ measured each layer on exactly the inputs its mode promises.
 import pytest
 import torch
 
+from casp_core.calibration import calibration_windows, record_inputs
 from casp_core.interaction import block_aggregate, interaction_matrix, objective
 from casp_core.model import attention_geometry, decoder_layers, load_model
-from casp_core.pipeline import LayerReport, calibration_windows, prune
-from casp_core.statistics import record_inputs
+from casp_core.prune import prune
+from casp_core.results import LayerReport
 from casp_core.surgery import LayerPruning, mask_layer
 from tests.conftest import STORIES, small_config
 

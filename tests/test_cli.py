@@ -12,11 +12,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from api.cli import register
-from casp_core import cli
 from casp_core.checkpoint import load_pruned
+from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig
+from casp_core.eval.perplexity import BOS_POLICY
 from casp_core.model import resolve_device
-from casp_core.perplexity import BOS_POLICY
 from tests.conftest import DATASETS_DIR, REPO, STORIES
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")

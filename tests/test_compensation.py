@@ -6,16 +6,17 @@ import pytest
 import torch
 from torch import nn
 
+from casp_core.calibration import SecondMoment, StreamCrossMoment
 from casp_core.compensation import DENSE_MODEL, SAME_INPUTS, compensate_linear, fit_kept_columns, removal_error
 from casp_core.config import CalibrationConfig, PruneConfig
 from casp_core.errors import InvalidConfig
+from casp_core.eval.perplexity import evaluation_text, windows_perplexity
 from casp_core.interaction import interaction_matrix, objective
 from casp_core.model import load_model
-from casp_core.perplexity import evaluation_text, windows_perplexity
-from casp_core.pipeline import PruneResult, prune
-from casp_core.report import build_report, render_markdown
+from casp_core.prune import prune
+from casp_core.report.build import build_report, render_markdown
+from casp_core.results import PruneResult
 from casp_core.solvers import COMPENSATED_DAMPING, greedy, greedy_compensated, select_units
-from casp_core.statistics import SecondMoment, StreamCrossMoment
 from tests.conftest import STORIES, small_config
 
 

@@ -7,7 +7,7 @@ import torch
 
 from casp_core import data
 from casp_core.errors import DatasetNotFound
-from casp_core.perplexity import evaluation_text, perplexity
+from casp_core.eval.perplexity import evaluation_text, perplexity
 from tests.conftest import DATASETS_DIR
 
 
@@ -39,11 +39,11 @@ def test_local_text_and_jsonl_files(tmp_path):
     assert data.load_text(data.parse_source(str(jsonl), "train"), None) == "alpha\n\nbeta"
 
 
-def test_calibration_windows_are_seeded():
+def test_sample_windows_are_seeded():
     tokens = torch.arange(1000)
-    first = data.calibration_windows(tokens, 4, 16, seed=3)
-    assert torch.equal(first, data.calibration_windows(tokens, 4, 16, seed=3))
-    assert not torch.equal(first, data.calibration_windows(tokens, 4, 16, seed=4))
+    first = data.sample_windows(tokens, 4, 16, seed=3)
+    assert torch.equal(first, data.sample_windows(tokens, 4, 16, seed=3))
+    assert not torch.equal(first, data.sample_windows(tokens, 4, 16, seed=4))
     assert all(torch.equal(w, torch.arange(int(w[0]), int(w[0]) + 16)) for w in first)  # contiguous slices
 
 

@@ -4,15 +4,16 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from casp_core.efficiency import (
+from bench.shapes import llama2_7b_config
+from casp_core.errors import InvalidConfig
+from casp_core.eval.efficiency import (
     compare_efficiency,
     count_parameters,
     measure_efficiency,
     prefill_macs,
 )
-from casp_core.errors import InvalidConfig
 from tests.eval_helpers import (
     STORIES,
     datasets_dir_or_skip,
@@ -77,17 +78,8 @@ def test_uneven_model_has_per_layer_shapes(dense: LlamaForCausalLM, uneven: Llam
 
 def test_llama2_7b_macs_and_parameters_match_the_paper():
     """The paper's appendix: LLaMA2-7B has 6.74 B parameters and 845.71 G MACs for 128 tokens."""
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    )
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(llama2_7b_config())
     macs = prefill_macs(model, seq_len=128)
     assert round(macs["linear"] / 1e9, 2) == 845.71
     assert round(macs["attention"] / 1e9, 2) == 4.29

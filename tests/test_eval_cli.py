@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from casp_core.efficiency import count_parameters, prefill_macs
+from casp_core.cli.eval import add_eval_parser, evaluate_checkpoint
 from casp_core.errors import InvalidConfig, ModelNotFound
-from casp_core.eval_cli import add_eval_parser, evaluate_checkpoint
-from casp_core.perplexity import perplexity
+from casp_core.eval.efficiency import count_parameters, prefill_macs
+from casp_core.eval.perplexity import perplexity
 from tests.eval_helpers import (
     STORIES,
     datasets_dir_or_skip,

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from casp_core.efficiency import compare_efficiency
-from casp_core.evaluation_card import render_card
-from casp_core.perplexity import BOS_POLICY
-from casp_core.zeroshot import evaluate_zero_shot
+from casp_core.eval.efficiency import compare_efficiency
+from casp_core.eval.perplexity import BOS_POLICY
+from casp_core.eval.zeroshot import evaluate_zero_shot
+from casp_core.report.card import render_card
 from tests.eval_helpers import (
     STORIES,
     datasets_dir_or_skip,
@@ -34,7 +34,7 @@ def evaluation() -> dict:
     efficiency = compare_efficiency(
         dense, pruned, device="cpu", batch_size=2, seq_len=16, new_tokens=4, repeats=2, warmup=1
     )
-    # The shape casp_core.perplexity gives, measured for both models in a pipeline run.
+    # The shape casp_core.eval.perplexity gives, measured for both models in a pipeline run.
     perplexity = {
         "wikitext2": {
             "dense": 3.0512,

@@ -26,8 +26,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from casp_core import cli
+from casp_core.budget import attention_params_removed, channel_params
 from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.cli import main as cli
 from casp_core.config import CalibrationConfig, PruneConfig
 from casp_core.errors import UnsupportedModel
 from casp_core.model import (
@@ -37,7 +38,8 @@ from casp_core.model import (
     load_model,
     sublayer_parameters,
 )
-from casp_core.pipeline import PruneResult, attention_params_removed, channel_params, prune
+from casp_core.prune import prune
+from casp_core.results import PruneResult
 from casp_core.surgery import LayerPruning, mask_layer, remove_units
 from tests.conftest import DATASETS_DIR, STORIES
 

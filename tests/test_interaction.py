@@ -3,13 +3,13 @@
 import torch
 
 from casp_core import data
+from casp_core.calibration import record_inputs
 from casp_core.interaction import block_aggregate, interaction_matrix, objective, offdiag_ratio
-from casp_core.statistics import record_inputs
 
 
 def _calibration_tokens(tokenizer, datasets_dir: str) -> torch.Tensor:
     text = data.load_text(data.parse_source("wikitext2:validation", "train"), datasets_dir)
-    return data.calibration_windows(data.tokenize(text, tokenizer, add_bos=False), 8, 64, seed=1)
+    return data.sample_windows(data.tokenize(text, tokenizer, add_bos=False), 8, 64, seed=1)
 
 
 def test_z_q_z_equals_the_removed_output_energy(stories, datasets_dir):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from casp_core.errors import NumericalError
-from casp_core.pipeline import prune
+from casp_core.prune import prune
 from tests.conftest import small_config
 from tests.test_cli import SMALL, casp
 

@@ -9,9 +9,9 @@ import datasets
 import pytest
 
 from casp_core import data
-from casp_core.eval_cli import evaluate_checkpoint
-from casp_core.evaluation_card import render_card
-from casp_core.perplexity import BOS_POLICY, NO_BOS, evaluation_text, perplexity
+from casp_core.cli.eval import evaluate_checkpoint
+from casp_core.eval.perplexity import BOS_POLICY, NO_BOS, evaluation_text, perplexity
+from casp_core.report.card import render_card
 from tests.conftest import DATASETS_DIR, STORIES
 
 

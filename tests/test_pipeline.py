@@ -10,8 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from casp_core.checkpoint import load_pruned
 from casp_core.errors import Cancelled, InvalidConfig
+from casp_core.job import run_job
 from casp_core.model import load_model
-from casp_core.pipeline import prune, run_job
+from casp_core.prune import prune
+from casp_core.run import Run
 from tests.conftest import REPO, STORIES, small_config
 
 
@@ -88,8 +90,9 @@ def test_cancellation_stops_at_a_layer_boundary(stories):
             model,
             tokenizer,
             small_config(0.3),
-            progress=lambda stage, fraction, message="": stages.append(stage),
-            should_cancel=cancel_after_two_layers,
+            Run(
+                progress=lambda stage, fraction, message="": stages.append(stage), should_cancel=cancel_after_two_layers
+            ),
         )
     assert stages.count("pruning") == 3  # layers 1 and 2 done, cancelled before layer 3 started its work
 

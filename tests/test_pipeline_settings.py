@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from casp_core.allocation import allocate_ratios, layer_sensitivities
-from casp_core.pipeline import calibration_windows, prune
-from casp_core.progress import never_cancelled, no_progress
+from casp_core.calibration import calibration_windows
+from casp_core.prune import prune
+from casp_core.run import Run
 from tests.conftest import small_config
 
 RATIO, ALPHA, R_MAX = 0.4, 2.0, 0.6
@@ -21,8 +22,7 @@ def test_gradient_allocation_follows_the_sensitivities_alpha_and_r_max(stories):
         windows,
         batch_size=config.calibration.batch_size,
         device=torch.device("cpu"),
-        progress=no_progress,
-        should_cancel=never_cancelled,
+        run=Run(),
     )
     expected = allocate_ratios(sensitivities, RATIO, ALPHA, R_MAX)
     # The settings are chosen so that each of them changes the allocation here.

@@ -7,7 +7,7 @@ import matplotlib.image
 import pytest
 from PIL import Image
 
-from casp_core.plots import write_plots
+from casp_core.report.plots import write_plots
 from tests.eval_helpers import (
     datasets_dir_or_skip,
     one_torch_thread,  # noqa: F401 (an autouse fixture)

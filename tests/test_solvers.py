@@ -5,9 +5,12 @@ import itertools
 import pytest
 import torch
 
+from casp_core.config import SOLVERS
 from casp_core.interaction import objective
 from casp_core.solvers import (
     QUADRATIC_SOLVERS,
+    SOLVER_REGISTRY,
+    SubLayerProblem,
     diagonal,
     flap_scores,
     greedy,
@@ -119,3 +122,21 @@ def test_literature_scores():
     assert wanda_sp_scores(weight, second).tolist() == [4.0, 2.0, 0.0, 2.0]
     assert flap_scores(weight, second, mean).tolist() == [0.0, 4.0, 0.0, 2.0]
     assert wanda_sp_scores(weight, second, block=2).tolist() == [6.0, 2.0]
+
+
+def test_every_configurable_solver_is_registered_and_chooses_k_units():
+    assert set(SOLVER_REGISTRY) == set(SOLVERS)
+    q = random_psd(8, seed=3)
+    second = random_psd(8, seed=4)
+    problem = SubLayerProblem(
+        q=q,
+        weight=torch.eye(8, dtype=torch.float64),
+        second_moment=second,
+        mean=torch.zeros(8, dtype=torch.float64),
+        block=1,
+    )
+    for name, solver in SOLVER_REGISTRY.items():
+        selection = solver(problem, 3)
+        assert sorted(set(selection.pruned.tolist())) == sorted(selection.pruned.tolist()), name
+        assert len(selection.pruned) == 3, name
+        assert (selection.lower_bound is not None) == (name == "relaxation"), name

@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
+from casp_core.calibration import FLOAT64_MAX_DIM, SecondMoment, record_inputs
 from casp_core.interaction import interaction_matrix
-from casp_core.statistics import FLOAT64_MAX_DIM, SecondMoment, record_inputs
 
 WIDE = FLOAT64_MAX_DIM + 4
 

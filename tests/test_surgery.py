@@ -4,21 +4,22 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from bench.shapes import llama_config
 from casp_core.model import attention_geometry, decoder_layers
 from casp_core.surgery import LayerPruning, mask_layer, remove_units
 
 
 def tiny_llama(heads: int, kv_heads: int, layers: int = 3, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=40,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+    config = llama_config(
+        hidden=48,
+        layers=layers,
+        ffn=40,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=97,
         head_dim=48 // heads,
         max_position_embeddings=64,
     )

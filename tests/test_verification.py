@@ -6,13 +6,15 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from bench.shapes import llama_config
+from casp_core.calibration import calibration_windows
 from casp_core.errors import VerificationFailed
 from casp_core.model import load_model
-from casp_core.pipeline import calibration_windows, float64_forward, prune, verify
-from casp_core.report import build_report, render_markdown
-from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
+from casp_core.prune import prune
+from casp_core.report.build import build_report, render_markdown
+from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE, float64_forward, verify
 from tests.conftest import STORIES, small_config
 
 CPU = torch.device("cpu")
@@ -32,16 +34,15 @@ def large_logit_model() -> tuple[LlamaForCausalLM, torch.Tensor]:
     """A float32 GQA LLaMA whose logits reach 30: sharp attention (q_proj x 30, like trained models' peaked
     heads) amplifies float32 rounding, and the final norm is scaled so the largest logit is 30."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+    config = llama_config(
+        hidden=256,
+        layers=4,
+        ffn=768,
+        heads=8,
+        kv_heads=4,
+        vocab=512,
         max_position_embeddings=128,
         initializer_range=0.1,
-        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).eval()
     windows = torch.randint(0, config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(1))

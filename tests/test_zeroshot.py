@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.errors import DatasetNotFound, InvalidConfig
-from casp_core.zeroshot import LOCAL_TASKS, evaluate_zero_shot
+from casp_core.eval.zeroshot import LOCAL_TASKS, evaluate_zero_shot
 from tests.eval_helpers import (
     STORIES,
     datasets_dir_or_skip,

@@ -21,24 +21,26 @@ from api.paths import check_job_inputs
 from api.storage import Storage
 from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
+from casp_core.job import STAGES, run_job
+from casp_core.run import Run
 
 log = logging.getLogger(__name__)
 
-# The stages run_job reports, in the order it runs them, with the share of the overall 0-100 progress each
-# gets. "calibration" is reading the texts; "evaluation" comes twice (dense model, then pruned); "upload" is
-# the service's own. The e2e test checks this order against the real pipeline.
-SEGMENTS = (
-    ("load", 5),
-    ("calibration", 5),
-    ("evaluation", 10),
-    ("allocation", 20),
-    ("pruning", 35),
-    ("verification", 3),
-    ("checkpoint", 5),
-    ("evaluation", 10),
-    ("report", 2),
-    ("upload", 5),
-)
+# The share of the overall 0-100 progress each stage gets, in the order run_job reports them (casp_core's
+# STAGES, where "evaluation" comes twice: dense model, then pruned), then "upload", the service's own. The e2e
+# test checks this order against the real pipeline.
+STAGE_WEIGHTS = {
+    "load": 5,
+    "calibration": 5,
+    "evaluation": 10,
+    "allocation": 20,
+    "pruning": 35,
+    "verification": 3,
+    "checkpoint": 5,
+    "report": 2,
+    "upload": 5,
+}
+SEGMENTS = tuple((stage, STAGE_WEIGHTS[stage]) for stage in (*STAGES, "upload"))
 _SEGMENT_START = [sum(weight for _, weight in SEGMENTS[:i]) for i in range(len(SEGMENTS))]
 
 # Row updates at most this often, and an event per whole percent at most: a long run writes a few hundred
@@ -202,20 +204,11 @@ def execute(
 def _run(
     attempt: Attempt, model: str, revision: str | None, config: PruneConfig, out_dir: Path, storage: Storage
 ) -> str | None:
-    # casp_core.pipeline imports torch and transformers: loaded on first use, so processes that only serve
-    # the API never pay for them.
-    from casp_core.pipeline import run_job
-
     try:
         # Checked again here: the row may have been written past the API, or the roots changed since.
         check_job_inputs(model, config, attempt.settings)
         report = run_job(
-            model,
-            config,
-            out_dir,
-            revision=revision,
-            progress=attempt.report,
-            should_cancel=attempt.should_cancel,
+            model, config, out_dir, Run(progress=attempt.report, should_cancel=attempt.should_cancel), revision=revision
         )
         if attempt.should_cancel():
             raise Cancelled("the job was cancelled")

@@ -59,5 +59,5 @@ class JobRequest(Request):
 
 
 @app.task(name=TASK_NAME, Request=JobRequest)
-def run_job(job_id: str) -> str | None:
+def execute_job(job_id: str) -> str | None:
     return execute(job_id, settings, storage())

@@ -16,7 +16,8 @@ from typing import Any, NoReturn
 
 from tqdm import tqdm
 
-from casp_core.arguments import names, non_negative, ratio
+from casp_core.cli.arguments import names, non_negative, ratio
+from casp_core.cli.eval import add_eval_parser
 from casp_core.config import (
     ALLOCATIONS,
     CALIBRATION_MODES,
@@ -28,7 +29,6 @@ from casp_core.config import (
     PruneConfig,
 )
 from casp_core.errors import CaspError
-from casp_core.eval_cli import add_eval_parser
 
 BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found", "device_unavailable"}
 DISTRIBUTION = "casp"
@@ -111,7 +111,9 @@ def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prune(args: argparse.Namespace) -> int:
-    from casp_core.pipeline import run_job  # torch and transformers load only when needed
+    # torch and transformers load only when needed
+    from casp_core.job import run_job
+    from casp_core.run import Run
 
     config = PruneConfig(
         ratio=args.ratio,
@@ -137,7 +139,7 @@ def run_prune(args: argparse.Namespace) -> int:
     ).validate()
     bars = StageBars()
     try:
-        report = run_job(args.model, config, args.out, revision=args.revision, progress=bars)
+        report = run_job(args.model, config, args.out, Run(progress=bars), revision=args.revision)
     finally:
         bars.close()
     summary = {
@@ -159,7 +161,7 @@ def package_version() -> str:
     except metadata.PackageNotFoundError:
         pass
     try:
-        project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+        project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
         return f"{project['version']} (not installed)"
     except (OSError, KeyError, tomllib.TOMLDecodeError):
         return "unknown (not installed)"

@@ -5,15 +5,13 @@ import platform
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
-from casp_core.evaluation_card import render_card
+from casp_core.report.card import render_card
+from casp_core.results import PruneResult
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
-
-if TYPE_CHECKING:  # the pipeline imports this module to write its report
-    from casp_core.pipeline import PruneResult
 
 LIBRARIES = ("casp", "torch", "transformers", "safetensors", "lm_eval")
 
@@ -32,7 +30,7 @@ def build_report(
     *,
     model_name: str,
     config: PruneConfig,
-    result: "PruneResult",
+    result: PruneResult,
     perplexity: dict[str, dict[str, Any]],
     device: str,
     dtype: str,

@@ -1,20 +1,27 @@
-"""Activation statistics of the pruned sub-layers' inputs, streamed over calibration batches.
+"""Calibration: the token windows, the activations entering each decoder layer, and their statistics.
 
-For o_proj the input is the concatenation of head outputs; for down_proj it is the gated intermediate
-activation. Each accumulator holds C = E[yᵀy] (and E[y], which the FLAP baseline needs) over all tokens,
-one d x d matrix: activations are never kept beyond the batch that produced them.
+The windows are drawn from the calibration text; the first decoder layer's inputs are captured once and then
+carried from layer to layer (`run_layer`). While a layer runs, the inputs of its pruned sub-layers are
+streamed into statistics. For o_proj the input is the concatenation of head outputs; for down_proj it is the
+gated intermediate activation. Each accumulator holds C = E[yᵀy] (and E[y], which the FLAP baseline needs)
+over all tokens, one d x d matrix: activations are never kept beyond the batch that produced them.
 
 For compensation towards the dense model (sequential calibration), `record_stream_pair` also accumulates, per
 sub-layer, the cross-moment between its input on the dense stream and on the pruned stream for the same tokens.
 """
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from casp_core import data
+from casp_core.config import PruneConfig
+from casp_core.model import decoder_layers
 from casp_core.numerics import check_finite
 
 # Below this width the statistics are kept in float64: it costs nothing and keeps Q exactly symmetric PSD.
@@ -137,3 +144,84 @@ def record_stream_pair(modules: dict[str, nn.Linear]) -> Iterator[StreamPairReco
 def check_finite_moments(moments: dict[str, SecondMoment], layer: int) -> None:
     for name, moment in moments.items():
         check_finite(moment.outer, "statistics", f"C = E[yᵀy] of the {name} sub-layer's input", layer)
+
+
+# ---------------------------------------------------------------- the windows and the layer inputs
+
+
+def calibration_windows(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: PruneConfig
+) -> torch.Tensor:
+    """The calibration token windows (sequence length capped at the model's context)."""
+    calibration = config.calibration
+    seq_len = min(calibration.seq_len, model.config.max_position_embeddings)
+    text = data.load_text(data.calibration_source(calibration.dataset), config.datasets_dir)
+    tokens = data.tokenize(text, tokenizer, add_bos=False)
+    return data.sample_windows(tokens, calibration.n_samples, seq_len, calibration.seed)
+
+
+class _InputsCaptured(Exception):
+    """Raised by the first decoder layer's hook: the rest of the forward pass is not needed."""
+
+
+@dataclass
+class LayerInputs:
+    """Hidden states entering the current decoder layer, one tensor per batch, kept on `store`."""
+
+    batches: list[torch.Tensor]
+    layer_kwargs: dict[int, dict]  # by batch size: attention mask and rotary tables, already on the device
+
+
+@torch.no_grad()
+def capture_first_layer_inputs(
+    model: PreTrainedModel, windows: torch.Tensor, batch_size: int, device: torch.device, store: torch.device
+) -> LayerInputs:
+    inputs = LayerInputs([], {})
+
+    def capture(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        inputs.batches.append(hidden.to(store))
+        inputs.layer_kwargs.setdefault(
+            hidden.shape[0],
+            {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids") if k in kwargs},
+        )
+        raise _InputsCaptured
+
+    base = model.model
+    base.embed_tokens.to(device)
+    base.rotary_emb.to(device)
+    handle = decoder_layers(model)[0].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        for start in range(0, len(windows), batch_size):
+            with contextlib.suppress(_InputsCaptured):
+                base(windows[start : start + batch_size].to(device), use_cache=False)
+    finally:
+        handle.remove()
+    return inputs
+
+
+@torch.no_grad()
+def run_layer(layer: nn.Module, inputs: LayerInputs, device: torch.device, store: torch.device) -> list[torch.Tensor]:
+    return [layer(x.to(device), **inputs.layer_kwargs[x.shape[0]]).to(store) for x in inputs.batches]
+
+
+@torch.no_grad()
+def run_layer_on_stream_pair(
+    layer: nn.Module,
+    inputs: LayerInputs,
+    dense_inputs: LayerInputs,
+    recording: StreamPairRecording,
+    device: torch.device,
+    store: torch.device,
+) -> list[torch.Tensor]:
+    """The layer, still dense, on each batch of the dense stream and then on the same tokens of the pruned stream.
+
+    Returns the dense stream's outputs: the dense model's inputs to the next layer.
+    """
+    dense_outputs = []
+    for x, x_dense in zip(inputs.batches, dense_inputs.batches, strict=True):
+        layer_kwargs = inputs.layer_kwargs[x.shape[0]]
+        with recording.dense_stream():
+            dense_outputs.append(layer(x_dense.to(device), **layer_kwargs).to(store))
+        layer(x.to(device), **layer_kwargs)
+    return dense_outputs

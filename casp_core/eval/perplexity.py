@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.model import resolve_device
-from casp_core.progress import CancelCheck, ProgressFn, check_cancelled, never_cancelled, no_progress
+from casp_core.run import Run
 
 BOS_POLICY = "once, at the start of the joined text"
 NO_BOS = "none: the tokenizer has no BOS token"
@@ -69,15 +69,15 @@ def windows_perplexity(
     *,
     device: str = "auto",
     batch_size: int = 8,
-    progress: ProgressFn = no_progress,
-    should_cancel: CancelCheck = never_cancelled,
+    run: Run | None = None,
 ) -> float:
+    run = run or Run()
     target = resolve_device(device)
     model.to(target)
     total_nll, total_tokens = 0.0, 0
     windows = text.windows
     for start in range(0, len(windows), batch_size):
-        check_cancelled(should_cancel)  # a full test split takes minutes on a CPU: stop between batches
+        run.check_cancelled()  # a full test split takes minutes on a CPU: stop between batches
         batch = windows[start : start + batch_size].to(target)
         logits = model(batch, use_cache=False).logits.float()
         total_nll += float(
@@ -86,7 +86,7 @@ def windows_perplexity(
             )
         )
         total_tokens += batch[:, 1:].numel()
-        progress("evaluation", min(1.0, (start + batch_size) / len(windows)), f"perplexity {text.dataset}")
+        run.report("evaluation", min(1.0, (start + batch_size) / len(windows)), f"perplexity {text.dataset}")
     return math.exp(total_nll / total_tokens)
 
 
@@ -100,11 +100,10 @@ def perplexity(
     device: str = "auto",
     batch_size: int = 8,
     max_windows: int | None = None,
-    progress: ProgressFn = no_progress,
 ) -> dict[str, Any]:
     """One model on one data set: {"ppl", "dataset", "split", "seq_len", "n_windows", "n_tokens", "bos"}."""
     text = evaluation_text(
         tokenizer, dataset, seq_len or default_seq_len(model), datasets_dir=datasets_dir, max_windows=max_windows
     )
-    ppl = windows_perplexity(model, text, device=device, batch_size=batch_size, progress=progress)
+    ppl = windows_perplexity(model, text, device=device, batch_size=batch_size)
     return {"ppl": ppl, **text.convention}

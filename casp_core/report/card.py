@@ -11,8 +11,8 @@ The evaluation dict it renders (each section optional; a side missing from a sec
                     "pruned": measure_efficiency(...), "pruned_over_dense": {...} (optional)},
     }
 
-`EvaluationText` is in casp_core.perplexity, `evaluate_zero_shot` in casp_core.zeroshot, `measure_efficiency` /
-`compare_efficiency` in casp_core.efficiency; their docstrings describe their own dicts.
+`EvaluationText` is in casp_core.eval.perplexity, `evaluate_zero_shot` in casp_core.eval.zeroshot,
+`measure_efficiency` / `compare_efficiency` in casp_core.eval.efficiency; their docstrings describe their own dicts.
 """
 
 from collections.abc import Callable

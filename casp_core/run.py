@@ -1,9 +1,13 @@
-"""How long-running stages report progress and learn that they should stop."""
+"""One run of the pipeline: where its stages report progress, how they learn they should stop, their timings.
+
+A `Run` is made once by the caller (the command line, the worker, a test) and passed down to every stage.
+"""
 
 import resource
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -33,10 +37,13 @@ def check_cancelled(should_cancel: CancelCheck) -> None:
         raise Cancelled("the job was cancelled")
 
 
-class StageTimer:
-    """Wall time and peak memory of each named stage, for the report."""
+CPU = torch.device("cpu")
 
-    def __init__(self, device: torch.device) -> None:
+
+class StageTimer:
+    """Wall time and peak memory of each named stage, for the report; `device` is the one whose memory counts."""
+
+    def __init__(self, device: torch.device = CPU) -> None:
         self.device = device
         self.stages: dict[str, dict[str, float]] = {}
 
@@ -59,3 +66,25 @@ class StageTimer:
                 record["peak_gpu_mb"] = max(
                     record.get("peak_gpu_mb", 0.0), torch.cuda.max_memory_allocated(self.device) / 2**20
                 )
+
+
+@dataclass
+class Run:
+    """Progress, cancellation and stage timing of one pipeline run, handed once to every stage."""
+
+    progress: ProgressFn = no_progress
+    should_cancel: CancelCheck = never_cancelled
+    timer: StageTimer = field(default_factory=StageTimer)
+
+    def report(self, stage: str, fraction: float, message: str = "") -> None:
+        self.progress(stage, fraction, message)
+
+    def check_cancelled(self) -> None:
+        check_cancelled(self.should_cancel)
+
+    def stage(self, name: str) -> AbstractContextManager[None]:
+        return self.timer.stage(name)
+
+    def time_on(self, device: torch.device) -> None:
+        """Stages from now on count the peak memory of `device` (the one the work runs on)."""
+        self.timer.device = device

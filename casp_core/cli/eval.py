@@ -9,8 +9,8 @@ The JSON it writes (and prints when no --out is given):
       "model": PATH,
       "zero_shot": {task: {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "n_samples", ...}},
       "zero_shot_summary": the rest of evaluate_zero_shot's output (harness version, limit, average_acc, ...),
-      "perplexity": {data set: casp_core.perplexity.perplexity's output},
-      "efficiency": casp_core.efficiency.measure_efficiency's output,
+      "perplexity": {data set: casp_core.eval.perplexity.perplexity's output},
+      "efficiency": casp_core.eval.efficiency.measure_efficiency's output,
     }
 
 A section that was not asked for is absent. Wire it into the command with
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from casp_core.arguments import names, non_negative_int, positive_int
+from casp_core.cli.arguments import names, non_negative_int, positive_int
 from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.errors import InvalidConfig, ModelNotFound
 
@@ -86,10 +86,10 @@ def evaluate_checkpoint(
     # torch, transformers and the harness load only when a command needs them.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from casp_core.efficiency import measure_efficiency
+    from casp_core.eval.evaluate import EvaluationPlan, evaluate
+    from casp_core.eval.perplexity import default_seq_len, evaluation_text
+    from casp_core.eval.zeroshot import resolve_datasets_dir
     from casp_core.model import resolve_device
-    from casp_core.perplexity import perplexity
-    from casp_core.zeroshot import evaluate_zero_shot, resolve_datasets_dir
 
     unknown = [task for task in tasks if task not in ZERO_SHOT_TASKS]
     if unknown:
@@ -102,29 +102,32 @@ def evaluate_checkpoint(
     # trust_remote_code: a pruned checkpoint carries its own modeling file (named in config.json's auto_map).
     model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    out: dict[str, Any] = {"model": model_path}
-    if tasks:
-        zero_shot = evaluate_zero_shot(
-            model, tokenizer, tasks, limit=limit, datasets_dir=datasets_dir, batch_size=batch_size, device=target
+    texts = {
+        name: evaluation_text(
+            tokenizer, name, seq_len or default_seq_len(model), datasets_dir=datasets_dir, max_windows=max_windows
         )
+        for name in perplexity_sets
+    }
+    plan = EvaluationPlan(
+        texts=texts,
+        zero_shot=tasks,
+        limit=limit,
+        datasets_dir=datasets_dir,
+        device=target,
+        perplexity_batch_size=batch_size,
+        zero_shot_batch_size=batch_size,
+        efficiency=efficiency,
+    )
+    figures = evaluate(model, tokenizer, plan)
+    out: dict[str, Any] = {"model": model_path}
+    if figures.zero_shot is not None:
+        zero_shot = dict(figures.zero_shot)
         out["zero_shot"] = zero_shot.pop("tasks")
         out["zero_shot_summary"] = zero_shot
     if perplexity_sets:
-        out["perplexity"] = {
-            name: perplexity(
-                model,
-                tokenizer,
-                name,
-                seq_len=seq_len,
-                datasets_dir=datasets_dir,
-                device=target,
-                batch_size=batch_size,
-                max_windows=max_windows,
-            )
-            for name in perplexity_sets
-        }
-    if efficiency is not None:
-        out["efficiency"] = measure_efficiency(model, device=target, **efficiency)
+        out["perplexity"] = {name: {"ppl": figures.perplexity[name], **text.convention} for name, text in texts.items()}
+    if figures.efficiency is not None:
+        out["efficiency"] = figures.efficiency
     return out
 
 

@@ -1,0 +1,172 @@
+"""From ratios to unit counts: how many heads and FFN channels each layer prunes, planned before any statistics."""
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from casp_core.config import PruneConfig
+from casp_core.errors import InvalidConfig
+from casp_core.model import (
+    AttentionGeometry,
+    attention_geometry,
+    decoder_layers,
+    prunable_parameters,
+    sublayer_parameters,
+)
+from casp_core.surgery import kept_kv_heads
+
+# The budget is planned from the ratios and the shapes alone, before any statistics: in sequential mode layer l
+# is masked before layer l+1 is measured, so a shortfall found after the last layer could not go back to the
+# earlier ones. Each layer prunes round(r_l x heads) query heads and FFN channels for the rest of its share,
+# never more than r_max of either. Where layers at r_max cannot hold the target that way (whole heads round
+# down), heads go first to the layers whose rounding cut most, and only then do layers the allocation spared
+# (r_l = 0) take part. Channels are then chosen layer by layer: the layer's share plus what the earlier layers
+# still owe, but at least what the later layers cannot hold and at most what leaves them their least, so the
+# last layer's channels close the gap to within half a rounding unit (round_to FFN channels of one layer).
+# Only how many key/value heads the chosen query heads take along (GQA) is not known in advance: the plan
+# counts the fewest, and the channels of the later layers absorb the difference.
+
+
+def attention_params_removed(layer: nn.Module, geometry: AttentionGeometry, heads: list[int]) -> int:
+    """q rows and o columns of each head, plus k and v rows of each key/value head left with no query head."""
+    attention = layer.self_attn
+    hidden = attention.q_proj.in_features
+    per_head = geometry.head_dim * (2 * hidden + (attention.q_proj.bias is not None))
+    per_kv_head = 2 * geometry.head_dim * (hidden + (attention.k_proj.bias is not None))
+    kv_gone = geometry.num_kv_heads - len(kept_kv_heads(geometry, tuple(heads)))
+    return len(heads) * per_head + kv_gone * per_kv_head
+
+
+def channel_params(layer: nn.Module) -> int:
+    mlp = layer.mlp
+    return mlp.down_proj.out_features + 2 * (mlp.gate_proj.in_features + (mlp.gate_proj.bias is not None))
+
+
+def heads_cap(geometry: AttentionGeometry, r_max: float) -> int:
+    return int(r_max * geometry.num_heads + 1e-9)
+
+
+def heads_emptying_groups_last(geometry: AttentionGeometry) -> list[int]:
+    """Query heads ordered one from each key/value group, then a second from each...: any prefix of this order
+    takes along the fewest key/value heads that so many query heads can."""
+    seen: Counter[int] = Counter()
+    rank = []
+    for kv in geometry.kv_of_query:
+        rank.append(seen[kv])
+        seen[kv] += 1
+    return sorted(range(geometry.num_heads), key=lambda head: (rank[head], head))
+
+
+def channel_counts(width: int, r_max: float, round_to: int) -> tuple[int, ...]:
+    """The FFN channel counts a layer may prune: at most r_max of them, keeping a positive multiple of round_to."""
+    most = int(r_max * width + 1e-9)
+    counts = tuple(c for c in range(most + 1) if (width - c) % round_to == 0 and width - c >= round_to)
+    if not counts:
+        raise InvalidConfig(
+            f"round_to: a layer of {width} FFN channels cannot keep a multiple of {round_to} channels "
+            f"while pruning at most r_max = {r_max} of them"
+        )
+    return counts
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's part of the budget: its query heads, fixed, and the FFN channel counts it may choose from."""
+
+    heads: int
+    least_attention_removed: int  # parameters those heads remove when they take along the fewest key/value heads
+    channel_params: int
+    channel_counts: tuple[int, ...]  # ascending
+    share: float  # r_l times the layer's parameters
+
+    @property
+    def least_removed(self) -> int:
+        return self.least_attention_removed + self.channel_counts[0] * self.channel_params
+
+    @property
+    def most_removed(self) -> int:
+        return self.least_attention_removed + self.channel_counts[-1] * self.channel_params
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    target: float  # parameters to remove: the ratio times the dense decoder layers' parameters
+    layers: tuple[LayerPlan, ...]
+
+
+def layer_plan(
+    model: PreTrainedModel, layer: nn.Module, heads: int, counts: tuple[int, ...], ratio: float
+) -> LayerPlan:
+    geometry = attention_geometry(model, layer)
+    return LayerPlan(
+        heads=heads,
+        least_attention_removed=attention_params_removed(layer, geometry, heads_emptying_groups_last(geometry)[:heads]),
+        channel_params=channel_params(layer),
+        channel_counts=counts,
+        share=ratio * sum(sublayer_parameters(layer)),
+    )
+
+
+def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
+    """Refuse, before any work, a ratio that whole heads and channels within r_max cannot reach."""
+    most = 0
+    for layer in decoder_layers(model):
+        counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to)
+        cap = heads_cap(attention_geometry(model, layer), config.r_max)
+        most += layer_plan(model, layer, cap, counts, config.r_max).most_removed
+    reachable = most / prunable_parameters(model)
+    if config.ratio > reachable + 1e-9:
+        rounding = f" and round_to = {config.round_to}" if config.round_to > 1 else ""
+        raise InvalidConfig(
+            f"ratio: {config.ratio} cannot be reached on this model: whole heads and FFN channels, at most "
+            f"r_max = {config.r_max} of each layer's{rounding}, remove at most {math.floor(reachable * 1e4) / 1e4} "
+            "of the decoder layers' parameters (ask for that or less, or raise r_max)"
+        )
+
+
+def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig) -> BudgetPlan:
+    """Heads per layer and the channel counts each may take, such that the layers can hold the target."""
+    layers = decoder_layers(model)
+    geometries = [attention_geometry(model, layer) for layer in layers]
+    counts = [channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to) for layer in layers]
+    caps = [heads_cap(geometry, config.r_max) for geometry in geometries]
+    heads = [min(round(r * g.num_heads), cap) for r, g, cap in zip(ratios, geometries, caps, strict=True)]
+    spared = [r <= 0.0 for r in ratios]
+
+    def plan_of(index: int) -> LayerPlan:
+        if spared[index]:
+            return layer_plan(model, layers[index], 0, (0,), 0.0)
+        return layer_plan(model, layers[index], heads[index], counts[index], ratios[index])
+
+    plans = [plan_of(index) for index in range(len(layers))]
+    target = config.ratio * prunable_parameters(model)
+    while sum(plan.most_removed for plan in plans) < target:
+        growing = [i for i in range(len(layers)) if not spared[i] and heads[i] < caps[i]]
+        if growing:
+            index = max(growing, key=lambda i: ratios[i] * geometries[i].num_heads - heads[i])
+            heads[index] += 1
+        elif any(spared):
+            index = spared.index(True)
+            spared[index] = False
+        else:
+            break  # unreachable: check_reachable refuses such a ratio before any work
+        plans[index] = plan_of(index)
+    return BudgetPlan(target, tuple(plans))
+
+
+def channels_to_prune(plan: BudgetPlan, index: int, removed_before: int, attention_removed: int) -> int:
+    """Layer `index`'s share and what the earlier layers still owe, within what the later layers can hold.
+
+    `removed_before` is what the earlier layers removed, `attention_removed` what this layer's heads removed
+    with the key/value heads they took along.
+    """
+    layer, later = plan.layers[index], plan.layers[index + 1 :]
+    owed = plan.target - removed_before - attention_removed  # by this layer's channels and the later layers
+    least = owed - sum(p.most_removed for p in later)
+    most = owed - sum(p.least_removed for p in later)
+    owed_before = sum(p.share for p in plan.layers[:index]) - removed_before
+    wanted = max(min(layer.share - attention_removed + owed_before, most), least) / layer.channel_params
+    return min(layer.channel_counts, key=lambda count: abs(count - wanted))

@@ -1,0 +1,242 @@
+"""Pruning a loaded model: allocate the ratio over layers, then layer by layer measure, choose, compensate, mask;
+at the end remove the masked units and verify that the smaller model computes what the masked one computes.
+
+`prune_layer` is one layer of the paper's loop (statistics -> Q -> solver -> compensation -> mask); `prune`
+is the loop, with the allocation before it and surgery and verification after it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_ratios
+from casp_core.budget import (
+    BudgetPlan,
+    attention_params_removed,
+    channel_params,
+    channels_to_prune,
+    check_reachable,
+    plan_budget,
+)
+from casp_core.calibration import (
+    LayerInputs,
+    SecondMoment,
+    calibration_windows,
+    capture_first_layer_inputs,
+    check_finite_moments,
+    record_inputs,
+    record_stream_pair,
+    run_layer,
+    run_layer_on_stream_pair,
+)
+from casp_core.compensation import compensate_layer
+from casp_core.config import DENSE_TARGET_COMPENSATION, PruneConfig
+from casp_core.interaction import block_aggregate, interaction_matrix, objective, offdiag_ratio
+from casp_core.model import (
+    attention_geometry,
+    decoder_layers,
+    prunable_parameters,
+    resolve_device,
+    sublayer_parameters,
+)
+from casp_core.numerics import check_finite
+from casp_core.results import LayerReport, PruneResult, SubLayerReport
+from casp_core.run import Run
+from casp_core.solvers import diagonal, select_units
+from casp_core.surgery import LayerPruning, kept_kv_heads, mask_layer, remove_units
+from casp_core.verification import verify
+
+
+@dataclass
+class CalibrationStream:
+    """The activations entering the current layer, on `store` between layers, and where layers run."""
+
+    inputs: LayerInputs
+    dense_inputs: LayerInputs | None  # the dense model's, beside the pruned ones: dense-target compensation only
+    sequential: bool  # each layer sees the earlier ones pruned (else: the dense model's activations)
+    device: torch.device
+    store: torch.device
+
+
+def solve_sublayer(
+    solver: str, q_units: torch.Tensor, k: int, weight: torch.Tensor, moment: SecondMoment, block: int
+) -> SubLayerReport:
+    pruned, lower_bound = select_units(
+        solver, q_units, k, weight=weight, second_moment=moment.second_moment, mean=moment.mean, block=block
+    )
+    return SubLayerReport(
+        units=q_units.shape[0],
+        pruned=sorted(int(i) for i in pruned),
+        objective=objective(q_units, pruned),
+        diagonal_objective=objective(q_units, diagonal(q_units, k)),
+        offdiag_ratio=offdiag_ratio(q_units),
+        lower_bound=lower_bound,
+    )
+
+
+def prune_layer(
+    model: PreTrainedModel,
+    index: int,
+    stream: CalibrationStream,
+    plan: BudgetPlan,
+    removed_before: int,
+    config: PruneConfig,
+    run: Run,
+    *,
+    ratio: float,
+    sensitivity: float | None,
+) -> LayerReport:
+    """Layer `index`: its statistics, its planned heads, then its channels; compensated and masked in place, and
+    the stream moved on to the next layer. `removed_before` is what the earlier layers removed; `ratio` and
+    `sensitivity` are the allocation's, for the report."""
+    layer = decoder_layers(model)[index]
+    layer.to(stream.device)
+    sublayers = {"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}
+    cross_moments = None
+    if stream.dense_inputs is None:
+        with run.stage("statistics"), record_inputs(sublayers) as moments:
+            dense_outputs = run_layer(layer, stream.inputs, stream.device, stream.store)
+        if stream.sequential:
+            del dense_outputs  # the next layer must see this one as pruned: recomputed below
+    else:
+        with run.stage("statistics"), record_stream_pair(sublayers) as recording:
+            stream.dense_inputs.batches = run_layer_on_stream_pair(
+                layer, stream.inputs, stream.dense_inputs, recording, stream.device, stream.store
+            )
+        moments, cross_moments = recording.moments, recording.cross_moments
+    check_finite_moments(moments, index)
+
+    geometry = attention_geometry(model, layer)
+    with run.stage("solver"):
+        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+        q_heads = block_aggregate(interaction_matrix(o_proj.weight, moments["attn"].second_moment), geometry.head_dim)
+        check_finite(q_heads, "interaction", "Q of the attention heads", layer.self_attn.layer_idx)
+        n_heads = plan.layers[index].heads
+        attn = solve_sublayer(config.solver, q_heads, n_heads, o_proj.weight, moments["attn"], geometry.head_dim)
+        attention_removed = attention_params_removed(layer, geometry, attn.pruned)
+        n_channels = channels_to_prune(plan, index, removed_before, attention_removed)
+        q_channels = interaction_matrix(down_proj.weight, moments["mlp"].second_moment)
+        check_finite(q_channels, "interaction", "Q of the FFN channels", layer.self_attn.layer_idx)
+        mlp = solve_sublayer(config.solver, q_channels, n_channels, down_proj.weight, moments["mlp"], 1)
+    pruning = LayerPruning(tuple(attn.pruned), tuple(mlp.pruned))
+    if config.compensation != "none":
+        with run.stage("compensation"):
+            attn.compensation, mlp.compensation = compensate_layer(
+                layer, geometry, pruning, moments, config.compensation_damping, cross_moments
+            )
+    del moments, cross_moments
+    kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
+    params_before = sum(sublayer_parameters(layer))
+    mask_layer(layer, geometry, pruning)
+    with run.stage("calibration_forward"):
+        if stream.sequential:
+            stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)
+        else:
+            stream.inputs.batches = dense_outputs
+    layer.to(stream.store)
+    return LayerReport(
+        index=index,
+        ratio=ratio,
+        sensitivity=sensitivity,
+        pruned_heads=list(pruning.pruned_heads),
+        pruned_channels=list(pruning.pruned_channels),
+        pruned_kv_heads=[h for h in range(geometry.num_kv_heads) if h not in kv_kept],
+        attn=attn,
+        mlp=mlp,
+        params_before=params_before,
+        params_after=params_before - attention_removed - n_channels * channel_params(layer),
+    )
+
+
+def allocate(
+    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, device: torch.device, run: Run
+) -> list[float | None]:
+    """Each layer's sensitivity S_l from the cross-entropy gradient (None for all under uniform allocation)."""
+    if config.allocation != "gradient":
+        return [None] * len(decoder_layers(model))
+    run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
+    model.to(device)
+    sensitivities = layer_sensitivities(
+        model, windows, batch_size=config.calibration.batch_size, device=device, run=run
+    )
+    model.to("cpu")
+    return sensitivities
+
+
+def prune(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    config: PruneConfig,
+    run: Run | None = None,
+    *,
+    windows: torch.Tensor | None = None,
+    sensitivities: list[float] | None = None,
+) -> PruneResult:
+    """Prune `model` (masked in place along the way) and return the physically smaller model.
+
+    `windows` are the calibration tokens, read from `config.calibration` when not given; `sensitivities` are
+    the gradient allocation's S_l, measured on `model` and `windows` when not given (a bench that prunes one
+    dense model many times measures them once).
+    """
+    config.validate()
+    check_reachable(model, config)
+    run = run or Run()
+    device = resolve_device(config.device)
+    run.time_on(device)
+    store = torch.device("cpu")  # calibration activations wait here between layers
+    layers = decoder_layers(model)
+    calibration = config.calibration
+    if windows is None:
+        with run.stage("calibration_data"):
+            run.report("calibration", 0.0, "loading calibration text")
+            windows = calibration_windows(model, tokenizer, config)
+
+    with run.stage("allocation"):
+        if sensitivities is None:
+            sensitivities = allocate(model, windows, config, device, run)
+        if config.allocation == "gradient":
+            ratios = allocate_ratios(sensitivities, config.ratio, config.alpha, config.r_max)
+        else:
+            ratios = uniform_ratios(len(layers), config.ratio)
+        plan = plan_budget(model, ratios, config)
+
+    params_dense = prunable_parameters(model)
+    with run.stage("calibration_forward"):
+        inputs = capture_first_layer_inputs(model, windows, calibration.batch_size, device, store)
+    # Compensating towards the dense model needs its inputs to each layer beside the pruned ones: a second set of
+    # parked activations, carried only then (in dense mode the pruned stream is the dense one).
+    sequential = calibration.mode == "sequential"
+    dense_inputs = None
+    if config.compensation == DENSE_TARGET_COMPENSATION and sequential:
+        dense_inputs = LayerInputs(list(inputs.batches), inputs.layer_kwargs)
+    stream = CalibrationStream(inputs, dense_inputs, sequential, device, store)
+
+    reports: list[LayerReport] = []
+    removed = 0
+    for index in range(len(layers)):
+        run.check_cancelled()
+        run.report("pruning", index / len(layers), f"layer {index + 1} of {len(layers)}")
+        sensitivity = sensitivities[index] if config.allocation == "gradient" else None
+        report = prune_layer(
+            model, index, stream, plan, removed, config, run, ratio=ratios[index], sensitivity=sensitivity
+        )
+        removed += report.params_before - report.params_after
+        reports.append(report)
+    run.report("pruning", 1.0, "all layers pruned")
+    del stream, inputs, dense_inputs
+
+    with run.stage("surgery"):
+        pruned = remove_units(model, [report.pruning for report in reports])
+    with run.stage("verification"):
+        run.report("verification", 0.0, "pruned model against the masked model")
+        verification = verify(model, pruned, windows[:2, : min(windows.shape[1], 128)], device)
+    return PruneResult(
+        model=pruned,
+        layers=reports,
+        params_dense=params_dense,
+        params_pruned=prunable_parameters(pruned),
+        verification_max_abs_diff=verification.max_abs_diff,
+        verification_max_relative_diff=verification.max_relative_diff,
+        timings=run.timer.stages,
+    )

@@ -1,0 +1,57 @@
+"""What pruning returns: one report per sub-layer and per layer, and the pruned model with its figures.
+
+The pipeline builds these and the report writes them; both import them from here.
+"""
+
+from dataclasses import dataclass, field
+
+from casp_core.compensation import CompensationReport
+from casp_core.modeling_casp_llama import CaspLlamaForCausalLM
+from casp_core.surgery import LayerPruning
+
+
+@dataclass
+class SubLayerReport:
+    units: int
+    pruned: list[int]
+    objective: float  # the chosen solver's z'Qz
+    diagonal_objective: float  # the independent baseline's z'Qz on the same Q
+    offdiag_ratio: float  # rho of the unit-level Q (block-aggregated for heads)
+    lower_bound: float | None = None  # relaxation only
+    compensation: CompensationReport | None = None  # least-squares refit of the kept units, when asked for
+
+
+@dataclass
+class LayerReport:
+    index: int
+    ratio: float  # r_l from the allocation
+    sensitivity: float | None
+    pruned_heads: list[int]
+    pruned_channels: list[int]
+    pruned_kv_heads: list[int]
+    attn: SubLayerReport
+    mlp: SubLayerReport
+    params_before: int
+    params_after: int
+
+    @property
+    def pruning(self) -> LayerPruning:
+        return LayerPruning(tuple(self.pruned_heads), tuple(self.pruned_channels))
+
+
+@dataclass
+class PruneResult:
+    model: CaspLlamaForCausalLM
+    layers: list[LayerReport]
+    params_dense: int
+    params_pruned: int
+    verification_max_abs_diff: float  # float64, largest over the stages `verify` compares
+    verification_max_relative_diff: float  # what the rule bounds: difference / the stage's largest output
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def achieved_ratio(self) -> float:
+        return 1.0 - self.params_pruned / self.params_dense
+
+
+__all__ = ["LayerReport", "PruneResult", "SubLayerReport"]
