@@ -7,7 +7,7 @@ import torch
 from casp_core.errors import NumericalError
 from casp_core.prune import prune
 from tests.conftest import small_config
-from tests.test_cli import SMALL, casp
+from tests.core.cli.test_cli import SMALL, casp
 
 
 def plant(model: torch.nn.Module, layer: int, name: str, value: float) -> None:

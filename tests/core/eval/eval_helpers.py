@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-STORIES = REPO / "demo" / "stories260K"
+from tests.conftest import REPO
+
 FIXTURES = Path(os.environ.get("CASP_FIXTURES", REPO.parent / "shared" / "fixtures"))
 DATASETS_DIR = FIXTURES / "data"
 

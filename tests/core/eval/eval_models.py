@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
 from casp_core.job import run_job
-from tests.eval_helpers import STORIES
+from tests.conftest import STORIES
 
 
 def _keep_first(linear: nn.Linear, *, rows: int | None = None, cols: int | None = None) -> nn.Linear:

@@ -14,12 +14,12 @@ from casp_core.eval.efficiency import (
     measure_efficiency,
     prefill_macs,
 )
-from tests.eval_helpers import (
-    STORIES,
+from tests.conftest import STORIES
+from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
     one_torch_thread,  # noqa: F401 (an autouse fixture)
 )
-from tests.eval_models import pruned_checkpoint, uneven_copy
+from tests.core.eval.eval_models import pruned_checkpoint, uneven_copy
 
 SMALL = {"batch_size": 2, "seq_len": 16, "new_tokens": 8, "repeats": 3, "warmup": 1}
 

@@ -12,12 +12,12 @@ from casp_core.cli.eval import add_eval_parser, evaluate_checkpoint
 from casp_core.errors import InvalidConfig, ModelNotFound
 from casp_core.eval.efficiency import count_parameters, prefill_macs
 from casp_core.eval.perplexity import perplexity
-from tests.eval_helpers import (
-    STORIES,
+from tests.conftest import STORIES
+from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
     one_torch_thread,  # noqa: F401 (an autouse fixture)
 )
-from tests.eval_models import pruned_checkpoint
+from tests.core.eval.eval_models import pruned_checkpoint
 
 TASKS = ["piqa", "arc_easy"]
 

@@ -8,11 +8,11 @@ import pytest
 from PIL import Image
 
 from casp_core.report.plots import write_plots
-from tests.eval_helpers import (
+from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
     one_torch_thread,  # noqa: F401 (an autouse fixture)
 )
-from tests.eval_models import pruned_checkpoint
+from tests.core.eval.eval_models import pruned_checkpoint
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -11,12 +11,12 @@ from casp_core.eval.efficiency import compare_efficiency
 from casp_core.eval.perplexity import BOS_POLICY
 from casp_core.eval.zeroshot import evaluate_zero_shot
 from casp_core.report.card import render_card
-from tests.eval_helpers import (
-    STORIES,
+from tests.conftest import STORIES
+from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
     one_torch_thread,  # noqa: F401 (an autouse fixture)
 )
-from tests.eval_models import uneven_copy
+from tests.core.eval.eval_models import uneven_copy
 
 TASKS = ["piqa", "boolq"]
 

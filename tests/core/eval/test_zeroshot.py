@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.errors import DatasetNotFound, InvalidConfig
 from casp_core.eval.zeroshot import LOCAL_TASKS, evaluate_zero_shot
-from tests.eval_helpers import (
-    STORIES,
+from tests.conftest import STORIES
+from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
     no_network,
     one_torch_thread,  # noqa: F401 (an autouse fixture)
