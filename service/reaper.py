@@ -1,8 +1,8 @@
 """Takes back jobs whose worker stopped beating: queued again (and re-sent), or failed after the last attempt.
 Sends again queued jobs that have no message in the broker: their send failed, or the broker lost it.
 
-Runs as a thread in every API process (distributed and embedded): the API is always up, and the
-conditional updates in service.jobs make several reapers at once harmless.
+Runs as a thread beside every API process (distributed and embedded; `casp_cli.app` starts it with the app):
+the API is always up, and the conditional updates in service.jobs make several reapers at once harmless.
 """
 
 import logging
