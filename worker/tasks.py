@@ -59,5 +59,6 @@ class JobRequest(Request):
 
 
 @app.task(name=TASK_NAME, Request=JobRequest)
-def run_job(job_id: str) -> str | None:
+def job_task(job_id: str) -> str | None:
+    """The Celery task of a job (its wire name stays `casp.run_job`, so messages already queued still run)."""
     return execute(job_id, settings, storage())
