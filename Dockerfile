@@ -23,8 +23,10 @@ RUN pip install "torch==2.13.0" --index-url "${TORCH_INDEX_URL}" \
 COPY alembic.ini pyproject.toml ./
 COPY migrations ./migrations
 COPY casp_core ./casp_core
+COPY service ./service
 COPY api ./api
 COPY worker ./worker
+COPY casp_cli ./casp_cli
 COPY demo ./demo
 
 # /data/hf exists in the image so that a volume mounted there inherits the casp owner.
@@ -33,4 +35,4 @@ USER casp
 EXPOSE 8000
 
 # The API by default; the worker service overrides the command.
-CMD ["python", "-m", "api.cli", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["python", "-m", "casp_cli.main", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -7,11 +7,11 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from api import crud
-from api.core.db import session_factory
-from api.core.settings import Settings
-from api.queue import Dispatcher
-from api.storage import Storage
+from service import jobs
+from service.db import session_factory
+from service.dispatch import Dispatcher
+from service.settings import Settings
+from service.storage import Storage
 
 
 def get_settings(request: Request) -> Settings:
@@ -47,18 +47,18 @@ def get_caller(
     settings: SettingsDep,
     session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(api_key_scheme)],
-) -> crud.Caller:
+) -> jobs.Caller:
     if settings.auth == "none":
-        return crud.Caller(key_id=None)
+        return jobs.Caller(key_id=None)
     token = credentials.credentials.strip() if credentials else ""
-    key = crud.find_api_key(session, token) if token else None
+    key = jobs.find_api_key(session, token) if token else None
     if key is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
             "a valid API key is required: Authorization: Bearer <key>",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    return crud.Caller(key_id=key.id)
+    return jobs.Caller(key_id=key.id)
 
 
-CallerDep = Annotated[crud.Caller, Depends(get_caller)]
+CallerDep = Annotated[jobs.Caller, Depends(get_caller)]

@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.paths import excerpt
+
 log = logging.getLogger(__name__)
 
 # The code of an error raised with a status only (HTTPException and FastAPI's own answers).
@@ -33,7 +35,6 @@ CODES = {
     500: "internal_error",
     503: "service_unavailable",
 }
-EXCERPT_CHARS = 64
 # A reason may quote a part of the input (an unknown split, a file name): cut, so no answer grows with it.
 REASON_CHARS = 300
 # Where a value came from is not part of its name: `body.ratio` and `query.limit` are `ratio` and `limit`.
@@ -48,12 +49,6 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
-
-
-def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
-    """At most `limit` characters of a caller's input, for a message."""
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def error_response(

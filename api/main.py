@@ -1,20 +1,37 @@
-"""The FastAPI application: `create_app(settings)`; `uvicorn --factory api.main:app` reads the environment."""
+"""The FastAPI application: `create_app(settings, background)`. What runs beside it (the reaper, the embedded
+workers) is passed in by whoever starts it: `casp_cli.app` wires the service."""
 
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from api import errors, unavailable
-from api.core.settings import Settings, local_devices, resolve_device
 from api.limits import RequestBodyLimit
-from api.queue import EmbeddedDispatcher, make_dispatcher
 from api.routes import files, health, jobs
-from api.storage import make_storage
+from service.dispatch import Dispatcher, make_dispatcher
+from service.settings import Settings, local_devices, resolve_device
+from service.storage import Storage, make_storage
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+class BackgroundService(Protocol):
+    """A thread the app runs beside itself: started with the app, told to stop and joined when it shuts down."""
+
+    stopped: threading.Event
+
+    def start(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+# Makes the services to run beside the app, from the app's settings, storage and dispatcher.
+BackgroundServices = Callable[[Settings, Storage, Dispatcher], Sequence[BackgroundService]]
+
+
+def create_app(settings: Settings | None = None, background: BackgroundServices | None = None) -> FastAPI:
     settings = settings or Settings()
     # The embedded service runs jobs on this machine, so it knows its devices: `auto` becomes one of them, and
     # a job asking for another is refused at submit. The distributed API cannot know its workers' devices.
@@ -24,16 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Imported here: the worker modules pull in the runner, which is only needed once the app starts.
-        from worker.embedded import EmbeddedWorker
-        from worker.reaper import Reaper
-
-        threads = [Reaper(settings, app.state.dispatcher)]
-        if isinstance(app.state.dispatcher, EmbeddedDispatcher):
-            threads += [
-                EmbeddedWorker(settings, app.state.storage, app.state.dispatcher, i)
-                for i in range(settings.embedded_workers)
-            ]
+        threads = background(settings, app.state.storage, app.state.dispatcher) if background else []
         for thread in threads:
             thread.start()
         yield
@@ -60,8 +68,3 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(health.router)
     return app
-
-
-def app() -> FastAPI:
-    """Factory for `uvicorn --factory api.main:app`."""
-    return create_app()

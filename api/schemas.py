@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 from fastapi import Path as PathParam
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
-from api.core.settings import DEVICES
-from api.models import JOB_STATUSES
 from casp_core.config import ALLOCATIONS, CALIBRATION_MODES, COMPENSATIONS, SOLVERS, ZERO_SHOT_TASKS
 from casp_core.model import is_local_reference
+from service.settings import DEVICES
+from service.tables import JOB_STATUSES
 
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 

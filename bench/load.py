@@ -28,11 +28,6 @@ from typing import Any
 
 import httpx
 
-from api import crud
-from api.cli import prepare
-from api.client import CaspAPIError, CaspClient
-from api.core.db import session_scope
-from api.core.settings import Settings
 from bench.common import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -44,6 +39,11 @@ from bench.common import (
     machine_line,
     write_json,
 )
+from casp_cli.client import CaspAPIError, CaspClient
+from casp_cli.main import prepare
+from service import jobs
+from service.db import session_scope
+from service.settings import Settings
 
 MODES = ("embedded", "distributed")
 DEMO_MODEL = REPO_ROOT / "demo" / "stories260K"
@@ -137,12 +137,12 @@ def casp_serve(values: dict[str, str], home: Path) -> Iterator[tuple[str, str]]:
     settings = Settings(**values)  # type: ignore[arg-type]  # pydantic parses the strings, as from CASP_*
     prepare(settings)
     with session_scope(settings.database) as session:
-        _, key = crud.create_api_key(session, "load-bench")
+        _, key = jobs.create_api_key(session, "load-bench")
     port = free_port()
     log_path = home / "serve.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--log-level", "warning"],
+            [sys.executable, "-m", "casp_cli.main", "serve", "--port", str(port), "--log-level", "warning"],
             cwd=REPO_ROOT,
             env=env,
             stdout=log,

@@ -3,8 +3,8 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from api.core.settings import Settings
-from api.models import Base
+from service.settings import Settings
+from service.tables import Base
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or Settings().database

@@ -10,6 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+# The fixtures of the service tests (PostgreSQL, Redis, S3, workers), for every folder that needs them.
+pytest_plugins = ["tests.service_fixtures"]
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
 DATASETS_DIR = FIXTURES / "data"

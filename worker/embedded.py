@@ -3,11 +3,11 @@
 import logging
 import threading
 
-from api import crud
-from api.core.db import session_scope
-from api.core.settings import DEVICES, Settings
-from api.queue import EmbeddedDispatcher
-from api.storage import Storage
+from service import jobs
+from service.db import session_scope
+from service.dispatch import EmbeddedDispatcher, queue_for
+from service.settings import DEVICES, Settings
+from service.storage import Storage
 from worker.runner import execute
 
 log = logging.getLogger(__name__)
@@ -24,11 +24,11 @@ class EmbeddedWorker(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        queues = [self.settings.queue_for(device) for device in DEVICES]
+        queues = [queue_for(device) for device in DEVICES]
         while not self.stopped.is_set():
             try:
                 with session_scope(self.settings.database) as session:
-                    job_id = crud.next_queued(session, queues)
+                    job_id = jobs.next_queued(session, queues)
                 if job_id is None:
                     # Woken early by a new job; the timeout catches jobs the reaper or another process queued.
                     self.dispatcher.wake.wait(IDLE_POLL_SECONDS)

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api import crud
-from api.core.db import session_scope
-from api.core.settings import AUTO, Settings
-from api.models import Job
-from api.paths import check_job_inputs
-from api.storage import Storage
 from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
 from casp_core.job import STAGES, run_job
 from casp_core.run import Run
+from service import jobs
+from service.db import session_scope
+from service.paths import check_job_inputs
+from service.settings import AUTO, Settings
+from service.storage import Storage
+from service.tables import Job
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +101,13 @@ class Attempt:
             return
         self._last_write = now
         with session_scope(self.settings.database) as session:
-            if not crud.touch(session, self.job_id, self.number, stage=stage, progress=round(progress, 2)):
+            if not jobs.touch(session, self.job_id, self.number, stage=stage, progress=round(progress, 2)):
                 self.lost = True
                 return
             if event:
                 self._last_event_progress = progress
                 job = session.get_one(Job, self.job_id)
-                crud.add_event(session, job, kind="progress", message=message)
+                jobs.add_event(session, job, kind="progress", message=message)
 
     def _close_stage(self, now: float) -> None:
         if self.stage is not None:
@@ -126,13 +126,13 @@ class Attempt:
         elif now - self._last_poll >= CANCEL_POLL_SECONDS:
             self._last_poll = now
             with session_scope(self.settings.database) as session:
-                self._stop = crud.should_stop(session, self.job_id, self.number)
+                self._stop = jobs.should_stop(session, self.job_id, self.number)
         return self._stop
 
     def finish(self, status: str, **kwargs: Any) -> bool:
         self._close_stage(time.monotonic())
         with session_scope(self.settings.database) as session:
-            return crud.finish(session, self.job_id, self.number, status=status, timings=self.timings, **kwargs)
+            return jobs.finish(session, self.job_id, self.number, status=status, timings=self.timings, **kwargs)
 
 
 class Heartbeat(threading.Thread):
@@ -149,7 +149,7 @@ class Heartbeat(threading.Thread):
         while not self.done.wait(interval):
             try:
                 with session_scope(self.attempt.settings.database) as session:
-                    if not crud.touch(session, self.attempt.job_id, self.attempt.number):
+                    if not jobs.touch(session, self.attempt.job_id, self.attempt.number):
                         self.attempt.lost = True
                         return
             except Exception:  # a database hiccup must not end the job; the next beat retries
@@ -172,7 +172,7 @@ def execute(
     """Runs the job if it is still queued; returns its final status (None when it was not ours to run,
     or the attempt was released or lost midway)."""
     with session_scope(settings.database) as session:
-        job = crud.claim_job(session, job_id, worker_id or worker_name())
+        job = jobs.claim_job(session, job_id, worker_id or worker_name())
         if job is None:
             log.info("job %s is not queued; nothing to do", job_id)
             return None
@@ -259,4 +259,4 @@ def _drop_upload(storage: Storage, job_id: str) -> None:
 def _release(attempt: Attempt) -> None:
     """The embedded server is stopping: the job goes back to the queue for the next start."""
     with session_scope(attempt.settings.database) as session:
-        crud.release(session, attempt.job_id, attempt.number)
+        jobs.release(session, attempt.job_id, attempt.number)

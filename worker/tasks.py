@@ -10,10 +10,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from api import crud
-from api.core.settings import Settings
-from api.storage import Storage, make_storage
-from worker.celery_app import TASK_NAME, make_celery
+from service import jobs
+from service.dispatch import TASK_NAME, make_celery
+from service.settings import Settings
+from service.storage import Storage, make_storage
 from worker.runner import execute
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class JobRequest(Request):
         job_id = self.args[0]
         try:
             with Session(_main_process_engine()) as session:
-                if crud.is_claimable(session, job_id):
+                if jobs.is_claimable(session, job_id):
                     return False
         except SQLAlchemyError:  # the database is away: the pool's run of the task deals with that as before
             log.warning("could not check job %s before running it", job_id, exc_info=True)
@@ -59,5 +59,6 @@ class JobRequest(Request):
 
 
 @app.task(name=TASK_NAME, Request=JobRequest)
-def execute_job(job_id: str) -> str | None:
+def job_task(job_id: str) -> str | None:
+    """The Celery task of a job (its wire name stays `casp.run_job`, so messages already queued still run)."""
     return execute(job_id, settings, storage())

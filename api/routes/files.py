@@ -5,12 +5,12 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import FileResponse
 
-from api.core.security import verify_download
 from api.deps import SessionDep, SettingsDep, StorageDep
 from api.errors import responses
-from api.models import Artifact
 from api.schemas import JobId
-from api.storage import LocalStorage
+from service.security import verify_download
+from service.storage import LocalStorage
+from service.tables import Artifact
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=responses(403, 404, 422))
 

@@ -13,13 +13,13 @@ from prometheus_client.registry import Collector
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from api import crud
-from api.core.db import session_scope
-from api.core.settings import Settings
 from api.deps import DispatcherDep, SettingsDep, StorageDep, get_caller
 from api.errors import error_response, responses
-from api.models import JOB_STATUSES
-from api.queue import Dispatcher
+from service import jobs
+from service.db import session_scope
+from service.dispatch import Dispatcher
+from service.settings import Settings
+from service.tables import JOB_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,11 @@ class JobsCollector(Collector):
 
     def collect(self) -> list[Metric]:
         with session_scope(self.settings.database) as session:
-            counts = crud.count_by_status(session)
-            durations = crud.stage_durations(session)
-        jobs = GaugeMetricFamily("casp_jobs", "Jobs by status", labels=["status"])
+            counts = jobs.count_by_status(session)
+            durations = jobs.stage_durations(session)
+        by_status = GaugeMetricFamily("casp_jobs", "Jobs by status", labels=["status"])
         for status in JOB_STATUSES:
-            jobs.add_metric([status], counts.get(status, 0))
+            by_status.add_metric([status], counts.get(status, 0))
         stages = SummaryMetricFamily(
             "casp_stage_duration_seconds", "Time finished attempts spent in each stage", labels=["stage"]
         )
@@ -109,7 +109,7 @@ class JobsCollector(Collector):
         broker_up.add_metric([], up)
         for queue, count in waiting.items():
             depth.add_metric([queue], count)
-        return [jobs, stages, depth, broker_up]
+        return [by_status, stages, depth, broker_up]
 
 
 def metrics_registry(settings: Settings, dispatcher: Dispatcher) -> CollectorRegistry:

@@ -9,13 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 
-from api import crud
-from api.core.settings import Settings
 from api.deps import CallerDep, DispatcherDep, SessionDep, SettingsDep, StorageDep
 from api.errors import responses
-from api.models import JOB_STATUSES, Job, utcnow
-from api.paths import InputRefused, Loc, check_dataset, check_model
-from api.queue import send
 from api.schemas import (
     MAX_EVENT_ID,
     ArtifactList,
@@ -33,6 +28,11 @@ from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig
 from casp_core.model import is_local_reference, load_config
+from service import jobs
+from service.dispatch import queue_for, send
+from service.paths import InputRefused, Loc, check_dataset, check_model
+from service.settings import Settings
+from service.tables import JOB_STATUSES, Job, utcnow
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422))
 
@@ -111,15 +111,15 @@ def job_out(job: Job) -> JobOut:
         attempts=job.attempts,
         error=JobError(code=job.error_code, message=job.error_message or "") if job.error_code else None,
         result=job.result,
-        created_at=crud.aware(job.created_at),
-        started_at=crud.aware(job.started_at),
-        finished_at=crud.aware(job.finished_at),
+        created_at=jobs.aware(job.created_at),
+        started_at=jobs.aware(job.started_at),
+        finished_at=jobs.aware(job.finished_at),
     )
 
 
 def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
     # Another key's job answers exactly like a missing one: ids are not to be probed.
-    job = crud.get_job(session, caller, job_id)
+    job = jobs.get_job(session, caller, job_id)
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
     return job
@@ -146,15 +146,15 @@ def create_job(
         "model": resolve_model(body, settings),
         "revision": body.revision,
         "device": device,
-        "queue": settings.queue_for(device),
+        "queue": queue_for(device),
         "config": build_config(body, settings).to_dict(),
         "metadata_": body.metadata,
         "dispatched_at": dispatched_at,
     }
     request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     try:
-        job, created = crud.create_job(session, caller, fields, idempotency_key, request_hash)
-    except crud.IdempotencyConflict as exc:
+        job, created = jobs.create_job(session, caller, fields, idempotency_key, request_hash)
+    except jobs.IdempotencyConflict as exc:
         raise HTTPException(
             status.HTTP_409_CONFLICT, "this Idempotency-Key was used with a different request body"
         ) from exc
@@ -176,7 +176,7 @@ def list_jobs(
     after: Annotated[JobIdText | None, Query(description="id of the last job of the previous page")] = None,
     status_: Annotated[str | None, Query(alias="status", pattern=f"^({'|'.join(JOB_STATUSES)})$")] = None,
 ) -> JobList:
-    rows, has_more = crud.list_jobs(session, caller, status=status_, limit=limit, after=after)
+    rows, has_more = jobs.list_jobs(session, caller, status=status_, limit=limit, after=after)
     return JobList(data=[job_out(job) for job in rows], has_more=has_more)
 
 
@@ -196,7 +196,7 @@ def list_events(
     ] = None,
 ) -> EventList:
     visible_job(session, caller, job_id)
-    rows, has_more = crud.list_events(session, job_id, limit=limit, after=after)
+    rows, has_more = jobs.list_events(session, job_id, limit=limit, after=after)
     data = [
         EventOut(
             id=e.id,
@@ -206,7 +206,7 @@ def list_events(
             stage=e.stage,
             progress=round(e.progress, 1),
             message=e.message,
-            created_at=crud.aware(e.created_at),
+            created_at=jobs.aware(e.created_at),
         )
         for e in rows
     ]
@@ -216,7 +216,7 @@ def list_events(
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=responses(404, 409))
 def cancel_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> JobOut:
     job = visible_job(session, caller, job_id)
-    if not crud.request_cancel(session, job):
+    if not jobs.request_cancel(session, job):
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job has already {job.status}")
     session.commit()
     return job_out(job)
@@ -247,7 +247,7 @@ def list_artifacts(
             url=storage.url(job.id, a.name, ttl, base_url),
             expires_at=expires_at,
         )
-        for a in crud.artifacts_of(session, job.id)
+        for a in jobs.artifacts_of(session, job.id)
     ]
     return ArtifactList(data=data)
 
@@ -255,9 +255,9 @@ def list_artifacts(
 @router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT, responses=responses(404, 409))
 def delete_job_artifacts(job_id: JobId, session: SessionDep, caller: CallerDep, storage: StorageDep) -> Response:
     job = visible_job(session, caller, job_id)
-    if not crud.is_finished(job):
+    if not jobs.is_finished(job):
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job is {job.status}; cancel it first")
     storage.delete(job.id)
-    crud.forget_artifacts(session, job)
+    jobs.forget_artifacts(session, job)
     session.commit()
     return Response(status_code=status.HTTP_204_NO_CONTENT)

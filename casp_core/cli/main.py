@@ -209,7 +209,7 @@ def build_parser(extensions: Sequence[Register] = ()) -> argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None, extensions: Sequence[Register] = ()) -> int:
-    """`python -m casp_core` has the library's commands; the `casp` script adds the service's (api.cli)."""
+    """`python -m casp_core` has the library's commands; the `casp` script (casp_cli) adds the service's."""
     parser = build_parser(extensions)
     args = parser.parse_args(argv)
     try:

@@ -32,10 +32,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
-from api.cli import demo_request  # noqa: E402
-from api.client import CaspClient  # noqa: E402
+from tests.service_fixtures import wait_for  # noqa: E402
+
+from casp_cli.client import CaspClient  # noqa: E402
+from casp_cli.main import demo_request  # noqa: E402
 from casp_core.checkpoint import load_pruned  # noqa: E402
-from tests.service.conftest import wait_for  # noqa: E402
 
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates,redis-server,redis-tools,postgresql,procps"
@@ -170,7 +171,7 @@ def main() -> int:
         compose("up", "-d", "--build")
         compose.wait_healthy(("api", "worker"), timeout=1800)
         timings["build and up"] = time.monotonic() - started - timings["stand-ins"]
-        key = compose("exec", "-T", "api", "python", "-m", "api.cli", "keys", "create", "--name", "check",
+        key = compose("exec", "-T", "api", "python", "-m", "casp_cli.main", "keys", "create", "--name", "check",
                       capture=True).strip().splitlines()[-1]  # fmt: skip
         request = {**demo_request(Path("/models/stories260K")), "metadata": {"source": "compose check"}}
         with CaspClient(API_URL, key) as client:

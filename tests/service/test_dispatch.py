@@ -14,14 +14,15 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api import crud
-from api.core.db import session_scope
-from api.core.migrate import upgrade
-from api.core.settings import Settings
-from api.main import create_app
-from api.models import Job, utcnow
-from api.queue import CeleryDispatcher
-from tests.service.conftest import (
+from casp_cli.app import service_app
+from service import jobs
+from service.db import session_scope
+from service.dispatch import CeleryDispatcher
+from service.migrate import upgrade
+from service.reaper import LOST_MESSAGE, reap_once
+from service.settings import Settings
+from service.tables import Job, utcnow
+from tests.service_fixtures import (
     FIXTURE_DATA,
     REPO,
     SMALL_JOB,
@@ -32,7 +33,6 @@ from tests.service.conftest import (
     settings_env,
     wait_for,
 )
-from worker.reaper import LOST_MESSAGE, reap_once
 
 pytestmark = pytest.mark.service
 
@@ -117,7 +117,7 @@ def stack(
     worker = WorkerProcess(settings_env(settings), root / "worker.log")
     worker.start()
     try:
-        with TestClient(create_app(settings)) as api:
+        with TestClient(service_app(settings)) as api:
             yield Stack(settings, server, worker, api)
     finally:
         worker.stop()
@@ -152,7 +152,7 @@ def test_a_requeued_job_whose_send_failed_is_sent_when_the_broker_is_back(stack:
     queue.delete("casp-cuda")
     database = stack.settings.database
     with session_scope(database) as session:
-        claimed = crud.claim_job(session, job_id, "doomed-worker")
+        claimed = jobs.claim_job(session, job_id, "doomed-worker")
         assert claimed is not None
         claimed.stage, claimed.progress = "pruning", 42.0
         # Stale for a reaper with a 1 s timeout, not yet for the API's own (6 s): this one reaps it.
@@ -210,5 +210,5 @@ def test_every_job_ends_once_across_a_broker_restart(stack: Stack) -> None:
     assert LOST_MESSAGE in stack.messages(ids[1])
     with session_scope(stack.settings.database) as session:
         for job_id in ids:
-            names = [a.name for a in crud.artifacts_of(session, job_id)]
+            names = [a.name for a in jobs.artifacts_of(session, job_id)]
             assert "model.safetensors" in names and len(names) == len(set(names))

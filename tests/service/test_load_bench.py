@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from bench import load
-from tests.service.conftest import PG_ADMIN_URL, free_port, wait_for
+from tests.service_fixtures import PG_ADMIN_URL, free_port, wait_for
 
 pytestmark = pytest.mark.service
 

@@ -10,8 +10,8 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect
 
-from api.core.migrate import alembic_config, upgrade
-from api.models import Base
+from service.migrate import alembic_config, upgrade
+from service.tables import Base
 
 pytestmark = pytest.mark.service
 

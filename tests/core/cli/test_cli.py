@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from api.cli import register
+from casp_cli.main import register
 from casp_core.checkpoint import load_pruned
 from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig
@@ -141,7 +141,7 @@ def test_resolve_device_refuses_what_is_not_a_device() -> None:
 
 def test_version() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "api.cli", "--version"], capture_output=True, text=True, cwd=REPO, timeout=120
+        [sys.executable, "-m", "casp_cli.main", "--version"], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert completed.returncode == 0
     assert completed.stdout == f"casp {metadata.version('casp')}\n"

@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from api.cli import main
-from api.client import CaspAPIError, CaspClient
-from tests.conftest import REPO
+from casp_cli.client import CaspAPIError, CaspClient
+from casp_cli.main import main
+from tests.service_fixtures import REPO
 
 JOB = {"id": "job-1", "status": "queued"}
 # Answer(status, headers) for the n-th request (0-based) of a method.
@@ -153,7 +153,7 @@ def test_casp_status_with_default_retries_gives_up_within_seconds() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.monotonic()
     completed = subprocess.run(
-        [sys.executable, "-m", "api.cli", "status", "job-1", "--url", closed_port_url()],
+        [sys.executable, "-m", "casp_cli.main", "status", "job-1", "--url", closed_port_url()],
         capture_output=True,
         text=True,
         env=env,

@@ -1,6 +1,5 @@
-"""Service commands of `casp`: serve, demo, keys create, submit, status, wait, download, worker.
-
-`register(subparsers)` adds them to the top-level `casp` parser; `python -m api.cli ...` runs them alone.
+"""The `casp` command: the library's commands (casp_core.cli: prune, eval) and the service's: serve, demo, keys
+create, worker, and submit, status, wait, download through the client. `python -m casp_cli.main ...` runs it.
 """
 
 import argparse
@@ -16,11 +15,11 @@ from typing import Any
 
 import httpx
 
-from api.client import DEFAULT_RETRIES, CaspAPIError, CaspClient
-from api.core.settings import AUTO, DEVICES, Settings, local_devices, resolve_device
+from casp_cli.client import DEFAULT_RETRIES, CaspAPIError, CaspClient
 from casp_core.cli.arguments import non_negative_int
 from casp_core.cli.main import main as casp_main
 from casp_core.errors import InvalidConfig
+from service.settings import AUTO, DEVICES, Settings, local_devices, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "demo" / "stories260K"
@@ -33,7 +32,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 def prepare(settings: Settings) -> None:
     """Creates CASP_HOME (the embedded database lives there) and migrates the database to head."""
-    from api.core.migrate import upgrade
+    from service.migrate import upgrade
 
     settings.home.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database)
@@ -43,10 +42,10 @@ def serve(settings: Settings, sock: socket.socket, log_level: str = "info") -> N
     """Migrates the database, then serves the API (and, without a broker, the in-process workers)."""
     import uvicorn
 
-    from api.main import create_app
+    from casp_cli.app import service_app
 
     prepare(settings)
-    config = uvicorn.Config(create_app(settings), log_level=log_level)
+    config = uvicorn.Config(service_app(settings), log_level=log_level)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -69,21 +68,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise SystemExit(f"casp worker: no {device} device on this machine (torch sees: {', '.join(local_devices())})")
     # The worker's own device is the default its jobs for any device (queue casp-auto) run on.
     os.environ["CASP_DEFAULT_DEVICE"] = device
-    from worker.tasks import app, settings
+    from service.dispatch import queue_for
+    from worker.tasks import app
 
-    queues = f"{settings.queue_for(device)},{settings.queue_for(AUTO)}"
+    queues = f"{queue_for(device)},{queue_for(AUTO)}"
     app.worker_main(["worker", "-Q", queues, "-n", f"casp-{device}@%h", "--loglevel", args.log_level])
     return 0
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from api import crud
-    from api.core.db import session_scope
+    from service import jobs
+    from service.db import session_scope
 
     settings = Settings()
     prepare(settings)
     with session_scope(settings.database) as session:
-        row, key = crud.create_api_key(session, args.name)
+        row, key = jobs.create_api_key(session, args.name)
     print(f"key id {row.id} ({args.name}); the key is shown only now:", file=sys.stderr)
     print(key)
     return 0

@@ -1,4 +1,7 @@
-"""How a queued job reaches a worker: a Celery message, or a nudge to the in-process worker threads."""
+"""How a queued job reaches a worker: a Celery message, or a nudge to the in-process worker threads.
+
+The Celery application is made here: the API and the reaper send tasks with it (no torch here), and the
+workers run them with it. Queues are named after the device their jobs run on."""
 
 import base64
 import json
@@ -9,15 +12,50 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Protocol
 
+from celery import Celery
 from sqlalchemy import func, select
 
-from api import crud
-from api.core.db import session_scope
-from api.core.settings import Settings
-from api.models import Job
-from worker.celery_app import TASK_NAME, make_celery
+from service import jobs
+from service.db import session_scope
+from service.settings import AUTO, DEVICES, Settings
+from service.tables import Job
 
 log = logging.getLogger(__name__)
+
+TASK_NAME = "casp.run_job"
+
+
+def queue_for(device: str) -> str:
+    return f"casp-{device}"
+
+
+def all_queues() -> list[str]:
+    """Every queue a job can be sent to: one per device, and the one of jobs for any device."""
+    return [queue_for(device) for device in (AUTO, *DEVICES)]
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("casp", broker=settings.broker_url)
+    app.conf.update(
+        # One job per GPU: a worker holds one task and reserves no other, so queued jobs go to idle workers.
+        worker_concurrency=1,
+        worker_prefetch_multiplier=1,
+        # Acknowledged only when done, and rejected back to the queue if the worker process dies.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # A fresh child per job returns all its (GPU) memory to the system.
+        worker_max_tasks_per_child=1,
+        # The database row carries the outcome; a result backend would only duplicate it.
+        task_ignore_result=True,
+        # The hard limit is a backstop behind the cooperative per-job limit checked at layer boundaries.
+        task_time_limit=settings.job_time_limit_seconds + 300,
+        # Unacknowledged messages come back only after this: longer than any job, so a running job is never
+        # handed to a second worker by the broker; the reaper, not the broker, recovers from dead workers.
+        broker_transport_options={"visibility_timeout": settings.job_time_limit_seconds + 3600},
+        broker_connection_retry_on_startup=True,
+        task_default_queue=queue_for(settings.default_device),
+    )
+    return app
 
 
 class Dispatcher(Protocol):
@@ -37,7 +75,7 @@ class CeleryDispatcher:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.app = make_celery(settings)
-        self.queues = settings.queues()
+        self.queues = all_queues()
 
     def enqueue(self, job_id: str, queue: str) -> None:
         # The message carries only the id: the row is the truth, and a repeated message is harmless.
@@ -112,7 +150,7 @@ def job_id_of(message: dict[str, Any]) -> str | None:
 def send(
     settings: Settings, dispatcher: Dispatcher, job_id: str, queue: str, mark: datetime, failure_event: bool
 ) -> bool:
-    """Sends the message of a job whose row is already marked sent at `mark` (crud.claim_dispatch). When the
+    """Sends the message of a job whose row is already marked sent at `mark` (jobs.claim_dispatch). When the
     broker is unreachable the mark is taken back, for the reaper to send the job later, and False returned."""
     try:
         dispatcher.enqueue(job_id, queue)
@@ -121,5 +159,5 @@ def send(
         log.warning("could not send job %s to the broker: %s", job_id, exc)
         reason = f"the broker is unreachable ({type(exc).__name__}); the job is sent when it is back"
         with session_scope(settings.database) as session:
-            crud.dispatch_failed(session, job_id, mark, reason if failure_event else "")
+            jobs.dispatch_failed(session, job_id, mark, reason if failure_event else "")
         return False

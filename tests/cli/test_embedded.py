@@ -14,10 +14,10 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 import httpx
 import pytest
 
-from api.client import CaspClient
-from api.core.security import sign_download
+from casp_cli.client import CaspClient
 from casp_core.checkpoint import load_pruned
-from tests.service.conftest import (
+from service.security import sign_download
+from tests.service_fixtures import (
     DEMO_MODEL,
     FIXTURE_DATA,
     REPO,
@@ -48,7 +48,7 @@ def embedded_env(home: Path, workers: int) -> dict[str, str]:
 def casp_serve(home: Path, port: int, workers: int) -> Iterator[CaspClient]:
     log = (home / f"serve-{workers}.log").open("ab")
     process = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "casp_cli.main", "serve", "--port", str(port)],
         cwd=REPO,
         env=embedded_env(home, workers),
         stdout=log,
@@ -123,7 +123,7 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
     env = embedded_env(home, workers=1) | {"CASP_URL": f"http://127.0.0.1:{port}"}
 
     def casp(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "api.cli", *args]
+        command = [sys.executable, "-m", "casp_cli.main", *args]
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True)
 
     with casp_serve(home, port, workers=1):
@@ -163,7 +163,7 @@ def test_client_commands_refused_by_the_service_say_so_in_one_line(tmp_path: Pat
     env = embedded_env(home, workers=0) | {"CASP_URL": f"http://127.0.0.1:{port}"}
 
     def casp(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "api.cli", *args]
+        command = [sys.executable, "-m", "casp_cli.main", *args]
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
     with casp_serve(home, port, workers=0) as client:  # no worker: the job stays queued
@@ -183,7 +183,7 @@ def test_client_commands_refused_by_the_service_say_so_in_one_line(tmp_path: Pat
 def test_casp_demo_prunes_the_bundled_model(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")} | {"PYTHONPATH": str(REPO)}
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "demo", "--home", str(tmp_path / "casp-home")],
+        [sys.executable, "-m", "casp_cli.main", "demo", "--home", str(tmp_path / "casp-home")],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("derive", REPO / "scripts/compose_check/derive.py")
 assert spec and spec.loader
 derive = importlib.util.module_from_spec(spec)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from api.core.db import session_scope
-from api.core.migrate import upgrade
-from api.core.settings import Settings
 from api.main import create_app
-from api.models import Job
-from api.storage import make_storage
-from tests.service.conftest import FIXTURE_DATA, REPO, SMALL_JOB, settings_env
+from service.db import session_scope
+from service.migrate import upgrade
+from service.settings import Settings
+from service.storage import make_storage
+from service.tables import Job
+from tests.service_fixtures import FIXTURE_DATA, REPO, SMALL_JOB, settings_env
 from worker.runner import execute
 
 pytestmark = [
@@ -78,7 +78,7 @@ def test_a_cuda_job_on_a_worker_without_cuda_fails_with_device_unavailable(tmp_p
 def test_casp_worker_for_cuda_on_a_machine_without_it_stops_with_one_line(tmp_path: Path) -> None:
     settings = Settings(home=tmp_path, broker_url="redis://127.0.0.1:1/0")
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "worker", "--device", "cuda"],
+        [sys.executable, "-m", "casp_cli.main", "worker", "--device", "cuda"],
         cwd=REPO,
         env=settings_env(settings),
         capture_output=True,

@@ -9,16 +9,24 @@ from pathlib import Path
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from api.core.settings import Settings
-from api.errors import excerpt
 from casp_core.config import PruneConfig
 from casp_core.data import LOCAL_FILES, TextSource, calibration_source, evaluation_source, local_copy
 from casp_core.errors import CaspError, DatasetNotFound, ModelNotFound
 from casp_core.model import is_local_reference
+from service.settings import Settings
 
 DATASET_FILE_SUFFIXES = (".txt", ".jsonl")
 
 Loc = tuple[str | int, ...]
+
+# Messages quote at most this much of a caller's input (the API's error answers too).
+EXCERPT_CHARS = 64
+
+
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """At most `limit` characters of a caller's input, for a message."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class InputRefused(CaspError):

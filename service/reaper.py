@@ -1,28 +1,28 @@
 """Takes back jobs whose worker stopped beating: queued again (and re-sent), or failed after the last attempt.
 Sends again queued jobs that have no message in the broker: their send failed, or the broker lost it.
 
-Runs as a thread in every API process (distributed and embedded): the API is always up, and the
-conditional updates in crud make several reapers at once harmless.
+Runs as a thread beside every API process (distributed and embedded; `casp_cli.app` starts it with the app):
+the API is always up, and the conditional updates in service.jobs make several reapers at once harmless.
 """
 
 import logging
 import threading
 from datetime import timedelta
 
-from api import crud
-from api.core.db import session_scope
-from api.core.settings import Settings
-from api.models import utcnow
-from api.queue import Dispatcher, send
+from service import jobs
+from service.db import session_scope
+from service.dispatch import Dispatcher, send
+from service.settings import Settings
+from service.tables import utcnow
 
 log = logging.getLogger(__name__)
 
 LOST_MESSAGE = "the broker no longer holds the job's message (restarted without persistence?); sent again"
 
 
-def reap_once(settings: Settings, dispatcher: Dispatcher) -> crud.Reaped:
+def reap_once(settings: Settings, dispatcher: Dispatcher) -> jobs.Reaped:
     with session_scope(settings.database) as session:
-        reaped = crud.reap(
+        reaped = jobs.reap(
             session,
             heartbeat_timeout=settings.heartbeat_timeout_seconds,
             max_attempts=settings.max_attempts,
@@ -41,11 +41,11 @@ def reap_once(settings: Settings, dispatcher: Dispatcher) -> crud.Reaped:
 def send_unsent(settings: Settings, dispatcher: Dispatcher) -> list[str]:
     """Queued jobs whose send failed, oldest first; stops at the first failure (the broker is still away)."""
     with session_scope(settings.database) as session:
-        unsent = crud.unsent_jobs(session)
+        unsent = jobs.unsent_jobs(session)
     sent = []
     for job_id, queue in unsent:
         with session_scope(settings.database) as session:
-            mark = crud.claim_dispatch(session, job_id, was=None)
+            mark = jobs.claim_dispatch(session, job_id, was=None)
         if mark is None:
             continue
         if not send(settings, dispatcher, job_id, queue, mark, failure_event=False):
@@ -64,7 +64,7 @@ def resend_lost(settings: Settings, dispatcher: Dispatcher) -> list[str]:
     # The database first, then the broker: a message taken by a worker in between belongs to a job that is
     # running by the time it is re-marked, and claim_dispatch leaves it alone.
     with session_scope(settings.database) as session:
-        candidates = crud.dispatched_before(session, cutoff)
+        candidates = jobs.dispatched_before(session, cutoff)
     if not candidates:
         return []
     held = dispatcher.held_job_ids()
@@ -75,7 +75,7 @@ def resend_lost(settings: Settings, dispatcher: Dispatcher) -> list[str]:
         if job_id in held:
             continue
         with session_scope(settings.database) as session:
-            mark = crud.claim_dispatch(session, job_id, was=was, reason=LOST_MESSAGE)
+            mark = jobs.claim_dispatch(session, job_id, was=was, reason=LOST_MESSAGE)
         if mark is not None and send(settings, dispatcher, job_id, queue, mark, failure_event=True):
             resent.append(job_id)
     if resent:

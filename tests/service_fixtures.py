@@ -1,4 +1,6 @@
-"""Real components for the service tests: PostgreSQL, Redis, a SeaweedFS S3 server, Celery worker processes.
+"""Real components for the tests of service/, api/, worker/ and the `casp` command (tests/service, tests/api,
+tests/worker, tests/cli): PostgreSQL, Redis, a SeaweedFS S3 server, Celery worker processes. A pytest plugin
+(tests/conftest.py loads it), so that every one of those folders has the fixtures; import the helpers from here.
 
 PostgreSQL and Redis are started by scripts/services.sh when down; each test session gets its own database,
 Redis database and bucket, so it can run beside other sessions on the same machine.
@@ -24,13 +26,13 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api import crud
-from api.core.db import session_scope
-from api.core.migrate import upgrade
-from api.core.settings import Settings
-from api.main import create_app
+from casp_cli.app import service_app
+from service import jobs
+from service.db import session_scope
+from service.migrate import upgrade
+from service.settings import Settings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "demo" / "stories260K"
 FIXTURE_DATA = (REPO.parent / "shared" / "fixtures" / "data").resolve()
 if not FIXTURE_DATA.is_dir():
@@ -249,7 +251,7 @@ class WorkerProcess:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "api.cli", "worker", "--device", "cpu", "--log-level", "info"],
+                [sys.executable, "-m", "casp_cli.main", "worker", "--device", "cpu", "--log-level", "info"],
                 cwd=REPO,
                 env=self.env,
                 stdout=log,
@@ -291,9 +293,9 @@ def worker(distributed_settings: Settings, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="package")
 def api(distributed_settings: Settings) -> Iterator[TestClient]:
     """The API in this process (with its reaper thread), against the shared database, broker and bucket. It
-    stops with the service tests: its reaper talks to Redis every second, which tests after them that assert
-    no network use would see."""
-    with TestClient(create_app(distributed_settings)) as client:
+    stops with each folder of tests that uses it: its reaper talks to Redis every second, which tests after
+    them that assert no network use would see."""
+    with TestClient(service_app(distributed_settings)) as client:
         yield client
 
 
@@ -303,7 +305,7 @@ def keys(distributed_settings: Settings) -> dict[str, dict[str, str]]:
     headers = {}
     with session_scope(distributed_settings.database) as session:
         for name in ("alice", "bob"):
-            _, key = crud.create_api_key(session, name)
+            _, key = jobs.create_api_key(session, name)
             headers[name] = {"Authorization": f"Bearer {key}"}
     return headers
 

@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 from transformers import Qwen2Config, Qwen2MoeConfig
 
-from api.core.settings import Settings
 from api.main import create_app
-from tests.service.conftest import SMALL_JOB
+from service.settings import Settings
+from tests.service_fixtures import SMALL_JOB
 
 pytestmark = pytest.mark.service
 

@@ -13,9 +13,9 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.core.security import hash_api_key, new_api_key
-from api.models import FINISHED_STATUSES, ApiKey, Artifact, Job, JobEvent, StageTiming, new_id, utcnow
-from api.storage import StoredFile
+from service.security import hash_api_key, new_api_key
+from service.storage import StoredFile
+from service.tables import FINISHED_STATUSES, ApiKey, Artifact, Job, JobEvent, StageTiming, new_id, utcnow
 
 
 def aware(value: datetime | None) -> datetime | None:

@@ -20,7 +20,7 @@ def new_id() -> str:
 
 
 class Base(DeclarativeBase):
-    # Timezone-aware everywhere; SQLite drops the zone, so values read back are normalised in crud.
+    # Timezone-aware everywhere; SQLite drops the zone, so values read back are normalised in service.jobs.
     type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: DateTime(timezone=True), dict[str, Any]: JSON}
 
 

@@ -12,11 +12,11 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api import crud
-from api.core.db import session_scope
-from api.core.settings import Settings
-from api.models import Job, utcnow
-from tests.service.conftest import REPO, SMALL_JOB, settings_env, wait_for
+from service import jobs
+from service.db import session_scope
+from service.settings import Settings
+from service.tables import Job, utcnow
+from tests.service_fixtures import REPO, SMALL_JOB, settings_env, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -148,7 +148,7 @@ def test_a_key_sees_only_its_own_jobs(api: TestClient, keys: dict[str, dict[str,
 
 def test_keys_create_command_makes_a_working_key(api: TestClient, distributed_settings: Settings) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "keys", "create", "--name", "carol"],
+        [sys.executable, "-m", "casp_cli.main", "keys", "create", "--name", "carol"],
         cwd=REPO,
         env=settings_env(distributed_settings),
         capture_output=True,
@@ -163,13 +163,13 @@ def test_keys_create_command_makes_a_working_key(api: TestClient, distributed_se
     }
     with session_scope(distributed_settings.database) as session:
         # Stored hashed: the key itself appears nowhere in the table.
-        row = crud.find_api_key(session, key)
+        row = jobs.find_api_key(session, key)
         assert row is not None and row.key_hash != key and key not in row.key_hash
 
 
 def test_pagination_newest_first_and_status_filter(api: TestClient, distributed_settings: Settings) -> None:
     with session_scope(distributed_settings.database) as session:
-        _, key = crud.create_api_key(session, "pager")
+        _, key = jobs.create_api_key(session, "pager")
     headers = {"Authorization": f"Bearer {key}"}
     ids = [api.post("/v1/jobs", json=PARKED, headers=headers).json()["id"] for _ in range(5)]
     api.post(f"/v1/jobs/{ids[1]}/cancel", headers=headers)
@@ -211,7 +211,7 @@ def test_reaper_requeues_then_fails_a_job_whose_worker_died(
     database = distributed_settings.database
     for attempt in range(1, distributed_settings.max_attempts + 1):
         with session_scope(database) as session:
-            claimed = crud.claim_job(session, job_id, f"doomed-worker-{attempt}")
+            claimed = jobs.claim_job(session, job_id, f"doomed-worker-{attempt}")
             assert claimed is not None and claimed.attempts == attempt
             # The worker dies at once: its heartbeat is older than the timeout.
             claimed.heartbeat_at = utcnow() - timedelta(seconds=distributed_settings.heartbeat_timeout_seconds + 1)
@@ -268,7 +268,7 @@ def test_a_job_over_its_time_limit_fails_with_a_clear_error(
     api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
 ) -> None:
     """The deadline is checked wherever casp_core polls for cancellation; the job ends failed, not running."""
-    from api.storage import make_storage
+    from service.storage import make_storage
     from worker.runner import execute
 
     job_id = api.post("/v1/jobs", json=PARKED, headers=keys["alice"]).json()["id"]

@@ -10,12 +10,12 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from api import crud
-from api.core.db import session_scope
-from api.core.migrate import upgrade
-from api.core.settings import Settings
 from api.main import create_app
-from tests.service.conftest import DEMO_MODEL, FIXTURE_DATA
+from service import jobs
+from service.db import session_scope
+from service.migrate import upgrade
+from service.settings import Settings
+from tests.service_fixtures import DEMO_MODEL, FIXTURE_DATA
 
 pytestmark = pytest.mark.service
 
@@ -36,7 +36,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> tuple[FastAPI, str]:
     )
     upgrade(app_settings.database)
     with session_scope(app_settings.database) as session:
-        _, key = crud.create_api_key(session, "fuzzer")
+        _, key = jobs.create_api_key(session, "fuzzer")
     return create_app(app_settings), key
 
 

@@ -9,14 +9,14 @@ import psycopg
 import pytest
 from fastapi.testclient import TestClient
 
-from api import crud
-from api.core.db import session_scope
-from api.core.migrate import upgrade
-from api.core.settings import Settings
 from api.main import create_app
-from api.models import Job
-from api.storage import S3Storage, make_storage
-from tests.service.conftest import FIXTURE_DATA, PG_ADMIN_URL, REPO, SMALL_JOB, TINY_JOB
+from service import jobs
+from service.db import session_scope
+from service.migrate import upgrade
+from service.settings import Settings
+from service.storage import S3Storage, make_storage
+from service.tables import Job
+from tests.service_fixtures import FIXTURE_DATA, PG_ADMIN_URL, REPO, SMALL_JOB, TINY_JOB
 from worker.runner import execute
 
 pytestmark = pytest.mark.service
@@ -65,7 +65,7 @@ def test_a_database_that_goes_away_answers_503_with_retry_after(pg_database: Cal
 def test_readyz_checks_storage_room_and_writability_and_details_need_a_key(tmp_path: Path) -> None:
     settings = embedded_settings(tmp_path, auth="apikey")
     with session_scope(settings.database) as session:
-        _, key = crud.create_api_key(session, "ops")
+        _, key = jobs.create_api_key(session, "ops")
     authorized = {"Authorization": f"Bearer {key}"}
     with TestClient(create_app(settings)) as client:
         assert client.get("/readyz").json() == {"ready": True}

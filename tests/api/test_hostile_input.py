@@ -11,14 +11,14 @@ import pytest
 from fastapi.testclient import TestClient
 from huggingface_hub import constants
 
-from api.client import CaspAPIError, CaspClient
-from api.core.db import session_scope
-from api.core.settings import Settings
 from api.main import create_app
-from api.models import Job
-from api.storage import make_storage
-from tests.service.conftest import DEMO_MODEL, FIXTURE_DATA
-from tests.service.test_api import PARKED, refusal
+from casp_cli.client import CaspAPIError, CaspClient
+from service.db import session_scope
+from service.settings import Settings
+from service.storage import make_storage
+from service.tables import Job
+from tests.api.test_api import PARKED, refusal
+from tests.service_fixtures import DEMO_MODEL, FIXTURE_DATA
 from worker.runner import execute
 
 pytestmark = pytest.mark.service

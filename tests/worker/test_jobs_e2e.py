@@ -14,11 +14,11 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
-from api.core.settings import Settings
-from api.queue import CeleryDispatcher
-from api.storage import make_storage
 from casp_core.checkpoint import load_pruned
-from tests.service.conftest import SMALL_JOB, WorkerProcess, download, expected_parameters, finished, wait_for, wait_job
+from service.dispatch import CeleryDispatcher
+from service.settings import Settings
+from service.storage import make_storage
+from tests.service_fixtures import SMALL_JOB, WorkerProcess, download, expected_parameters, finished, wait_for, wait_job
 from worker.runner import SEGMENTS
 
 pytestmark = pytest.mark.service

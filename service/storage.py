@@ -11,8 +11,8 @@ from urllib.parse import quote, urlparse
 import boto3
 from botocore.config import Config
 
-from api.core.security import sign_download
-from api.core.settings import Settings
+from service.security import sign_download
+from service.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,6 @@ class Settings(BaseSettings):
             path.chmod(0o600)
         return path.read_text().strip().encode()
 
-    def queue_for(self, device: str) -> str:
-        return f"casp-{device}"
-
-    def queues(self) -> list[str]:
-        """Every queue a job can be sent to: one per device, and the one of jobs for any device."""
-        return [self.queue_for(device) for device in (AUTO, *DEVICES)]
-
     def model_roots(self) -> list[Path]:
         return [root.expanduser().resolve() for root in self.allowed_model_roots]
 
