@@ -674,7 +674,7 @@ def _evaluate(
     if evaluation.efficiency:
         check_cancelled(should_cancel)
         progress("evaluation", 0.0, "parameters, MACs and latency")
-        figures["efficiency"] = measure_efficiency(model, device=config.device)
+        figures["efficiency"] = measure_efficiency(model, device=config.device, **config.efficiency.model_dump())
     model.to("cpu")
     return figures
 
