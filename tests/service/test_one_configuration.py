@@ -8,7 +8,6 @@ from typing import Any, get_origin
 import pytest
 from fastapi.testclient import TestClient
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from api.cli import register, submit_request
 from api.core.db import session_scope
@@ -48,7 +47,8 @@ def sample(name: str, info: FieldInfo) -> Any:
         other = next(choice for choice in choices if choice not in (default or []) and choice != default)
         return [other] if get_origin(info.annotation) is list else other
     low, high = bounds(info)
-    if info.annotation is float or default is PydanticUndefined and isinstance(low, float | int) and high == 1:
+    if info.annotation is float:
+        assert low is not None and high is not None, f"{name}: add a sample value for this setting to TEXT_SAMPLES"
         return (low + high) / 2  # ratio, alpha, r_max, compensation_damping: inside their ranges, not the default
     if default is None:
         return int(low) + 5
