@@ -7,16 +7,18 @@ where they are defined: the config's for `casp prune`, the server's for `casp su
 """
 
 import argparse
+import json
 from collections.abc import Callable
 from types import NoneType, UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
 
+import annotated_types
 from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from casp_core.arguments import names
-from casp_core.config import PruneSettings, choices_of, reason, setting_fields
+from casp_core.config import PruneSettings, choices_of, describe_range, reason, setting_fields
 
 FLAGS = {
     "calibration.dataset": "--calibration-dataset",
@@ -110,3 +112,31 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 target = target.setdefault(part, {})
             target[leaf] = getattr(args, name)
     return settings
+
+
+def allowed(info: FieldInfo) -> str:
+    """What a setting takes, in the words of the README's table."""
+    is_list = get_origin(info.annotation) is list
+    choices = choices_of(info.annotation)
+    if choices:
+        return ("a list of " if is_list else "") + ", ".join(f"`{choice}`" for choice in choices)
+    if info.annotation is bool:
+        return "true, false"
+    span = describe_range(info)
+    if span:
+        return span + (" or null" if get_origin(info.annotation) in (Union, UnionType) else "")
+    # The free-text settings are data sets: `name[:split]` or a file.
+    longest = next((rule.max_length for rule in info.metadata if isinstance(rule, annotated_types.MaxLen)), None)
+    return f"at most {longest} data sets" if is_list else "a data set"
+
+
+def settings_table() -> str:
+    """The README's table of settings: one row per setting, from casp_core.config (tests/test_settings_table.py
+    keeps the README equal to it)."""
+    rows = ["| setting | flag | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for name, info in setting_fields(PruneSettings):
+        default = info.get_default(call_default_factory=True)
+        shown = "required" if default is PydanticUndefined else f"`{json.dumps(default)}`"
+        description = (info.description or "").replace("|", "\\|")
+        rows.append(f"| `{name}` | `{flag_of(name)}` | {shown} | {allowed(info)} | {description} |")
+    return "\n".join(rows)
