@@ -18,6 +18,7 @@ import httpx
 from casp_cli.client import DEFAULT_RETRIES, CaspAPIError, CaspClient
 from casp_core.cli.arguments import non_negative_int
 from casp_core.cli.main import main as casp_main
+from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.errors import InvalidConfig
 from service.settings import AUTO, DEVICES, Settings, local_devices, resolve_device
 
@@ -190,22 +191,8 @@ def submit_request(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("casp submit: needs --model and --ratio, or --json")
     return {
         "model": args.model,
-        "ratio": args.ratio,
-        "alpha": args.alpha,
-        **given(
-            revision=args.revision,
-            solver=args.solver,
-            allocation=args.allocation,
-            compensation=args.compensation,
-            compensation_damping=args.compensation_damping,
-            device=args.device,
-        ),
-        "calibration": given(
-            dataset=args.calibration_dataset, n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed
-        ),
-        "evaluation": given(
-            perplexity=args.perplexity, seq_len=args.eval_seq_len, zero_shot=args.zero_shot, limit=args.limit
-        ),
+        **settings_from_args(args),
+        **given(revision=args.revision, device=args.device),
         "metadata": dict(item.split("=", 1) for item in args.metadata),
     }
 
@@ -291,21 +278,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", help="a file with the whole request body (the other options are ignored)")
     p.add_argument("--model", help="Hugging Face id or a path under the server's allowed roots")
     p.add_argument("--revision")
-    p.add_argument("--ratio", type=float)
-    p.add_argument("--alpha", type=float, default=1.0)
-    p.add_argument("--solver")
-    p.add_argument("--allocation")
-    p.add_argument("--compensation", help="none, least_squares or least_squares_dense_target")
-    p.add_argument("--compensation-damping", type=float)
     p.add_argument("--device", choices=DEVICES)
-    p.add_argument("--calibration-dataset")
-    p.add_argument("--n-samples", type=int)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--perplexity", action="append", help="repeat for several data sets")
-    p.add_argument("--eval-seq-len", type=int)
-    p.add_argument("--zero-shot", action="append")
-    p.add_argument("--limit", type=int)
+    add_setting_flags(p)
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="wait until the job has finished")

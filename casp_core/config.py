@@ -1,7 +1,17 @@
-"""Settings of a pruning run, as plain data (defaults follow the paper and docs/method-notes.md)."""
+"""Settings of a pruning run: the one source of every setting's name, type, default, range and description.
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+The command line (`casp prune`, `casp submit`), the API's request schema (POST /v1/jobs) and the README's table of
+settings are all built from these models (defaults follow the paper and docs/method-notes.md). `PruneSettings` is
+what the user chooses; `PruneConfig` adds what the machine that runs the job decides (`SERVER_SIDE`).
+"""
+
+import re
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import annotated_types
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic.fields import FieldInfo
 
 from casp_core.errors import InvalidConfig
 
@@ -15,99 +25,178 @@ COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target")
 DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
+# Settings the machine that runs the job decides: on the service they are the server's, never the caller's.
+SERVER_SIDE = ("datasets_dir", "device")
+MAX_SEED = 2**32 - 1
+MAX_SEQ_LEN = 1_000_000
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 
 
-@dataclass
-class CalibrationConfig:
-    # A named set (`wikitext2`, `ptb`, `c4`), optionally `name:split` (default split `train`),
-    # or a path to a .txt / .jsonl file.
-    dataset: str = "wikitext2"
-    n_samples: int = 128
-    seq_len: int = 2048  # capped at the model's context length
-    seed: int = 0
-    mode: Literal["sequential", "dense"] = "sequential"
-    batch_size: int = 8
+def _no_control_characters(value: str) -> str:
+    # A NUL cannot even be stored by PostgreSQL or put in a path; none of these belongs in a name.
+    if CONTROL_CHARACTERS.search(value):
+        raise ValueError("must not contain control characters")
+    return value
 
 
-@dataclass
-class EvaluationConfig:
-    perplexity: list[str] = field(default_factory=lambda: ["wikitext2", "ptb"])
-    seq_len: int | None = None  # None: min(2048, the model's context)
-    zero_shot: list[str] = field(default_factory=list)
-    limit: int | None = None  # quick runs: examples per zero-shot task and windows per perplexity set
-    efficiency: bool = False
+Printable = AfterValidator(_no_control_characters)
+# `name` or `name:split` of a named set, or a path to a .txt / .jsonl file.
+DatasetSpec = Annotated[str, StringConstraints(min_length=1, max_length=1024, strip_whitespace=True), Printable]
 
 
-@dataclass
-class PruneConfig:
-    ratio: float
-    alpha: float = 1.0
-    solver: str = "greedy"
-    allocation: str = "gradient"
-    r_max: float = 0.9  # no layer loses more than this fraction of its units
-    round_to: int = 1  # kept FFN channels rounded to a multiple of this (8, 64: faster kernels)
-    # Refit the kept columns of o_proj / down_proj by least squares from the calibration statistics.
-    compensation: str = "least_squares"  # the default from bench/results/compensation.md
-    compensation_damping: float = 0.01  # x the mean diagonal of C over the kept units
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
-    datasets_dir: str | None = None  # local copies of the named data sets (layout of shared/fixtures/data)
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: the checkpoint's own dtype
+class ConfigPart(BaseModel):
+    """Unknown fields are an error rather than silently ignored: a typo must not run a different job. NaN and
+    infinity are refused: no setting means anything with them (and JSON cannot carry them back). A bad value
+    raises InvalidConfig naming the field (`calibration.n_samples: ...`) from `from_dict` (and from PruneConfig's
+    construction)."""
 
-    def validate(self) -> "PruneConfig":
-        checks = [
-            (0.0 < self.ratio < 1.0, "ratio", f"must be in (0, 1), got {self.ratio}"),
-            (self.alpha >= 0.0, "alpha", f"must be >= 0, got {self.alpha}"),
-            (self.solver in SOLVERS, "solver", f"must be one of {', '.join(SOLVERS)}, got {self.solver!r}"),
-            (
-                self.allocation in ALLOCATIONS,
-                "allocation",
-                f"must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}",
-            ),
-            (self.ratio <= self.r_max <= 1.0, "r_max", f"must be in [ratio, 1], got {self.r_max}"),
-            (self.round_to >= 1, "round_to", f"must be >= 1, got {self.round_to}"),
-            (
-                self.compensation in COMPENSATIONS,
-                "compensation",
-                f"must be one of {', '.join(COMPENSATIONS)}, got {self.compensation!r}",
-            ),
-            (
-                0.0 < self.compensation_damping <= 1.0,
-                "compensation_damping",
-                f"must be in (0, 1], got {self.compensation_damping}",
-            ),
-            (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
-            (self.calibration.n_samples >= 1, "calibration.n_samples", "must be >= 1"),
-            (self.calibration.seq_len >= 2, "calibration.seq_len", "must be >= 2"),
-            (self.calibration.batch_size >= 1, "calibration.batch_size", "must be >= 1"),
-            (
-                self.calibration.mode in CALIBRATION_MODES,
-                "calibration.mode",
-                f"must be one of {', '.join(CALIBRATION_MODES)}, got {self.calibration.mode!r}",
-            ),
-            (
-                set(self.evaluation.zero_shot) <= set(ZERO_SHOT_TASKS),
-                "evaluation.zero_shot",
-                f"tasks must be among {', '.join(ZERO_SHOT_TASKS)}",
-            ),
-            (
-                self.evaluation.limit is None or self.evaluation.limit >= 1,
-                "evaluation.limit",
-                "must be >= 1",
-            ),
-        ]
-        for ok, name, reason in checks:
-            if not ok:
-                raise InvalidConfig(f"{name}: {reason}")
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PruneConfig":
-        data = dict(data)
-        calibration = CalibrationConfig(**data.pop("calibration", {}) or {})
-        evaluation = EvaluationConfig(**data.pop("evaluation", {}) or {})
-        return cls(calibration=calibration, evaluation=evaluation, **data)
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            raise invalid_config(cls, error) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def describe_range(info: FieldInfo) -> str:
+    """A number setting's bounds as people write them: `in (0, 1)`, `in [1, 100000]`, `>= 0`; '' without any."""
+    low = high = None
+    for rule in info.metadata:
+        if isinstance(rule, annotated_types.Gt | annotated_types.Ge):
+            low = ("(" if isinstance(rule, annotated_types.Gt) else "[", getattr(rule, "gt", getattr(rule, "ge", 0)))
+        elif isinstance(rule, annotated_types.Lt | annotated_types.Le):
+            high = (")" if isinstance(rule, annotated_types.Lt) else "]", getattr(rule, "lt", getattr(rule, "le", 0)))
+    if low and high:
+        return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low:
+        return f"{'>' if low[0] == '(' else '>='} {low[1]}"
+    if high:
+        return f"{'<' if high[0] == ')' else '<='} {high[1]}"
+    return ""
+
+
+def reason(info: FieldInfo | None, error_type: str, value: Any, message: str) -> str:
+    """The rule a bad value broke, in the command line's words: the field's whole range or its choices."""
+    if info is not None and error_type in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"must be {describe_range(info)}, got {value}"
+    choices = choices_of(info.annotation) if info is not None else None
+    if choices and error_type == "literal_error":
+        return f"must be one of {', '.join(map(str, choices))}, got {value!r}"
+    return message
+
+
+def invalid_config(model: type[BaseModel], error: ValidationError) -> InvalidConfig:
+    """The first error, as `field.sub: reason`: the command line prints it, the API points its 422 at the field."""
+    first = error.errors()[0]
+    name = ".".join(str(part) for part in first["loc"])
+    fields = dict(setting_fields(model))
+    # `evaluation.zero_shot.0` is an item of the list `evaluation.zero_shot`.
+    info = fields.get(name) or fields.get(name.rpartition(".")[0])
+    text = reason(info, first["type"], first.get("input"), first["msg"])
+    return InvalidConfig(f"{name}: {text}" if name else text)
+
+
+class CalibrationConfig(ConfigPart):
+    dataset: DatasetSpec = Field(
+        "wikitext2", description="calibration texts: wikitext2, ptb or c4, optionally name:split, or a .txt/.jsonl file"
+    )
+    n_samples: int = Field(128, ge=1, le=100_000, description="calibration windows")
+    seq_len: int = Field(2048, ge=2, le=MAX_SEQ_LEN, description="tokens per window, capped at the model's context")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="picks the windows")
+    mode: Literal[CALIBRATION_MODES] = Field(  # type: ignore[valid-type]
+        "sequential", description="sequential: each layer sees the pruned layers before it; dense: the dense model's"
+    )
+    batch_size: int = Field(8, ge=1, le=4096, description="windows per forward pass (calibration and perplexity)")
+
+
+class EvaluationConfig(ConfigPart):
+    perplexity: list[DatasetSpec] = Field(
+        default_factory=lambda: ["wikitext2", "ptb"], max_length=16, description="perplexity data sets"
+    )
+    seq_len: int | None = Field(
+        None, ge=2, le=MAX_SEQ_LEN, description="perplexity window; default min(2048, the model's context)"
+    )
+    zero_shot: list[Literal[ZERO_SHOT_TASKS]] = Field(  # type: ignore[valid-type]
+        default_factory=list, description="zero-shot tasks (lm-evaluation-harness)"
+    )
+    limit: int | None = Field(
+        None, ge=1, le=1_000_000, description="quick runs: examples per zero-shot task and windows per perplexity set"
+    )
+    efficiency: bool = Field(False, description="measure parameters, MACs and latency (sizes in `efficiency`)")
+
+
+class EfficiencyConfig(ConfigPart):
+    """The paper's efficiency appendix: MACs of one 128-token sequence, latency of a 32 x 128 prefill and of
+    decoding 128 new tokens, each the median of 10 timed runs after 2 untimed ones."""
+
+    macs_seq_len: int = Field(128, ge=1, le=MAX_SEQ_LEN, description="tokens of the sequence MACs are counted for")
+    batch_size: int = Field(32, ge=1, le=4096, description="prompts per latency run")
+    seq_len: int = Field(128, ge=1, le=MAX_SEQ_LEN, description="prompt tokens per latency run")
+    new_tokens: int = Field(128, ge=1, le=MAX_SEQ_LEN, description="tokens generated per decode run")
+    repeats: int = Field(10, ge=1, le=1000, description="timed runs per latency figure (the median is reported)")
+    warmup: int = Field(2, ge=0, le=1000, description="untimed runs before them")
+
+
+class PruneSettings(ConfigPart):
+    """What the user chooses: settable with the same name, default and range on the command line and the API."""
+
+    ratio: float = Field(gt=0, lt=1, description="fraction of decoder parameters to remove")
+    alpha: float = Field(1.0, ge=0, le=100, description="allocation temperature")
+    solver: Literal[SOLVERS] = Field("greedy", description="per-layer unit selection")  # type: ignore[valid-type]
+    allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
+        "gradient", description="per-layer ratios: from the sensitivities, or the same everywhere"
+    )
+    r_max: float = Field(0.9, gt=0, le=1, description="no layer loses more than this fraction (at least ratio)")
+    round_to: int = Field(1, ge=1, le=65_536, description="kept FFN channels rounded to a multiple (8, 64: kernels)")
+    compensation: Literal[COMPENSATIONS] = Field(  # type: ignore[valid-type]
+        "least_squares",  # the default from bench/results/compensation.md
+        description="least_squares: refit the kept units of o_proj/down_proj from the statistics; "
+        "least_squares_dense_target: towards the dense model's output (sequential calibration)",
+    )
+    compensation_damping: float = Field(0.01, gt=0, le=1, description="x the mean diagonal of C over the kept units")
+    dtype: Literal[DTYPES] = Field("auto", description="auto: the checkpoint's own dtype")  # type: ignore[valid-type]
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    efficiency: EfficiencyConfig = Field(default_factory=EfficiencyConfig)
+
+
+class PruneConfig(PruneSettings):
+    datasets_dir: str | None = Field(None, description="local copies of the named data sets")
+    device: str = Field("auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
+
+    # Only here, not in the parts: pydantic calls a custom __init__ for nested models too, and the API's schema
+    # nests the parts, where a bad value must stay a ValidationError (a 422), not an InvalidConfig.
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise invalid_config(PruneConfig, error) from None
+
+    def validate(self) -> "PruneConfig":  # type: ignore[override]
+        """Checks the settings again (they may have been changed since construction) and the rules between them."""
+        checked = PruneConfig.from_dict(self.model_dump())
+        if not checked.ratio <= checked.r_max:
+            raise InvalidConfig(f"r_max: must be in [ratio, 1], got {checked.r_max}")
+        return self
+
+
+def setting_fields(model: type[BaseModel] = PruneSettings, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted name, FieldInfo) of every setting, depth first, in declaration order; parts are walked, not named."""
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from setting_fields(annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", info
+
+
+def choices_of(annotation: Any) -> tuple[Any, ...] | None:
+    """The allowed values of a Literal setting (or of a list of them); None for the others."""
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    return get_args(annotation) if get_origin(annotation) is Literal else None

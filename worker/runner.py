@@ -161,6 +161,13 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
     return {key: report[key] for key in keys if key in report}
 
 
+def job_config(job: Job, settings: Settings) -> PruneConfig:
+    """The settings the pipeline runs the job with: the stored request's, on this worker's device."""
+    # A job for any device runs on this worker's own (its default device, resolved when it started).
+    device = settings.default_device if job.device == AUTO else job.device
+    return PruneConfig.from_dict({**job.config, "device": device})
+
+
 def execute(
     job_id: str,
     settings: Settings,
@@ -176,9 +183,7 @@ def execute(
         if job is None:
             log.info("job %s is not queued; nothing to do", job_id)
             return None
-        # A job for any device runs on this worker's own (its default device, resolved when it started).
-        device = settings.default_device if job.device == AUTO else job.device
-        config = PruneConfig.from_dict({**job.config, "device": device})
+        config = job_config(job, settings)
         model, revision, number = job.model, job.revision, job.attempts
 
     attempt = Attempt(

@@ -24,7 +24,7 @@ from api.schemas import (
     JobList,
     JobOut,
 )
-from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
+from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig
 from casp_core.model import is_local_reference, load_config
@@ -35,9 +35,6 @@ from service.settings import Settings
 from service.tables import JOB_STATUSES, Job, utcnow
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422))
-
-# Settings the service decides, not the caller: shown elsewhere on the job or private to the server.
-HIDDEN_SETTINGS = ("datasets_dir", "device")
 
 
 def invalid(loc: Loc, message: str) -> RequestValidationError:
@@ -68,28 +65,20 @@ def resolve_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable
 
 
 def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
-    calibration = body.calibration.model_dump()
+    """The request's settings with its data sets checked against the server's rules, and the server's own."""
+    chosen = body.settings()
+    calibration, evaluation = chosen["calibration"], chosen["evaluation"]
     calibration["dataset"] = resolve_dataset(
         calibration["dataset"], ("calibration", "dataset"), settings, calibration_source
     )
-    evaluation = body.evaluation.model_dump()
     evaluation["perplexity"] = [
         resolve_dataset(spec, ("evaluation", "perplexity", i), settings, evaluation_source)
         for i, spec in enumerate(evaluation["perplexity"])
     ]
-    config = PruneConfig(
-        ratio=body.ratio,
-        alpha=body.alpha,
-        solver=body.solver,
-        allocation=body.allocation,
-        compensation=body.compensation,
-        compensation_damping=body.compensation_damping,
-        calibration=CalibrationConfig(**calibration),
-        evaluation=EvaluationConfig(**evaluation),
-        datasets_dir=str(settings.datasets_dir) if settings.datasets_dir else None,
-    )
     try:
-        return config.validate()
+        return PruneConfig.from_dict(
+            {**chosen, "datasets_dir": str(settings.datasets_dir) if settings.datasets_dir else None}
+        ).validate()
     except InvalidConfig as exc:
         # casp_core reports "field.sub: reason": keep the 422 pointing at that field.
         field, _, reason = exc.message.partition(": ")
@@ -105,7 +94,7 @@ def job_out(job: Job) -> JobOut:
         model=job.model,
         revision=job.revision,
         device=job.device,
-        settings={k: v for k, v in job.config.items() if k not in HIDDEN_SETTINGS},
+        settings={k: v for k, v in job.config.items() if k not in SERVER_SIDE},
         metadata=job.metadata_,
         cancel_requested=job.cancel_requested,
         attempts=job.attempts,

@@ -3,20 +3,6 @@
 import argparse
 
 
-def ratio(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from casp_core.cli.arguments import names, non_negative_int, positive_int
-from casp_core.config import ZERO_SHOT_TASKS
+from casp_core.config import ZERO_SHOT_TASKS, EfficiencyConfig
 from casp_core.errors import InvalidConfig, ModelNotFound
 
 
@@ -60,11 +60,12 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="zero-shot and perplexity batch")
     parser.add_argument("--no-efficiency", dest="efficiency", action="store_false", help="skip efficiency")
-    parser.add_argument("--latency-batch-size", type=positive_int, default=32)
-    parser.add_argument("--latency-seq-len", type=positive_int, default=128)
-    parser.add_argument("--new-tokens", type=positive_int, default=128, help="tokens generated per decode run")
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per latency figure")
-    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed runs before them")
+    sizes = EfficiencyConfig()  # the paper's, as a job's `efficiency` settings default to
+    parser.add_argument("--latency-batch-size", type=positive_int, default=sizes.batch_size)
+    parser.add_argument("--latency-seq-len", type=positive_int, default=sizes.seq_len)
+    parser.add_argument("--new-tokens", type=positive_int, default=sizes.new_tokens, help="tokens per decode run")
+    parser.add_argument("--repeats", type=positive_int, default=sizes.repeats, help="timed runs per latency figure")
+    parser.add_argument("--warmup", type=non_negative_int, default=sizes.warmup, help="untimed runs before them")
     parser.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     parser.set_defaults(run=run_eval)
 

@@ -16,18 +16,9 @@ from typing import Any, NoReturn
 
 from tqdm import tqdm
 
-from casp_core.cli.arguments import names, non_negative, ratio
 from casp_core.cli.eval import add_eval_parser
-from casp_core.config import (
-    ALLOCATIONS,
-    CALIBRATION_MODES,
-    COMPENSATIONS,
-    DTYPES,
-    SOLVERS,
-    CalibrationConfig,
-    EvaluationConfig,
-    PruneConfig,
-)
+from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
+from casp_core.config import PruneConfig
 from casp_core.errors import CaspError
 
 BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found", "device_unavailable"}
@@ -61,53 +52,27 @@ class StageBars:
 
 
 def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
-    defaults, calibration = PruneConfig(ratio=0.5), CalibrationConfig()
     parser = subparsers.add_parser("prune", help="prune a model locally and write checkpoint + report")
     parser.add_argument("--model", required=True, help="local model directory or Hugging Face id")
     parser.add_argument("--revision", help="Hugging Face revision")
-    parser.add_argument("--ratio", required=True, type=ratio, help="fraction of decoder parameters to remove")
-    parser.add_argument("--alpha", type=non_negative, default=defaults.alpha, help="allocation temperature")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty)")
-    parser.add_argument("--solver", choices=SOLVERS, default=defaults.solver)
-    parser.add_argument("--allocation", choices=ALLOCATIONS, default=defaults.allocation)
-    parser.add_argument("--r-max", type=float, default=defaults.r_max, help="cap on any layer's ratio")
-    parser.add_argument("--round-to", type=int, default=defaults.round_to, help="kept FFN channels multiple")
-    parser.add_argument(
-        "--compensation",
-        choices=COMPENSATIONS,
-        default=defaults.compensation,
-        help="refit the kept units of o_proj/down_proj by least squares (_dense_target: towards the dense model)",
-    )
-    parser.add_argument(
-        "--compensation-damping",
-        type=float,
-        default=defaults.compensation_damping,
-        help="least-squares damping, x the mean diagonal of C over the kept units",
-    )
-    parser.add_argument(
-        "--calibration-data", default=calibration.dataset, help="wikitext2|ptb|c4[:split] or a .txt/.jsonl file"
-    )
-    parser.add_argument("--n-samples", type=int, default=calibration.n_samples)
-    parser.add_argument("--seq-len", type=int, default=calibration.seq_len)
-    parser.add_argument("--seed", type=int, default=calibration.seed)
-    parser.add_argument("--batch-size", type=int, default=calibration.batch_size)
-    parser.add_argument("--calibration-mode", choices=CALIBRATION_MODES, default=calibration.mode)
+    add_setting_flags(parser, required=("ratio",))
+    # The machine's own settings: on the service they are the server's (casp_core.config.SERVER_SIDE).
     parser.add_argument(
         "--datasets-dir",
         default=os.environ.get("CASP_DATASETS_DIR"),
         help="local copies of the named data sets (env CASP_DATASETS_DIR)",
     )
     parser.add_argument(
-        "--eval-data",
-        type=names,
-        default=EvaluationConfig().perplexity,
-        help="comma-separated perplexity data sets ('' for none)",
+        "--device", default=PruneConfig.model_fields["device"].default, help="auto, cpu, cuda, cuda:1, ..."
     )
-    parser.add_argument("--eval-seq-len", type=int, help="perplexity window (default min(2048, context))")
-    parser.add_argument("--eval-limit", type=int, help="quick runs: at most this many windows per data set")
-    parser.add_argument("--device", default=defaults.device, help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     parser.set_defaults(run=run_prune)
+
+
+def prune_config(args: argparse.Namespace) -> PruneConfig:
+    """The settings given on the command line over the config's defaults, and this machine's own."""
+    settings = settings_from_args(args)
+    return PruneConfig.from_dict({**settings, "datasets_dir": args.datasets_dir, "device": args.device}).validate()
 
 
 def run_prune(args: argparse.Namespace) -> int:
@@ -115,28 +80,7 @@ def run_prune(args: argparse.Namespace) -> int:
     from casp_core.job import run_job
     from casp_core.run import Run
 
-    config = PruneConfig(
-        ratio=args.ratio,
-        alpha=args.alpha,
-        solver=args.solver,
-        allocation=args.allocation,
-        r_max=args.r_max,
-        round_to=args.round_to,
-        compensation=args.compensation,
-        compensation_damping=args.compensation_damping,
-        calibration=CalibrationConfig(
-            dataset=args.calibration_data,
-            n_samples=args.n_samples,
-            seq_len=args.seq_len,
-            seed=args.seed,
-            mode=args.calibration_mode,
-            batch_size=args.batch_size,
-        ),
-        evaluation=EvaluationConfig(perplexity=args.eval_data, seq_len=args.eval_seq_len, limit=args.eval_limit),
-        datasets_dir=args.datasets_dir,
-        device=args.device,
-        dtype=args.dtype,
-    ).validate()
+    config = prune_config(args)
     bars = StageBars()
     try:
         report = run_job(args.model, config, args.out, Run(progress=bars), revision=args.revision)

@@ -50,7 +50,7 @@ class EvaluationPlan:
             datasets_dir=config.datasets_dir,
             device=config.device,
             perplexity_batch_size=config.calibration.batch_size,
-            efficiency={} if evaluation.efficiency else None,
+            efficiency=config.efficiency.model_dump() if evaluation.efficiency else None,
         )
 
 

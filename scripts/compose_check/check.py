@@ -32,11 +32,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.service_fixtures import wait_for  # noqa: E402
-
 from casp_cli.client import CaspClient  # noqa: E402
 from casp_cli.main import demo_request  # noqa: E402
 from casp_core.checkpoint import load_pruned  # noqa: E402
+from tests.service_fixtures import wait_for  # noqa: E402
 
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates,redis-server,redis-tools,postgresql,procps"

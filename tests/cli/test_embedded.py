@@ -131,7 +131,7 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
             casp(
                 "submit", "--model", str(DEMO_MODEL), "--ratio", "0.3", "--alpha", "0.5", "--device", "cpu",
                 "--calibration-dataset", "wikitext2:validation", "--n-samples", "8", "--seq-len", "128",
-                "--perplexity", "wikitext2", "--eval-seq-len", "128", "--limit", "8", "--metadata", "team=llm",
+                "--perplexity", "wikitext2", "--eval-seq-len", "128", "--eval-limit", "8", "--metadata", "team=llm",
             ).stdout
         )  # fmt: skip
         assert submitted["status"] == "queued" and submitted["metadata"] == {"team": "llm"}

@@ -208,8 +208,8 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     with (DATASETS_DIR / "wikitext-2-raw" / "wiki.test.raw").open(encoding="utf-8") as source:
         text.write_text(source.read(6000), encoding="utf-8")
     return [
-        *("--calibration-data", str(text), "--n-samples", "4", "--seq-len", "32"),
-        *("--eval-data", str(text), "--eval-seq-len", "32", "--eval-limit", "2", "--device", "cpu"),
+        *("--calibration-dataset", str(text), "--n-samples", "4", "--seq-len", "32"),
+        *("--perplexity", str(text), "--eval-seq-len", "32", "--eval-limit", "2", "--device", "cpu"),
     ]
 
 

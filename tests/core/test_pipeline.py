@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from casp_core.checkpoint import load_pruned
+from casp_core.config import EfficiencyConfig
 from casp_core.errors import Cancelled, InvalidConfig
 from casp_core.job import run_job
 from casp_core.model import load_model
@@ -102,6 +103,8 @@ def test_run_job_writes_a_checkpoint_both_loaders_read(tmp_path):
     config = small_config(0.3)
     config.evaluation.zero_shot = ["piqa", "arc_easy"]
     config.evaluation.efficiency = True
+    # Sizes far below the paper's (32 x 128, 128 new tokens, 10 runs): the figures' presence is what is tested.
+    config.efficiency = EfficiencyConfig(macs_seq_len=16, batch_size=2, seq_len=16, new_tokens=4, repeats=1, warmup=0)
     report = run_job(str(STORIES), config, out)
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
@@ -125,6 +128,7 @@ def test_run_job_writes_a_checkpoint_both_loaders_read(tmp_path):
     efficiency = report["evaluation"]["efficiency"]
     assert efficiency["pruned"]["params"] < efficiency["dense"]["params"]
     assert efficiency["pruned"]["macs"] < efficiency["dense"]["macs"]
+    assert (efficiency["dense"]["latency"]["batch_size"], efficiency["dense"]["latency"]["new_tokens"]) == (2, 4)
     card = (out / "report.md").read_text()
     for heading in ("### Perplexity", "### Zero-shot accuracy", "### Efficiency", "## Plots", "limit 20 documents"):
         assert heading in card, heading

@@ -24,13 +24,13 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine
 SMALL = [
     "--datasets-dir",
     str(DATASETS_DIR),
-    "--calibration-data",
+    "--calibration-dataset",
     "wikitext2:validation",
     "--n-samples",
     "8",
     "--seq-len",
     "128",
-    "--eval-data",
+    "--perplexity",
     "wikitext2,ptb",
     "--eval-seq-len",
     "128",
@@ -77,7 +77,10 @@ def test_prune_end_to_end(tmp_path):
         ),
         (["--model", str(STORIES), "--ratio", "1.5"], "argument --ratio: must be in (0, 1), got 1.5"),
         (["--model", str(STORIES), "--ratio", "0"], "argument --ratio: must be in (0, 1), got 0.0"),
-        (["--model", str(STORIES), "--ratio", "0.3", "--alpha", "-1"], "argument --alpha: must be >= 0, got -1.0"),
+        (
+            ["--model", str(STORIES), "--ratio", "0.3", "--alpha", "-1"],
+            "argument --alpha: must be in [0, 100], got -1.0",
+        ),
         pytest.param(
             ["--model", str(STORIES), "--ratio", "0.3", "--device", "cuda"],
             "device_unavailable: device 'cuda': ",
@@ -116,7 +119,7 @@ def test_missing_local_split_names_the_file(tmp_path):
         "--out",
         str(tmp_path / "out"),
         *SMALL[:2],
-        "--calibration-data",
+        "--calibration-dataset",
         "wikitext2",  # the train split is not among the fixtures
     )
     assert completed.returncode == 2
@@ -166,13 +169,24 @@ def help_of(command: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 @pytest.mark.parametrize(
     ("command", "shown"),
     [
-        (["prune"], ["--solver {greedy,", "default: greedy", "--n-samples N_SAMPLES default: 128", "(default: auto)"]),
+        (
+            ["prune"],
+            [
+                "--solver {greedy,",
+                "default: greedy",
+                "--n-samples N_SAMPLES calibration windows (default: 128)",
+                "(default: auto)",
+            ],
+        ),
         (["eval"], ["--latency-seq-len LATENCY_SEQ_LEN default: 128", "(default: wikitext2,ptb)"]),
         (["serve"], ["--port PORT default: 8000", "--host HOST default: 127.0.0.1"]),
         (["demo"], ["--timeout TIMEOUT default: 1800.0", "(default: casp-home)"]),
         (["worker"], ["--log-level LOG_LEVEL default: info"]),
         (["keys", "create"], ["--name NAME"]),
-        (["submit"], ["(default: http://127.0.0.1:8000)", "--alpha ALPHA default: 1.0", "(default: 3)"]),
+        (
+            ["submit"],
+            ["(default: http://127.0.0.1:8000)", "--alpha ALPHA allocation temperature (default: 1.0)", "(default: 3)"],
+        ),
         (["status"], ["(default: http://127.0.0.1:8000)", "(default: 3)"]),
         (["wait"], ["(default: http://127.0.0.1:8000)"]),
         (["download"], ["(default: http://127.0.0.1:8000)"]),

@@ -1,0 +1,153 @@
+"""Every setting of casp_core's config (casp_core.config.PruneSettings, walked field by field) is settable with the
+same name, default and range through POST /v1/jobs, `casp submit` and `casp prune`, and reaches the PruneConfig the
+pipeline receives."""
+
+import argparse
+from typing import Any, get_origin
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic.fields import FieldInfo
+
+from casp_cli.main import register, submit_request
+from casp_core.cli import main as cli
+from casp_core.cli.setting_flags import flag_of
+from casp_core.config import PruneConfig, PruneSettings, choices_of, setting_fields
+from service.db import session_scope
+from service.settings import Settings
+from service.tables import Job
+from tests.service_fixtures import SMALL_JOB
+from worker.runner import job_config
+
+pytestmark = pytest.mark.service
+
+PARKED = {**SMALL_JOB, "device": "cuda"}  # the cuda queue, which no test worker consumes
+# Free-text settings: a value the server accepts (a named data set it has) other than the default.
+TEXT_SAMPLES: dict[str, Any] = {"calibration.dataset": "ptb", "evaluation.perplexity": ["ptb"]}
+SETTINGS = list(setting_fields(PruneSettings))
+
+
+def bounds(info: FieldInfo) -> tuple[float | None, float | None]:
+    low = high = None
+    for rule in info.metadata:
+        low = next((getattr(rule, k) for k in ("gt", "ge") if hasattr(rule, k)), low)
+        high = next((getattr(rule, k) for k in ("lt", "le") if hasattr(rule, k)), high)
+    return low, high
+
+
+def sample(name: str, info: FieldInfo) -> Any:
+    """A valid value other than the default, so that arriving proves it was set."""
+    default = info.get_default(call_default_factory=True)
+    if name in TEXT_SAMPLES:
+        return TEXT_SAMPLES[name]
+    if info.annotation is bool:
+        return not default
+    choices = choices_of(info.annotation)
+    if choices:
+        other = next(choice for choice in choices if choice not in (default or []) and choice != default)
+        return [other] if get_origin(info.annotation) is list else other
+    low, high = bounds(info)
+    if info.annotation is float:
+        assert low is not None and high is not None, f"{name}: add a sample value for this setting to TEXT_SAMPLES"
+        return (low + high) / 2  # ratio, alpha, r_max, compensation_damping: inside their ranges, not the default
+    if default is None:
+        return int(low) + 5
+    assert isinstance(default, int), f"{name}: add a sample value for this kind of setting to TEXT_SAMPLES"
+    return default + 1 if high is None or default + 1 <= high else default - 1
+
+
+def nested(name: str, value: Any) -> dict[str, Any]:
+    *parts, leaf = name.split(".")
+    body: dict[str, Any] = {leaf: value}
+    for part in reversed(parts):
+        body = {part: body}
+    return body
+
+
+def merged(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in change.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def value_at(config: PruneConfig, name: str) -> Any:
+    value: Any = config
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def flag_args(name: str, info: FieldInfo, value: Any) -> list[str]:
+    if info.annotation is bool:
+        return [flag_of(name) if value else "--no-" + flag_of(name).removeprefix("--")]
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return [flag_of(name), text]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return cli.build_parser([register]).parse_args(argv)
+
+
+def resolved(document: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in schema:
+        schema = document["components"]["schemas"][schema["$ref"].rpartition("/")[2]]
+    return schema
+
+
+def core_property(name: str) -> dict[str, Any]:
+    schema = PruneSettings.model_json_schema(ref_template="#/components/schemas/{model}")
+    document = {"components": {"schemas": schema.get("$defs", {})}}
+    for part in name.split("."):
+        schema = resolved(document, schema["properties"][part])
+    # FastAPI's OpenAPI leaves a null default out; no default shown means null there.
+    return {key: value for key, value in schema.items() if (key, value) != ("default", None)}
+
+
+def api_property(document: dict[str, Any], name: str) -> dict[str, Any]:
+    schema = document["components"]["schemas"]["JobCreate"]
+    for part in name.split("."):
+        assert part in resolved(document, schema)["properties"], f"{name} is not in the API's request schema"
+        schema = resolved(document, resolved(document, schema)["properties"][part])
+    return schema
+
+
+def stored_config(api: TestClient, headers: dict[str, str], body: dict[str, Any], settings: Settings) -> PruneConfig:
+    response = api.post("/v1/jobs", json=body, headers=headers)
+    assert response.status_code == 201, response.text
+    job_id = response.json()["id"]
+    api.post(f"/v1/jobs/{job_id}/cancel", headers=headers)
+    with session_scope(settings.database) as session:
+        return job_config(session.get_one(Job, job_id), settings)
+
+
+def test_every_setting_has_a_flag_of_its_own() -> None:
+    flags = [flag_of(name) for name, _ in SETTINGS]
+    assert len(set(flags)) == len(flags), flags
+
+
+def test_the_api_schema_shows_every_setting_as_the_core_defines_it(api: TestClient) -> None:
+    document = api.get("/openapi.json").json()
+    for name, _ in SETTINGS:
+        # The same name, default, bounds, choices and description.
+        assert api_property(document, name) == core_property(name), name
+
+
+@pytest.mark.parametrize(("name", "info"), SETTINGS, ids=[name for name, _ in SETTINGS])
+def test_a_setting_set_anywhere_reaches_the_pipeline(
+    name: str, info: FieldInfo, api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
+) -> None:
+    value = sample(name, info)
+    assert value != info.get_default(call_default_factory=True)
+    # POST /v1/jobs, as JSON.
+    config = stored_config(api, keys["alice"], merged(PARKED, nested(name, value)), distributed_settings)
+    assert value_at(config, name) == value, "POST /v1/jobs"
+    # casp submit, with the setting's flag (the --ratio it needs is overridden when the setting is ratio).
+    flag = flag_args(name, info, value)
+    args = parse(["submit", "--model", PARKED["model"], "--device", "cuda", "--ratio", "0.3", *flag])
+    request = merged(PARKED, submit_request(args))
+    config = stored_config(api, keys["alice"], request, distributed_settings)
+    assert value_at(config, name) == value, "casp submit"
+    # casp prune, with the same flag.
+    args = parse(["prune", "--model", PARKED["model"], "--out", "unused", "--ratio", "0.3", *flag])
+    assert value_at(cli.prune_config(args), name) == value, "casp prune"
