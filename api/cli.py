@@ -295,7 +295,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--solver")
     p.add_argument("--allocation")
-    p.add_argument("--compensation", help="none, least_squares or least_squares_dense_target")
+    p.add_argument("--compensation", help="none, least_squares, least_squares_dense_target or bias")
     p.add_argument("--compensation-damping", type=float)
     p.add_argument("--device", choices=DEVICES)
     p.add_argument("--calibration-dataset")

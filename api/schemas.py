@@ -70,7 +70,8 @@ class JobCreate(Strict):
     compensation: Literal[COMPENSATIONS] = Field(  # type: ignore[valid-type]
         "least_squares",
         description="least_squares: refit the kept units of o_proj/down_proj from the statistics; "
-        "least_squares_dense_target: towards the dense model's output (sequential calibration)",
+        "least_squares_dense_target: towards the dense model's output (sequential calibration); "
+        "bias: FLAP's, the removed units' mean output added to the o_proj/down_proj bias",
     )
     compensation_damping: float = Field(0.01, gt=0, le=1, description="x the mean diagonal of C over kept units")
     device: Literal[DEVICES] | None = Field(  # type: ignore[valid-type]

@@ -76,7 +76,8 @@ def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
         "--compensation",
         choices=COMPENSATIONS,
         default=defaults.compensation,
-        help="refit the kept units of o_proj/down_proj by least squares (_dense_target: towards the dense model)",
+        help="refit the kept units of o_proj/down_proj by least squares (_dense_target: towards the dense model), "
+        "or add the removed units' mean output to their bias (bias, FLAP's)",
     )
     parser.add_argument(
         "--compensation-damping",

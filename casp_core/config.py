@@ -10,9 +10,10 @@ ALLOCATIONS = ("gradient", "uniform")
 CALIBRATION_MODES = ("sequential", "dense")
 # least_squares fits the kept units to this layer's own output on the inputs it sees; with sequential calibration,
 # least_squares_dense_target fits them to the dense model's output on the dense model's inputs (the same in dense
-# calibration mode).
-COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target")
+# calibration mode). bias is FLAP's: the removed inputs' mean contribution W_p E[y_p] goes into the output bias.
+COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target", "bias")
 DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
+MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 
@@ -46,7 +47,8 @@ class PruneConfig:
     allocation: str = "gradient"
     r_max: float = 0.9  # no layer loses more than this fraction of its units
     round_to: int = 1  # kept FFN channels rounded to a multiple of this (8, 64: faster kernels)
-    # Refit the kept columns of o_proj / down_proj by least squares from the calibration statistics.
+    # Refit the kept columns of o_proj / down_proj by least squares from the calibration statistics, or (bias)
+    # add the removed columns' mean output to their bias.
     compensation: str = "least_squares"  # the default from bench/results/compensation.md
     compensation_damping: float = 0.01  # x the mean diagonal of C over the kept units
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)

@@ -69,7 +69,7 @@ class SubLayerReport:
     diagonal_objective: float  # the independent baseline's z'Qz on the same Q
     offdiag_ratio: float  # rho of the unit-level Q (block-aggregated for heads)
     lower_bound: float | None = None  # relaxation only
-    compensation: CompensationReport | None = None  # least-squares refit of the kept units, when asked for
+    compensation: CompensationReport | None = None  # least-squares refit or mean bias, when asked for
 
 
 @dataclass
@@ -434,6 +434,8 @@ def prune(
         plan = plan_budget(model, ratios, config)
 
     params_dense = prunable_parameters(model)
+    # Counted now: mean-bias compensation gives the masked layers biases, which the dense layers did not have.
+    layer_params_dense = [sum(sublayer_parameters(layer)) for layer in layers]
     with timer.stage("calibration_forward"):
         inputs = capture_first_layer_inputs(model, windows, calibration.batch_size, device, store)
     # Compensating towards the dense model needs its inputs to each layer beside the pruned ones: a second set of
@@ -468,7 +470,7 @@ def prune(
         if config.compensation != "none":
             with timer.stage("compensation"):
                 attn.compensation, mlp.compensation = compensate_layer(
-                    layer, geometry, pruning, moments, config.compensation_damping, cross_moments
+                    layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
                 )
         del moments, cross_moments
         kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
@@ -496,11 +498,11 @@ def prune(
             pruned_kv_heads=pruned_kv_heads,
             attn=attn,
             mlp=mlp,
-            params_before=sum(sublayer_parameters(dense_layer)),
+            params_before=params_before,
             params_after=sum(sublayer_parameters(pruned_layer)),
         )
-        for index, (pruning, (attn, mlp, pruned_kv_heads), dense_layer, pruned_layer) in enumerate(
-            zip(prunings, chosen, layers, decoder_layers(pruned), strict=True)
+        for index, (pruning, (attn, mlp, pruned_kv_heads), params_before, pruned_layer) in enumerate(
+            zip(prunings, chosen, layer_params_dense, decoder_layers(pruned), strict=True)
         )
     ]
     with timer.stage("verification"):
