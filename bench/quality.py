@@ -1,9 +1,11 @@
 """Quality bench: perplexity and objective of every solver x allocation, an alpha sweep, sequential vs dense,
-and every score with and without least-squares compensation.
+and every score with and without least-squares compensation (FLAP also with its own mean-bias compensation).
 
 Calibration is on `ptb:train` (in distribution for ptbwiki-7M, which was trained on PTB train + WikiText-2
 valid); perplexity is on the held-out test splits `wikitext2` (raw test) and `ptb` (test), first
-`--eval-windows` windows. Writes bench/results/quality.json and quality.md.
+`--eval-windows` windows. Writes bench/results/quality.json and quality.md; with `--merge EARLIER.json`, the
+rows of this run are added to an earlier result's (same calibration and evaluation settings), each recording the
+run (machine, commit) it came from.
 
 Two things every row of one model would recompute identically are computed once per model and shared:
 the tokenized text (PTB train is 5 MB, ~10 s to tokenize here) and the allocation's gradient
@@ -14,8 +16,10 @@ or alpha). Row `seconds` therefore excludes both; their one-off cost is in `sett
 import argparse
 import contextlib
 import hashlib
+import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -44,6 +48,7 @@ from casp_core.calibration import calibration_windows
 from casp_core.config import (
     COMPENSATIONS,
     DENSE_TARGET_COMPENSATION,
+    MEAN_BIAS_COMPENSATION,
     SOLVERS,
     ZERO_SHOT_TASKS,
     CalibrationConfig,
@@ -107,10 +112,12 @@ def plan(
     modes: Iterable[str],
     compensation_ratios: Iterable[float] = (),
     compensation_solvers: Iterable[str] = COMPENSATION_SOLVERS,
+    compensations: Iterable[str] = COMPENSATIONS,
 ) -> dict[Spec, list[str]]:
     """Each distinct run once, tagged with the studies that read it (the grid's greedy row is also alpha=1)."""
     runs: dict[Spec, list[str]] = {}
     models, modes, compensation_solvers = list(models), list(modes), list(compensation_solvers)
+    compensations = list(compensations)
     for model in models:
         for ratio in ratios:
             for solver in solvers:
@@ -124,9 +131,11 @@ def plan(
         for ratio in compensation_ratios:
             for solver in compensation_solvers:
                 for mode in modes:
-                    for compensation in COMPENSATIONS:
+                    for compensation in compensations:
                         if solver == "greedy_compensated" and compensation == "none":
                             continue  # its choice is made for the refit: without it, it has no claim
+                        if compensation == MEAN_BIAS_COMPENSATION and solver != "flap":
+                            continue  # FLAP's own compensation, measured as its paper has it
                         if compensation == DENSE_TARGET_COMPENSATION and mode == "dense":
                             continue  # one stream: the same fit as least_squares
                         spec = Spec(model, ratio, solver, "gradient", DEFAULT_ALPHA, mode, compensation)
@@ -506,14 +515,21 @@ def _section_compensation(rows: list[dict[str, Any]], dense: list[dict[str, Any]
         return []
     keys = ("model", "ratio", "solver", "calibration_mode")
     wins = _wins(study, {"compensation": "least_squares"}, {"compensation": "none"}, keys)
+    flap = _select(study, solver="flap")
     lines = [
-        "### (6) Least-squares compensation of the kept units (gradient allocation, alpha 1)",
+        "### (6) Least-squares compensation of the kept units (gradient allocation, alpha 1), and FLAP's bias",
         "",
         "The kept columns of o_proj and down_proj refitted from the calibration statistics C (damping 0.01 x "
-        "mean diagonal), against the same selection left as it was. FLAP's own bias-only compensation is not "
-        "in these rows (the pruned LLaMA layout has no o_proj/down_proj bias to carry it).",
+        "mean diagonal), against the same selection left as it was. FLAP's rows also have FLAP's own "
+        "compensation (`bias`, as its paper has it): the removed columns' mean output W_p E[y_p] added to the "
+        "o_proj / down_proj bias, the kept weights left as they were.",
         "",
         f"- With compensation the perplexity is lower: **{wins}** ((model, ratio, solver, calibration) cells).",
+        "- FLAP + its bias against FLAP without compensation: **"
+        + _wins(flap, {"compensation": MEAN_BIAS_COMPENSATION}, {"compensation": "none"}, keys)
+        + "**; FLAP + least squares against FLAP + its bias: **"
+        + _wins(flap, {"compensation": "least_squares"}, {"compensation": MEAN_BIAS_COMPENSATION}, keys)
+        + "**.",
         "- Least squares towards the dense model's output (`least_squares_dense_target`, GPTAQ-style) against "
         "towards this layer's own output on the pruned inputs (`least_squares`), sequential calibration: **"
         + _wins(
@@ -600,6 +616,12 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "# CASP quality bench",
         "",
         f"Machine: {machine_line(machine)}. {concurrency_note(machine)}",
+        *(
+            f"Rows with `merged_run` {index} ({run['rows_added']} added, {run['rows_rerun']} rerun as a check: "
+            f"largest relative perplexity difference {_fmt(run['rerun_max_relative_ppl_difference'])}): "
+            f"{machine_line(run['machine'])}. {concurrency_note(run['machine'])}"
+            for index, run in enumerate(payload.get("merged_runs", []))
+        ),
         "",
         f"Calibration: `{settings['calibration_set']}`, {settings['n_samples']} x {settings['seq_len']} tokens, "
         f"seed {settings['seed']}. Perplexity: first {settings['eval_windows']} windows of "
@@ -657,7 +679,9 @@ def render_markdown(payload: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
+    parser.add_argument(
+        "--ratios", nargs="*", type=float, default=list(RATIOS), help="ratios of studies 1-5 (none: skip them)"
+    )
     parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
     parser.add_argument("--allocations", nargs="+", default=list(ALLOCATIONS), choices=ALLOCATIONS)
     parser.add_argument("--alphas", nargs="*", type=float, default=list(ALPHAS))
@@ -670,6 +694,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ratios of the with/without compensation study (none: skip it)",
     )
     parser.add_argument("--compensation-solvers", nargs="+", default=list(COMPENSATION_SOLVERS), choices=SOLVERS)
+    parser.add_argument(
+        "--compensations",
+        nargs="+",
+        default=list(COMPENSATIONS),
+        choices=COMPENSATIONS,
+        help="the compensations of that study (bias runs with flap only)",
+    )
     parser.add_argument(
         "--zero-shot",
         nargs="*",
@@ -688,16 +719,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--models-dir", default=default_models_dir())
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        help="an earlier quality.json (or compensation.json) with the same calibration and evaluation settings: "
+        "the result is its rows plus this run's; a row it already has is rerun as a check, not added",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     with caches_installed(args.threads):
-        return _main(args)
+        return _main(args, argv)
 
 
-def _main(args: argparse.Namespace) -> dict[str, Any]:
+ROW_KEY = ("model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "compensation")
+# Settings two runs must share for their rows to sit in one table (jobs, threads and timings may differ).
+COMPARABLE_SETTINGS = (
+    "calibration_set", "n_samples", "seq_len", "seed", "batch_size", "eval_sets", "eval_seq_len", "eval_windows",
+)  # fmt: skip
+
+
+def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """`earlier` with `later`'s new rows added, each tagged `merged_run` (an index into `merged_runs`, which
+    records that run's machine, commit, settings and command). A row `earlier` already has is not added: it
+    was run again as a check, and the largest relative perplexity difference to the stored row is recorded."""
+    differing = [k for k in COMPARABLE_SETTINGS if earlier["settings"].get(k) != later["settings"][k]]
+    if differing:
+        raise SystemExit(f"--merge: the earlier result has other settings ({', '.join(differing)}); not merged")
+    stored = {tuple(row[k] for k in ROW_KEY): row for row in earlier["rows"]}
+    run_index = len(earlier.get("merged_runs", []))
+    added, rerun_differences = [], []
+    for row in later["rows"]:
+        previous = stored.get(tuple(row[k] for k in ROW_KEY))
+        if previous is None:
+            added.append({**row, "merged_run": run_index})
+        else:
+            rerun_differences += [abs(row["ppl"][n] / previous["ppl"][n] - 1) for n in row["ppl"]]
+    record = {
+        "machine": later["machine"],
+        "settings": later["settings"],
+        "command": argv,
+        "rows_added": len(added),
+        "rows_rerun": len(later["rows"]) - len(added),
+        "rerun_max_relative_ppl_difference": max(rerun_differences, default=None),
+    }
+    rows = sorted([*earlier["rows"], *added], key=lambda r: tuple(r[k] for k in ROW_KEY))
+    return {**earlier, "rows": rows, "merged_runs": [*earlier.get("merged_runs", []), record]}
+
+
+def _main(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     machine = machine_info()
     settings = Settings(
         models_dir=args.models_dir,
@@ -719,6 +791,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         args.modes,
         args.compensation_ratios,
         args.compensation_solvers,
+        args.compensations,
     )
     start = time.perf_counter()
     rows, dense = run_all(runs, settings, args.jobs, args.threads, lambda message: print(message, flush=True))
@@ -744,6 +817,8 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
             "total_seconds": time.perf_counter() - start,
         },
     }
+    if args.merge:
+        payload = merge(json.loads(args.merge.read_text()), payload, argv or sys.argv[1:])
     write_json(args.out / "quality.json", payload)
     (args.out / "quality.md").write_text(render_markdown(payload))
     if not all_finite(payload):

@@ -1,4 +1,4 @@
-"""Compensation: refit the kept input columns of o_proj and down_proj by least squares.
+"""Compensation: refit the kept input columns of o_proj and down_proj by least squares, or FLAP's mean bias.
 
 A sub-layer computes W y with W its weight (out x d_in) and y its input. Pruning the columns p of W leaves
 W_k y_k, which misses W_p y_p. The best linear stand-in for the missing part, in expectation over the
@@ -19,6 +19,11 @@ minimise E||W y_d - (W_k + D) y_k||² + λ||D||², whose solution is
 
 which is the update above when the streams are one (M = C, so W M_:k - W_k C_kk = W_p C_pk). It refits a layer
 that loses no unit too, since the drift of its inputs still leaves an error to reduce.
+
+FLAP (An et al., AAAI 2024) compensates with a bias instead: b = W_p E[y_p], the removed columns' output
+averaged over the calibration tokens, added to the sub-layer's output bias (created where the model has none), so
+the pruned sub-layer's output is unchanged on average. The kept weights stay as they were; the error left is
+E||W_p y_p - b||² = E||W_p y_p||² - ||b||², the removed part's variance around its mean.
 """
 
 import logging
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 
 from casp_core.calibration import SecondMoment, StreamCrossMoment
+from casp_core.config import MEAN_BIAS_COMPENSATION
 from casp_core.model import AttentionGeometry
 from casp_core.surgery import LayerPruning, head_columns
 
@@ -153,22 +159,52 @@ def compensate_linear(
     return CompensationReport(error_before=before, error_after=after, damping=fit.damping, reference=reference)
 
 
+def mean_bias(weight: torch.Tensor, mean: torch.Tensor, pruned: list[int]) -> torch.Tensor:
+    """b = W_p E[y_p] in float64: what the pruned input columns add to the output, on average."""
+    return weight.detach().double()[:, pruned] @ mean.double()[pruned]
+
+
+@torch.no_grad()
+def add_mean_bias(linear: nn.Linear, moment: SecondMoment, pruned: list[int]) -> CompensationReport:
+    """FLAP's compensation: add W_p E[y_p] to the bias of `linear` in place, giving it a bias where it has none.
+
+    Every sub-layer gets one, zero where nothing is pruned, so that all layers of the pruned model have the same
+    projections. The pruned columns are left for masking to zero; the kept ones are not touched.
+    """
+    pruned_set = set(pruned)
+    kept_columns = [i for i in range(linear.in_features) if i not in pruned_set]
+    second_moment = moment.second_moment
+    no_update = torch.zeros(linear.out_features, len(kept_columns), dtype=torch.float64, device=second_moment.device)
+    before = removal_error(linear.weight, second_moment, pruned, kept_columns, no_update)
+    bias = mean_bias(linear.weight, moment.mean, pruned)
+    if linear.bias is None:
+        linear.bias = nn.Parameter(torch.zeros_like(linear.weight[:, 0]))
+    linear.bias += bias.to(linear.bias.dtype)
+    # E||W_p y_p - b||² = E||W_p y_p||² - 2 bᵀ E[W_p y_p] + ||b||², and E[W_p y_p] = b.
+    after = before - float(bias @ bias)
+    return CompensationReport(error_before=before, error_after=after, damping=0.0)
+
+
 def compensate_layer(
     layer: nn.Module,
     geometry: AttentionGeometry,
     pruning: LayerPruning,
     moments: dict[str, SecondMoment],
+    compensation: str,
     damping: float,
     dense: dict[str, StreamCrossMoment] | None = None,
 ) -> tuple[CompensationReport, CompensationReport]:
-    """Refit o_proj over the kept heads' columns and down_proj over the kept channels, before masking.
+    """Compensate o_proj over the kept heads' columns and down_proj over the kept channels, before masking.
 
-    `dense` holds the dense stream's statistics per sub-layer when the target is the dense model's output.
+    `compensation` is MEAN_BIAS_COMPENSATION (FLAP's bias) or a least-squares refit; `dense` holds the dense
+    stream's statistics per sub-layer when the refit's target is the dense model's output.
     """
     heads = head_columns(geometry, list(pruning.pruned_heads))
+    channels = list(pruning.pruned_channels)
+    o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+    if compensation == MEAN_BIAS_COMPENSATION:
+        return add_mean_bias(o_proj, moments["attn"], heads), add_mean_bias(down_proj, moments["mlp"], channels)
     dense = dense or {}
-    attn = compensate_linear(layer.self_attn.o_proj, moments["attn"], heads, damping, dense.get("attn"))
-    mlp = compensate_linear(
-        layer.mlp.down_proj, moments["mlp"], list(pruning.pruned_channels), damping, dense.get("mlp")
-    )
+    attn = compensate_linear(o_proj, moments["attn"], heads, damping, dense.get("attn"))
+    mlp = compensate_linear(down_proj, moments["mlp"], channels, damping, dense.get("mlp"))
     return attn, mlp

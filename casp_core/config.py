@@ -20,9 +20,10 @@ ALLOCATIONS = ("gradient", "uniform")
 CALIBRATION_MODES = ("sequential", "dense")
 # least_squares fits the kept units to this layer's own output on the inputs it sees; with sequential calibration,
 # least_squares_dense_target fits them to the dense model's output on the dense model's inputs (the same in dense
-# calibration mode).
-COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target")
+# calibration mode). bias is FLAP's: the removed inputs' mean contribution W_p E[y_p] goes into the output bias.
+COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target", "bias")
 DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
+MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 # Settings the machine that runs the job decides: on the service they are the server's, never the caller's.
@@ -156,7 +157,8 @@ class PruneSettings(ConfigPart):
     compensation: Literal[COMPENSATIONS] = Field(  # type: ignore[valid-type]
         "least_squares",  # the default from bench/results/compensation.md
         description="least_squares: refit the kept units of o_proj/down_proj from the statistics; "
-        "least_squares_dense_target: towards the dense model's output (sequential calibration)",
+        "least_squares_dense_target: towards the dense model's output (sequential calibration); "
+        "bias: FLAP's, the removed units' mean output added to the o_proj/down_proj bias",
     )
     compensation_damping: float = Field(0.01, gt=0, le=1, description="x the mean diagonal of C over the kept units")
     dtype: Literal[DTYPES] = Field("auto", description="auto: the checkpoint's own dtype")  # type: ignore[valid-type]

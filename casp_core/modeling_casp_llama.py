@@ -45,6 +45,9 @@ class CaspLlamaConfig(LlamaConfig):
     # in checkpoints written before these settings.
     attention_qkv_bias: bool | None = None
     attention_o_bias: bool | None = None
+    # A bias on down_proj alone (FLAP's mean-bias compensation adds one); Llama's `mlp_bias` would add biases to
+    # gate_proj and up_proj too. None: `mlp_bias`, as in checkpoints written before this setting.
+    mlp_down_bias: bool | None = None
     qk_norm: bool = False  # Qwen3: one RMSNorm over head_dim for all query heads, one for all key heads
     sliding_window: int | None = None
     layer_types: list | None = None  # per layer "full_attention" or "sliding_attention"; None: all full
@@ -55,6 +58,8 @@ class CaspLlamaConfig(LlamaConfig):
             self.attention_qkv_bias = self.attention_bias
         if self.attention_o_bias is None:
             self.attention_o_bias = self.attention_bias
+        if self.mlp_down_bias is None:
+            self.mlp_down_bias = self.mlp_bias
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         super().__post_init__(**kwargs)
@@ -156,7 +161,7 @@ class CaspLlamaMLP(LlamaMLP):
         self.intermediate_size = intermediate_size
         self.gate_proj = nn.Linear(self.hidden_size, intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(self.hidden_size, intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate_size, self.hidden_size, bias=config.mlp_down_bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
 

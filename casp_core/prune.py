@@ -120,14 +120,16 @@ def prune_layer(
         check_finite(q_channels, "interaction", "Q of the FFN channels", layer.self_attn.layer_idx)
         mlp = solve_sublayer(config.solver, q_channels, n_channels, down_proj.weight, moments["mlp"], 1)
     pruning = LayerPruning(tuple(attn.pruned), tuple(mlp.pruned))
+    params_before = sum(sublayer_parameters(layer))
     if config.compensation != "none":
         with run.stage("compensation"):
             attn.compensation, mlp.compensation = compensate_layer(
-                layer, geometry, pruning, moments, config.compensation_damping, cross_moments
+                layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
             )
     del moments, cross_moments
+    # Counted after compensation: the mean-bias kind gives o_proj/down_proj biases the dense layer did not have.
+    params_kept = sum(sublayer_parameters(layer)) - attention_removed - n_channels * channel_params(layer)
     kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
-    params_before = sum(sublayer_parameters(layer))
     mask_layer(layer, geometry, pruning)
     with run.stage("calibration_forward"):
         if stream.sequential:
@@ -145,7 +147,7 @@ def prune_layer(
         attn=attn,
         mlp=mlp,
         params_before=params_before,
-        params_after=params_before - attention_removed - n_channels * channel_params(layer),
+        params_after=params_kept,
     )
 
 

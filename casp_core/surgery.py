@@ -115,12 +115,14 @@ def remove_units(model: PreTrainedModel, prunings: list[LayerPruning]) -> CaspLl
 
     settings = {k: v for k, v in model.config.to_dict().items() if k not in _DENSE_ONLY_KEYS}
     settings["head_dim"] = geometry.head_dim
-    # Read from the dense layers themselves: the families differ in which projections carry a bias.
+    # Read from the dense layers themselves: the families differ in which projections carry a bias, and
+    # mean-bias compensation gives o_proj and down_proj one.
     attention = layers[0].self_attn
     sliding_window, layer_types = attention_layer_types(model.config)
     settings.update(
         attention_qkv_bias=attention.q_proj.bias is not None,
         attention_o_bias=attention.o_proj.bias is not None,
+        mlp_down_bias=layers[0].mlp.down_proj.bias is not None,
         qk_norm=hasattr(attention, "q_norm"),
         sliding_window=sliding_window,
         layer_types=layer_types,

@@ -50,6 +50,31 @@ def test_quality_tiny(tmp_path: Path) -> None:
     assert "Least squares has the higher mean in" in (tmp_path / "quality.md").read_text()
 
 
+def test_quality_merge_adds_new_rows_and_reruns_stored_ones_as_a_check(tmp_path: Path) -> None:
+    """Only FLAP's rows of the compensation study, then its bias rows merged into that result."""
+    tiny = ["--models", "stories260K", "--ratios", "--alphas", "--modes", "dense", "--compensation-ratios", "0.3",
+            "--compensation-solvers", "flap", "--n-samples", "4", "--seq-len", "32", "--eval-windows", "2",
+            "--eval-seq-len", "32", "--jobs", "1"]  # fmt: skip
+    first = quality.main([*tiny, "--compensations", "none", "--out", str(tmp_path / "first")])
+    assert [row["compensation"] for row in first["rows"]] == ["none"]
+    merged = quality.main(
+        [*tiny, "--compensations", "none", "bias", "--merge", str(tmp_path / "first" / "quality.json"),
+         "--out", str(tmp_path / "merged")]
+    )  # fmt: skip
+    assert json.loads((tmp_path / "merged" / "quality.json").read_text()) == json.loads(json.dumps(merged))
+    assert [(row["compensation"], row.get("merged_run")) for row in merged["rows"]] == [("bias", 0), ("none", None)]
+    assert merged["machine"] == first["machine"]  # the stored rows keep the run they came from
+    run = merged["merged_runs"][0]
+    assert (run["rows_added"], run["rows_rerun"]) == (1, 1) and run["rerun_max_relative_ppl_difference"] <= 1e-12
+    assert run["machine"]["git_commit"] == first["machine"]["git_commit"] and "--merge" in run["command"]
+    markdown = (tmp_path / "merged" / "quality.md").read_text()
+    assert "Rows with `merged_run` 0 (1 added, 1 rerun as a check" in markdown
+    assert "FLAP + its bias against FLAP without compensation" in markdown
+    other = {**first, "settings": {**first["settings"], "n_samples": 8}}
+    with pytest.raises(SystemExit, match=r"--merge: the earlier result has other settings \(n_samples\)"):
+        quality.merge(other, first, [])
+
+
 def test_speed_tiny(tmp_path: Path) -> None:
     payload = speed.main(
         ["--sizes", "128x1x256", "--n-samples", "2", "--seq-len", "16", "--batch-size", "1", "--repeats", "1",

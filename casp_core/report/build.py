@@ -68,10 +68,10 @@ def build_report(
 
 
 def compensation_summary(layers: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
-    """Expected squared output error, summed over layers, without and with the refit.
+    """Expected squared output error, summed over layers, without and with the compensation.
 
     What it is measured against is each layer's `compensation.reference`: the layer unpruned on the same inputs
-    (`least_squares`), or the dense model's layer on the dense model's inputs (`least_squares_dense_target`).
+    (`least_squares`, `bias`), or the dense model's layer on the dense model's inputs (`least_squares_dense_target`).
     """
     if not layers or layers[0]["attn"]["compensation"] is None:
         return None
@@ -121,9 +121,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         }[report["layers"][0]["attn"]["compensation"]["reference"]]
         lines += [
             "",
-            f"## Least-squares compensation: sub-layer output error {against} (sum over layers)",
+            f"## Compensation `{settings['compensation']}`: sub-layer output error {against} (sum over layers)",
             "",
-            "| sub-layer | without refit | with refit |",
+            "| sub-layer | without compensation | with compensation |",
             "|---|---|---|",
         ]
         for sub, values in report["compensation"].items():
