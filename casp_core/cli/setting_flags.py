@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from casp_core.arguments import names
+from casp_core.cli.arguments import names
 from casp_core.config import PruneSettings, choices_of, describe_range, reason, setting_fields
 
 FLAGS = {
