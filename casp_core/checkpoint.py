@@ -1,16 +1,22 @@
 """Checkpoints: a Hugging Face directory with per-layer shapes in config.json and the modeling file in auto_map.
 
 It loads offline with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` and with
-`load_pruned(path)`. Without trust_remote_code, transformers refuses the unknown `casp_llama` model type
-rather than loading a dense LLaMA with wrong shapes.
+`load_pruned(path)`. Without trust_remote_code, in a process that has not imported casp_core, transformers
+refuses the unknown `casp_llama` model type rather than loading a dense LLaMA with wrong shapes.
 """
 
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from casp_core.errors import ModelNotFound
-from casp_core.modeling_casp_llama import CaspLlamaForCausalLM
+from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+
+# Where casp_core is loaded, its own classes serve `casp_llama`: otherwise every Auto* call on a pruned checkpoint
+# (AutoTokenizer reads the config too) asks on stdin whether to run the checkpoint's copy of the modeling file,
+# which stalls a worker for 15 s, or fails at once off the main thread.
+AutoConfig.register(CaspLlamaConfig.model_type, CaspLlamaConfig, exist_ok=True)
+AutoModelForCausalLM.register(CaspLlamaConfig, CaspLlamaForCausalLM, exist_ok=True)
 
 
 def save_pruned(model: CaspLlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:

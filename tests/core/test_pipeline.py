@@ -184,6 +184,24 @@ def test_loading_without_trust_remote_code_fails_loudly(stories, tmp_path):
     assert "trust_remote_code" in completed.stderr
 
 
+def test_a_checkpoint_loads_off_the_main_thread_without_asking(stories, tmp_path, capsys):
+    """The embedded worker loads checkpoints in a thread, where transformers cannot time a stdin question out:
+    a process that imported casp_core must never be asked whether to run the checkpoint's modeling file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from casp_core.checkpoint import save_pruned
+
+    model, tokenizer = stories
+    save_pruned(prune(model, tokenizer, small_config(0.2)).model, tokenizer, tmp_path)
+    with ThreadPoolExecutor(1) as thread:
+        loaded, _ = thread.submit(load_pruned, tmp_path).result()
+        assert thread.submit(AutoTokenizer.from_pretrained, tmp_path).result().vocab_size == tokenizer.vocab_size
+        assert type(thread.submit(AutoModelForCausalLM.from_pretrained, tmp_path).result()) is type(loaded)
+    assert "Do you wish to run the custom code" not in capsys.readouterr().out
+
+
 def test_run_job_refuses_a_used_directory_and_leaves_nothing_on_failure(tmp_path):
     used = tmp_path / "used"
     used.mkdir()
