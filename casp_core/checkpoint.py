@@ -7,16 +7,16 @@ refuses the unknown `casp_llama` model type rather than loading a dense LLaMA wi
 
 from pathlib import Path
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from casp_core.errors import ModelNotFound
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
 
-# Where casp_core is loaded, its own classes serve `casp_llama`: otherwise every Auto* call on a pruned checkpoint
-# (AutoTokenizer reads the config too) asks on stdin whether to run the checkpoint's copy of the modeling file,
-# which stalls a worker for 15 s, or fails at once off the main thread.
+# Where casp_core is loaded, its own config class serves `casp_llama`: otherwise AutoTokenizer, which reads the
+# config, asks on stdin whether to run the checkpoint's copy of the modeling file, which stalls a worker for 15 s
+# or fails at once off the main thread. The model class is left unregistered, so that
+# AutoModelForCausalLM(trust_remote_code=True) still runs the file shipped in the checkpoint, as users will.
 AutoConfig.register(CaspLlamaConfig.model_type, CaspLlamaConfig, exist_ok=True)
-AutoModelForCausalLM.register(CaspLlamaConfig, CaspLlamaForCausalLM, exist_ok=True)
 
 
 def save_pruned(model: CaspLlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:

@@ -290,11 +290,11 @@ def worker(distributed_settings: Settings, tmp_path_factory: pytest.TempPathFact
     process.stop()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def api(distributed_settings: Settings) -> Iterator[TestClient]:
     """The API in this process (with its reaper thread), against the shared database, broker and bucket. It
-    stops with each folder of tests that uses it: its reaper talks to Redis every second, which tests after
-    them that assert no network use would see."""
+    stops with each module that uses it: its reaper talks to Redis every second, which later tests that assert
+    no network use would see. (A "package" fixture defined in a plugin lives as long as the session.)"""
     with TestClient(service_app(distributed_settings)) as client:
         yield client
 
