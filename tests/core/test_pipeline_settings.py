@@ -5,6 +5,7 @@ import torch
 
 from casp_core.allocation import allocate_ratios, layer_sensitivities
 from casp_core.calibration import calibration_windows
+from casp_core.model import decoder_layers
 from casp_core.prune import prune
 from casp_core.run import Run
 from tests.conftest import small_config
@@ -37,6 +38,16 @@ def test_gradient_allocation_follows_the_sensitivities_alpha_and_r_max(stories):
     for layer in result.layers:
         assert len(layer.pruned_heads) <= int(R_MAX * 8), layer.index
         assert len(layer.pruned_channels) <= int(R_MAX * 172), layer.index
+
+
+def test_given_sensitivities_are_used_instead_of_measured_ones(stories):
+    """The bench measures S_l once per model and passes them: prune must allocate from those, not its own."""
+    model, tokenizer = stories
+    config = small_config(RATIO, alpha=ALPHA)
+    given = [0.9 ** (5 - i) for i in range(len(decoder_layers(model)))]  # rising with depth, unlike the model's
+    result = prune(model, tokenizer, config, sensitivities=given)
+    assert [layer.sensitivity for layer in result.layers] == given
+    assert [layer.ratio for layer in result.layers] == pytest.approx(allocate_ratios(given, RATIO, ALPHA, 0.9))
 
 
 def test_the_calibration_seed_picks_the_windows(stories):
