@@ -15,6 +15,7 @@ that caveat so the caller can show it and the file carries it (`casp.tokenizer_c
 """
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,13 @@ def write_vocabulary(writer: gguf.GGUFWriter, checkpoint: Path, vocab_size: int)
     writer.add_token_scores(scores)
     writer.add_token_types(token_types)
     writer.add_add_space_prefix(metaspace.get("prepend_scheme", "always") != "never")
-    gguf.SpecialVocab(checkpoint, load_merges=False, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+    vocab_log = logging.getLogger("gguf.vocab")
+    level = vocab_log.level
+    vocab_log.setLevel(logging.ERROR)  # it warns about the sentence-pair template, which llama.cpp never uses
+    try:
+        gguf.SpecialVocab(checkpoint, load_merges=False, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+    finally:
+        vocab_log.setLevel(level)
     if model.get("byte_fallback"):
         return None
     caveat = (
