@@ -29,6 +29,7 @@ from casp_core.config import (
 )
 from casp_core.errors import CaspError
 from casp_core.eval_cli import add_eval_parser
+from casp_core.export.cli import add_export_parser
 
 BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found", "device_unavailable"}
 DISTRIBUTION = "casp"
@@ -194,7 +195,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 Register = Callable[[argparse._SubParsersAction], None]
-LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser]
+LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser, add_export_parser]
 
 
 def build_parser(extensions: Sequence[Register] = ()) -> argparse.ArgumentParser:

@@ -5,6 +5,8 @@ shapes certainly occur (uneven GQA groups, a layer without heads, one without FF
 The bounds for the lossy settings were measured on these checkpoints (docs/serving.md has the numbers).
 """
 
+import hashlib
+import json
 from pathlib import Path
 
 import gguf
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.cli import main
 from casp_core.config import CalibrationConfig
 from casp_core.data import evaluation_source, load_rows
 from casp_core.errors import InvalidConfig, UnsupportedModel
@@ -225,6 +228,16 @@ def test_q8_0_keeps_f16_where_rows_are_not_a_multiple_of_32(checkpoints, tmp_pat
     assert "blk.0.ffn_down.weight" in recorded  # 132 channels
     assert exported.tensor_types["blk.0.ffn_down.weight"] == "F16"
     assert exported.tensor_types["blk.0.ffn_up.weight"] == "Q8_0"  # rows of hidden size 64
+
+
+def test_casp_export_writes_the_file_and_prints_its_digest(tmp_path, capsys):
+    out = tmp_path / "dense.gguf"
+    assert main(["export", str(STORIES), "--format", "gguf", "--gguf-type", "q8_0", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert printed["architecture"] == "llama" and printed["q8_0_fallback"]
+    assert main(["export", str(tmp_path), "--format", "gguf", "--out", str(out)]) == 2
+    assert "model_not_found" in capsys.readouterr().err
 
 
 def test_unsupported_settings_are_refused_in_one_line(tmp_path):
