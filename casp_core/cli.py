@@ -22,6 +22,7 @@ from casp_core.config import (
     CALIBRATION_MODES,
     COMPENSATIONS,
     DTYPES,
+    EXPORT_FORMATS,
     SOLVERS,
     CalibrationConfig,
     EvaluationConfig,
@@ -29,7 +30,7 @@ from casp_core.config import (
 )
 from casp_core.errors import CaspError
 from casp_core.eval_cli import add_eval_parser
-from casp_core.export.cli import add_export_parser
+from casp_core.export.cli import add_export_parser, add_gguf_type_option, warn_about
 
 BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found", "device_unavailable"}
 DISTRIBUTION = "casp"
@@ -108,6 +109,8 @@ def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-limit", type=int, help="quick runs: at most this many windows per data set")
     parser.add_argument("--device", default=defaults.device, help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
+    parser.add_argument("--export", choices=EXPORT_FORMATS, action="append", help="also write model-<type>.gguf")
+    add_gguf_type_option(parser)
     parser.set_defaults(run=run_prune)
 
 
@@ -135,6 +138,8 @@ def run_prune(args: argparse.Namespace) -> int:
         datasets_dir=args.datasets_dir,
         device=args.device,
         dtype=args.dtype,
+        export=args.export or [],
+        gguf_type=args.gguf_type,
     ).validate()
     bars = StageBars()
     try:
@@ -149,6 +154,10 @@ def run_prune(args: argparse.Namespace) -> int:
             for name, v in report["perplexity"].items()
         },
     }
+    if "exports" in report:
+        summary["exports"] = report["exports"]
+        for export in report["exports"]:
+            warn_about(export)
     print(json.dumps(summary))
     return 0
 

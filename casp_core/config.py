@@ -14,6 +14,8 @@ CALIBRATION_MODES = ("sequential", "dense")
 COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target")
 DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 
 
@@ -54,6 +56,8 @@ class PruneConfig:
     datasets_dir: str | None = None  # local copies of the named data sets (layout of shared/fixtures/data)
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: the checkpoint's own dtype
+    export: list[str] = field(default_factory=list)  # formats also written into the checkpoint: "gguf"
+    gguf_type: str = "f16"
 
     def validate(self) -> "PruneConfig":
         checks = [
@@ -78,6 +82,12 @@ class PruneConfig:
                 f"must be in (0, 1], got {self.compensation_damping}",
             ),
             (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
+            (set(self.export) <= set(EXPORT_FORMATS), "export", f"formats must be among {', '.join(EXPORT_FORMATS)}"),
+            (
+                self.gguf_type in GGUF_TYPES,
+                "gguf_type",
+                f"must be one of {', '.join(GGUF_TYPES)}, got {self.gguf_type!r}",
+            ),
             (self.calibration.n_samples >= 1, "calibration.n_samples", "must be >= 1"),
             (self.calibration.seq_len >= 2, "calibration.seq_len", "must be >= 2"),
             (self.calibration.batch_size >= 1, "calibration.batch_size", "must be >= 1"),

@@ -24,6 +24,7 @@ from casp_core.compensation import CompensationReport, compensate_layer
 from casp_core.config import DENSE_TARGET_COMPENSATION, PruneConfig
 from casp_core.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.errors import InvalidConfig
+from casp_core.export.gguf import export_checkpoint
 from casp_core.interaction import block_aggregate, interaction_matrix, objective, offdiag_ratio
 from casp_core.model import (
     AttentionGeometry,
@@ -735,6 +736,11 @@ def run_job(
             progress("checkpoint", 0.0, "writing the checkpoint")
             result.model.config.casp = {"source_model": model, "revision": revision, "settings": config.to_dict()}
             save_pruned(result.model, tokenizer, staging)
+        exports = []
+        if config.export:
+            with timer.stage("export"):
+                progress("checkpoint", 1.0, f"exporting {', '.join(config.export)}")
+                exports = export_checkpoint(staging, config.export, config.gguf_type)
         with timer.stage("evaluation_pruned"):
             pruned_figures = _evaluate(result.model, tokenizer, texts, config, progress, should_cancel)
         progress("report", 0.0, "writing the report")
@@ -748,6 +754,8 @@ def run_job(
             device=str(device),
             dtype=dtype,
         )
+        if exports:
+            report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
         report["plots"] = [str(path.relative_to(staging)) for path in write_plots(report, staging)]
         write_report(report, staging)
         if out_dir.exists():

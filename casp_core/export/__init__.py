@@ -1,5 +1,4 @@
-"""Exports of a checkpoint for serving engines other than transformers."""
+"""Exports of a checkpoint for serving engines other than transformers: `casp_core.export.gguf` (llama.cpp).
 
-from casp_core.export.gguf import GGUF_TYPES, GgufExport, export_gguf
-
-__all__ = ["GGUF_TYPES", "GgufExport", "export_gguf"]
+This package's import stays light (no torch, no gguf), so the command line can register `casp export` cheaply.
+"""

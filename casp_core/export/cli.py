@@ -3,12 +3,9 @@
 import argparse
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from casp_core.export.gguf import GGUF_TYPES, GgufExport, export_gguf
-
-EXPORT_FORMATS = ("gguf",)
+from casp_core.config import EXPORT_FORMATS, GGUF_TYPES
 
 
 def add_gguf_type_option(parser: argparse.ArgumentParser) -> None:
@@ -29,20 +26,16 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_export)
 
 
-def summary(export: GgufExport) -> dict:
-    """The JSON line the commands print: no per-tensor list, which can run to hundreds of entries."""
-    fields = asdict(export)
-    fields.pop("tensor_types")
-    return {**fields, "path": str(export.path)}
-
-
-def warn(export: GgufExport) -> None:
-    if export.tokenizer_caveat:
-        print(f"casp: warning: {export.path.name}: {export.tokenizer_caveat}", file=sys.stderr)
+def warn_about(export: dict) -> None:
+    """`export` is a summary (`GgufExport.summary()`, or an entry of the report's `exports`)."""
+    if export["tokenizer_caveat"]:
+        print(f"casp: warning: {Path(export['path']).name}: {export['tokenizer_caveat']}", file=sys.stderr)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    export = export_gguf(args.checkpoint, args.out, args.gguf_type)
-    warn(export)
-    print(json.dumps(summary(export)))
+    from casp_core.export.gguf import export_gguf  # torch and gguf load only when needed
+
+    summary = export_gguf(args.checkpoint, args.out, args.gguf_type).summary()
+    warn_about(summary)
+    print(json.dumps(summary))
     return 0

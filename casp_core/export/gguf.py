@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,10 @@ import gguf
 import torch
 from safetensors import safe_open
 
+from casp_core.config import GGUF_TYPES
 from casp_core.errors import InvalidConfig, ModelNotFound, UnsupportedModel
 from casp_core.export.tokenizer import write_vocabulary
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 _QUANT = {
     "f32": gguf.GGMLQuantizationType.F32,
     "f16": gguf.GGMLQuantizationType.F16,
@@ -66,6 +66,12 @@ class GgufExport:
     kv_repeated_layers: tuple[int, ...] = ()  # layers whose key/value heads are repeated for uneven groups
     context_length: int = 0
     tokenizer_caveat: str | None = None  # what llama.cpp's tokenizer cannot reproduce, if anything
+
+    def summary(self) -> dict[str, Any]:
+        """For the command's JSON line and the report: everything but the per-tensor list (hundreds of entries)."""
+        fields = asdict(self)
+        fields.pop("tensor_types")
+        return {**fields, "path": str(self.path)}
 
 
 @dataclass(frozen=True)
@@ -349,3 +355,15 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
         context_length=context_length,
         tokenizer_caveat=tokenizer_caveat,
     )
+
+
+def gguf_file_name(gguf_type: str) -> str:
+    return f"model-{gguf_type}.gguf"
+
+
+def export_checkpoint(checkpoint_dir: Path, formats: list[str], gguf_type: str) -> list[GgufExport]:
+    """The exports `casp prune --export` and a job's `export` ask for, written into the checkpoint directory."""
+    exports = []
+    if "gguf" in formats:
+        exports.append(export_gguf(checkpoint_dir, checkpoint_dir / gguf_file_name(gguf_type), gguf_type))
+    return exports

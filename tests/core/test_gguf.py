@@ -20,8 +20,7 @@ from casp_core.cli import main
 from casp_core.config import CalibrationConfig
 from casp_core.data import evaluation_source, load_rows
 from casp_core.errors import InvalidConfig, UnsupportedModel
-from casp_core.export import export_gguf
-from casp_core.export.gguf import LayerShape, attention_layout
+from casp_core.export.gguf import LayerShape, attention_layout, export_gguf
 from casp_core.model import load_model
 from casp_core.pipeline import prune
 from casp_core.surgery import LayerPruning, remove_units
@@ -238,6 +237,32 @@ def test_casp_export_writes_the_file_and_prints_its_digest(tmp_path, capsys):
     assert printed["architecture"] == "llama" and printed["q8_0_fallback"]
     assert main(["export", str(tmp_path), "--format", "gguf", "--out", str(out)]) == 2
     assert "model_not_found" in capsys.readouterr().err
+
+
+def test_casp_prune_export_gguf_generates_the_text_transformers_generates(tmp_path, capsys):
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(STORIES), "--ratio", "0.5", "--out", str(out), "--export", "gguf"]
+    arguments += ["--gguf-type", "f32", "--calibration-data", "wikitext2:validation", "--n-samples", "8"]
+    arguments += ["--seq-len", "64", "--eval-data", "", "--datasets-dir", str(DATASETS_DIR)]
+    assert main(arguments) == 0
+    (export,) = json.loads(capsys.readouterr().out)["exports"]
+    gguf_path = out / "model-f32.gguf"
+    assert export["path"] == gguf_path.name
+    assert export["sha256"] == hashlib.sha256(gguf_path.read_bytes()).hexdigest()
+
+    model, tokenizer = load_pruned(out, dtype="float32")
+    prompt = tokenizer("Once upon a time").input_ids
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt) :]
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=128, n_threads=THREADS, verbose=False)
+    generated = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1):
+        generated.append(token)
+        if len(generated) == len(expected) or token == llm.token_eos():
+            break
+    llm.close()
+    assert generated == expected.tolist()
+    assert len(set(generated)) > 5  # a real continuation, not one token repeated
 
 
 def test_unsupported_settings_are_refused_in_one_line(tmp_path):
