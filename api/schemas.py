@@ -9,7 +9,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from api.core.settings import DEVICES
 from api.models import JOB_STATUSES
-from casp_core.config import ALLOCATIONS, CALIBRATION_MODES, COMPENSATIONS, SOLVERS, ZERO_SHOT_TASKS
+from casp_core.config import (
+    ALLOCATIONS,
+    CALIBRATION_MODES,
+    COMPENSATIONS,
+    EXPORT_FORMATS,
+    GGUF_TYPES,
+    SOLVERS,
+    ZERO_SHOT_TASKS,
+)
 from casp_core.model import is_local_reference
 
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
@@ -80,6 +88,10 @@ class JobCreate(Strict):
     )
     calibration: CalibrationIn = Field(default_factory=CalibrationIn)
     evaluation: EvaluationIn = Field(default_factory=EvaluationIn)
+    export: list[Literal[EXPORT_FORMATS]] = Field(  # type: ignore[valid-type]
+        default_factory=list, max_length=1, description="gguf: also a model-<gguf_type>.gguf artifact for llama.cpp"
+    )
+    gguf_type: Literal[GGUF_TYPES] = "f16"  # type: ignore[valid-type]
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=16)
 
     @field_validator("model")

@@ -86,6 +86,8 @@ def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
         compensation_damping=body.compensation_damping,
         calibration=CalibrationConfig(**calibration),
         evaluation=EvaluationConfig(**evaluation),
+        export=list(body.export),
+        gguf_type=body.gguf_type,
         datasets_dir=str(settings.datasets_dir) if settings.datasets_dir else None,
     )
     try:
