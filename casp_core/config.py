@@ -25,6 +25,8 @@ COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target", "bias")
 DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
 MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 # Settings the machine that runs the job decides: on the service they are the server's, never the caller's.
 SERVER_SIDE = ("datasets_dir", "device")
@@ -165,6 +167,14 @@ class PruneSettings(ConfigPart):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     efficiency: EfficiencyConfig = Field(default_factory=EfficiencyConfig)
+    export: list[Literal[EXPORT_FORMATS]] = Field(  # type: ignore[valid-type]
+        default_factory=list,
+        max_length=len(EXPORT_FORMATS),
+        description="also written into the checkpoint: gguf (model-<gguf_type>.gguf, for llama.cpp)",
+    )
+    gguf_type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
+        "f16", description="GGUF weight type; q8_0 keeps f16 for rows not a multiple of 32"
+    )
 
 
 class PruneConfig(PruneSettings):

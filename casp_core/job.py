@@ -15,6 +15,7 @@ from casp_core.config import PruneConfig
 from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
 from casp_core.eval.perplexity import default_seq_len
+from casp_core.export.gguf import export_checkpoint
 from casp_core.model import check_model_reference, load_model, resolve_device
 from casp_core.prune import prune
 from casp_core.report.build import build_report, write_report
@@ -76,6 +77,11 @@ def run_job(
             run.report("checkpoint", 0.0, "writing the checkpoint")
             result.model.config.casp = {"source_model": model, "revision": revision, "settings": config.to_dict()}
             save_pruned(result.model, tokenizer, staging)
+        exports = []
+        if config.export:
+            with run.stage("export"):
+                run.report("checkpoint", 1.0, f"exporting {', '.join(config.export)}")
+                exports = export_checkpoint(staging, config.export, config.gguf_type)
         with run.stage("evaluation_pruned"):
             pruned_figures = evaluate(result.model, tokenizer, plan, run)
         run.report("report", 0.0, "writing the report")
@@ -89,6 +95,8 @@ def run_job(
             device=str(device),
             dtype=dtype,
         )
+        if exports:
+            report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
         report["plots"] = [str(path.relative_to(staging)) for path in write_plots(report, staging)]
         write_report(report, staging)
         if out_dir.exists():

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from tqdm import tqdm
 
 from casp_core.cli.eval import add_eval_parser
+from casp_core.cli.export import add_export_parser, warn_about
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.config import PruneConfig
 from casp_core.errors import CaspError
@@ -94,6 +95,10 @@ def run_prune(args: argparse.Namespace) -> int:
             for name, v in report["perplexity"].items()
         },
     }
+    if "exports" in report:
+        summary["exports"] = report["exports"]
+        for export in report["exports"]:
+            warn_about(export)
     print(json.dumps(summary))
     return 0
 
@@ -140,7 +145,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 Register = Callable[[argparse._SubParsersAction], None]
-LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser]
+LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser, add_export_parser]
 
 
 def build_parser(extensions: Sequence[Register] = ()) -> argparse.ArgumentParser:

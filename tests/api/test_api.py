@@ -86,13 +86,14 @@ def test_casp_config_checks_surface_as_422(api: TestClient, keys: dict[str, dict
 def test_submit_answers_201_with_the_job_and_maps_settings(
     api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
 ) -> None:
-    body = {**PARKED, "alpha": 0.5, "solver": "diagonal", "metadata": {"team": "llm"}}
+    body = {**PARKED, "alpha": 0.5, "solver": "diagonal", "export": ["gguf"], "metadata": {"team": "llm"}}
     response = api.post("/v1/jobs", json=body, headers=keys["alice"])
     assert response.status_code == 201, response.text
     job = response.json()
     assert job["status"] == "queued" and job["progress"] == 0 and job["attempts"] == 0
     assert job["device"] == "cuda" and job["metadata"] == {"team": "llm"}
     assert job["settings"]["alpha"] == 0.5 and job["settings"]["solver"] == "diagonal"
+    assert job["settings"]["export"] == ["gguf"] and job["settings"]["gguf_type"] == "f16"
     assert job["settings"]["calibration"] == {
         "dataset": "wikitext2:validation",
         "n_samples": 8,

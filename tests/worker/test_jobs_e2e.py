@@ -52,7 +52,7 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     tmp_path: Path,
 ) -> None:
     alice = keys["alice"]
-    job = api.post("/v1/jobs", json={**SMALL_JOB, "metadata": {"run": "e2e"}}, headers=alice).json()
+    job = api.post("/v1/jobs", json={**SMALL_JOB, "export": ["gguf"], "metadata": {"run": "e2e"}}, headers=alice).json()
     done = wait_job(api, job["id"], alice, finished, "the job to finish")
     assert done["status"] == "succeeded", (done, worker.log_tail())
     assert done["progress"] == 100 and done["attempts"] == 1 and done["error"] is None
@@ -75,7 +75,7 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
 
     artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]
     names = {a["name"] for a in artifacts}
-    assert CHECKPOINT_FILES | {"report.json", "report.md"} <= names
+    assert CHECKPOINT_FILES | {"report.json", "report.md", "model-f16.gguf"} <= names  # gguf: llama.cpp
     assert any(name.startswith("tokenizer") for name in names)
     checkpoint = tmp_path / "checkpoint"
     for artifact in artifacts:

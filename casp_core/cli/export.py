@@ -1,0 +1,41 @@
+"""`casp export CHECKPOINT --format gguf`, and the `--export gguf` options that `casp prune` shares."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from casp_core.config import EXPORT_FORMATS, GGUF_TYPES
+
+
+def add_gguf_type_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gguf-type",
+        choices=GGUF_TYPES,
+        default="f16",
+        help="GGUF weight type; q8_0 keeps F16 for rows not a multiple of 32 (listed in casp.q8_0_fallback)",
+    )
+
+
+def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("export", help="write a checkpoint (pruned or dense) for another serving engine")
+    parser.add_argument("checkpoint", type=Path, help="checkpoint directory written by `casp prune`, or a dense one")
+    parser.add_argument("--format", choices=EXPORT_FORMATS, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="file to write")
+    add_gguf_type_option(parser)
+    parser.set_defaults(run=run_export)
+
+
+def warn_about(export: dict) -> None:
+    """`export` is a summary (`GgufExport.summary()`, or an entry of the report's `exports`)."""
+    if export["tokenizer_caveat"]:
+        print(f"casp: warning: {Path(export['path']).name}: {export['tokenizer_caveat']}", file=sys.stderr)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from casp_core.export.gguf import export_gguf  # torch and gguf load only when needed
+
+    summary = export_gguf(args.checkpoint, args.out, args.gguf_type).summary()
+    warn_about(summary)
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,369 @@
+"""GGUF export for llama.cpp (and Ollama, LM Studio): dense and pruned checkpoints, the tokenizer inside.
+
+A pruned checkpoint keeps its own query heads, key/value heads and FFN width per layer. llama.cpp's `deci`
+architecture takes exactly that: per-layer arrays for `head_count`, `head_count_kv` and `feed_forward_length`.
+A checkpoint whose layers are all alike (a dense one) is written as plain `llama`. What llama.cpp needs on top:
+
+- RoPE: transformers rotates the two halves of each head (rotate_half), llama.cpp rotates adjacent pairs, so
+  each q/k head's rows are permuted as llama.cpp's converter does, with the layer's own head counts.
+- Grouped-query attention: llama.cpp reads query head h from key/value head h // (heads / kv_heads). Pruning
+  leaves groups of any size in any order, so query heads are reordered by their key/value head (o_proj columns
+  follow) and each key/value head is written once per G query heads it serves, G the greatest common divisor of
+  the group sizes: the same function, more KV cache only where groups are uneven.
+- A layer without heads is written without attention tensors (llama.cpp skips attention where head_count is 0),
+  except the first: llama.cpp takes the head size of every layer from layer 0's head count, so a first layer
+  without heads gets one head of zeros (its output is exactly 0).
+  A layer without FFN channels gets one channel of zeros: llama.cpp's deci graph drops the attention output of
+  a layer with feed_forward_length 0 (it is meant for layers that have neither).
+- Sliding-window attention (Mistral, Qwen2) has no deci counterpart; within the window it equals full attention,
+  so the file's context length is capped at the window.
+- Q8_0 packs rows in blocks of 32: a weight whose rows are not a multiple of 32 long stays F16, named in
+  `casp.q8_0_fallback`.
+"""
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+from safetensors import safe_open
+
+from casp_core.config import GGUF_TYPES
+from casp_core.errors import InvalidConfig, ModelNotFound, UnsupportedModel
+from casp_core.export.tokenizer import write_vocabulary
+
+_QUANT = {
+    "f32": gguf.GGMLQuantizationType.F32,
+    "f16": gguf.GGMLQuantizationType.F16,
+    "bf16": gguf.GGMLQuantizationType.BF16,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
+_FILE_TYPE = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "casp_llama")
+_Q8_0_BLOCK = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+
+
+@dataclass(frozen=True)
+class GgufExport:
+    """What was written: the file, its digest, each tensor's GGML type and what deviates from the request."""
+
+    path: Path
+    sha256: str
+    architecture: str  # "llama" when every layer has the same shape, else "deci"
+    gguf_type: str
+    tensor_types: dict[str, str]
+    q8_0_fallback: tuple[str, ...] = ()  # weights kept F16 because their rows are not a multiple of 32
+    kv_repeated_layers: tuple[int, ...] = ()  # layers whose key/value heads are repeated for uneven groups
+    context_length: int = 0
+    tokenizer_caveat: str | None = None  # what llama.cpp's tokenizer cannot reproduce, if anything
+
+    def summary(self) -> dict[str, Any]:
+        """For the command's JSON line and the report: everything but the per-tensor list (hundreds of entries)."""
+        fields = asdict(self)
+        fields.pop("tensor_types")
+        return {**fields, "path": str(self.path)}
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer as the checkpoint stores it."""
+
+    kv_of_query: tuple[int, ...]  # for each query head, the key/value head it reads
+    num_kv_heads: int
+    ffn_width: int
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How llama.cpp gets one layer's attention: query heads in this order, these key/value heads (repeats)."""
+
+    query_order: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+
+    @property
+    def repeated(self) -> bool:
+        return len(self.kv_heads) != len(set(self.kv_heads))
+
+
+def attention_layout(shape: LayerShape) -> AttentionLayout:
+    """Query heads grouped by key/value head; each key/value head written once per G of its query heads."""
+    if not shape.kv_of_query:
+        return AttentionLayout((), ())
+    groups = {kv: [q for q, k in enumerate(shape.kv_of_query) if k == kv] for kv in sorted(set(shape.kv_of_query))}
+    group = math.gcd(*(len(queries) for queries in groups.values()))
+    query_order = tuple(q for queries in groups.values() for q in queries)
+    kv_heads = tuple(kv for kv, queries in groups.items() for _ in range(len(queries) // group))
+    return AttentionLayout(query_order, kv_heads)
+
+
+def _rope_pairs(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Per head, rotate_half order (first half, second half) to llama.cpp's interleaved pairs."""
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, 2, head_dim // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _heads(rows: torch.Tensor, head_dim: int, order: tuple[int, ...]) -> torch.Tensor:
+    """Rows of the listed heads, in that order (a head may repeat)."""
+    per_head = rows.reshape(-1, head_dim, *rows.shape[1:])
+    return per_head[list(order)].reshape(len(order) * head_dim, *rows.shape[1:])
+
+
+class _Checkpoint:
+    """config.json and the safetensors weights (one file or shards), read lazily by name."""
+
+    def __init__(self, directory: Path) -> None:
+        if not (directory / "config.json").is_file():
+            raise ModelNotFound(f"{directory} is not a checkpoint directory (no config.json)")
+        self.directory = directory
+        self.config: dict[str, Any] = json.loads((directory / "config.json").read_text())
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: directory / file for name, file in weight_map.items()}
+        elif (directory / "model.safetensors").is_file():
+            with safe_open(directory / "model.safetensors", framework="pt") as weights:
+                files = {name: directory / "model.safetensors" for name in weights.keys()}  # noqa: SIM118
+        else:
+            raise ModelNotFound(f"{directory} holds no safetensors weights")
+        self.files = files
+        self.unread = {name for name in files if not name.endswith("rotary_emb.inv_freq")}
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def tensor(self, name: str) -> torch.Tensor:
+        self.unread.discard(name)
+        with safe_open(self.files[name], framework="pt") as weights:
+            return weights.get_tensor(name).to(torch.float32)
+
+
+def _layer_shapes(config: dict[str, Any]) -> list[LayerShape]:
+    layers = config["num_hidden_layers"]
+    if config["model_type"] == "casp_llama":
+        return [
+            LayerShape(tuple(kv_map), kv_count, width)
+            for kv_map, kv_count, width in zip(
+                config["layer_kv_of_query"],
+                config["layer_num_kv_heads"],
+                config["layer_intermediate_sizes"],
+                strict=True,
+            )
+        ]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    kv_of_query = tuple(q // (heads // kv_heads) for q in range(heads))
+    return [LayerShape(kv_of_query, kv_heads, config["intermediate_size"])] * layers
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:  # per layer type; the deci graph has one
+        rope = rope["full_attention"]
+    scaling = config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModel(f"GGUF export: RoPE type {rope_type!r} with scaling is not supported")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """The window when any layer slides, else None."""
+    window = config.get("sliding_window")
+    if window is None:
+        return None
+    model_type = config["model_type"]
+    if model_type == "casp_llama":
+        return window if "sliding_attention" in (config.get("layer_types") or []) else None
+    if model_type == "qwen2":
+        return window if config.get("use_sliding_window") else None
+    return window
+
+
+def _check_supported(config: dict[str, Any], checkpoint: _Checkpoint) -> None:
+    model_type = config.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise UnsupportedModel(f"GGUF export: model type {model_type!r} (supported: {', '.join(_MODEL_TYPES)})")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"GGUF export: activation {config['hidden_act']!r} (llama.cpp's deci uses silu)")
+    if config.get("qk_norm") or checkpoint.has("model.layers.0.self_attn.q_norm.weight"):
+        raise UnsupportedModel("GGUF export: per-head q/k norms (Qwen3) are not supported by llama.cpp's deci")
+
+
+class _Writer:
+    """Adds tensors in the requested type, F32 for vectors, and remembers what it did."""
+
+    def __init__(self, writer: gguf.GGUFWriter, gguf_type: str) -> None:
+        self.writer = writer
+        self.gguf_type = gguf_type
+        self.types: dict[str, str] = {}
+        self.fallback: list[str] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        data = tensor.contiguous().numpy()
+        qtype = _QUANT[self.gguf_type] if data.ndim > 1 else gguf.GGMLQuantizationType.F32
+        if qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % _Q8_0_BLOCK:
+            qtype = gguf.GGMLQuantizationType.F16
+            self.fallback.append(name)
+        self.writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        self.types[name] = qtype.name
+
+
+def _write_layer(
+    out: _Writer, checkpoint: _Checkpoint, index: int, shape: LayerShape, head_dim: int, hidden: int
+) -> None:
+    source, target = f"model.layers.{index}", f"blk.{index}"
+    layout = attention_layout(shape)
+
+    def read(name: str) -> torch.Tensor | None:
+        full = f"{source}.{name}"
+        return checkpoint.tensor(full) if checkpoint.has(full) else None
+
+    if layout.query_order:
+        out.add(f"{target}.attn_norm.weight", read("input_layernorm.weight"))
+        for kind in ("weight", "bias"):
+            q, k, v = (read(f"self_attn.{p}_proj.{kind}") for p in "qkv")
+            if q is None:
+                continue
+            out.add(f"{target}.attn_q.{kind}", _rope_pairs(_heads(q, head_dim, layout.query_order), head_dim))
+            out.add(f"{target}.attn_k.{kind}", _rope_pairs(_heads(k, head_dim, layout.kv_heads), head_dim))
+            out.add(f"{target}.attn_v.{kind}", _heads(v, head_dim, layout.kv_heads))
+        o = read("self_attn.o_proj.weight")
+        columns = o.reshape(hidden, -1, head_dim)[:, list(layout.query_order)].reshape(hidden, -1)
+        out.add(f"{target}.attn_output.weight", columns)
+        if (o_bias := read("self_attn.o_proj.bias")) is not None:
+            out.add(f"{target}.attn_output.bias", o_bias)
+    else:
+        if index == 0:  # a zero head: see the module docstring
+            out.add(f"{target}.attn_norm.weight", read("input_layernorm.weight"))
+            for name, rows, columns in (("q", head_dim, hidden), ("k", head_dim, hidden), ("v", head_dim, hidden)):
+                out.add(f"{target}.attn_{name}.weight", torch.zeros(rows, columns))
+            out.add(f"{target}.attn_output.weight", torch.zeros(hidden, head_dim))
+        if checkpoint.has(f"{source}.self_attn.o_proj.bias"):
+            raise UnsupportedModel(f"GGUF export: layer {index} has no heads but an o_proj bias, which llama.cpp drops")
+        # The norm feeds nothing without attention; the projections have no rows (or columns) left.
+        checkpoint.unread.discard(f"{source}.input_layernorm.weight")
+        checkpoint.unread -= {name for name in checkpoint.files if name.startswith(f"{source}.self_attn.")}
+
+    out.add(f"{target}.ffn_norm.weight", read("post_attention_layernorm.weight"))
+    mlp = {name: read(f"mlp.{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")}
+    biases = {name: read(f"mlp.{name}.bias") for name in ("gate_proj", "up_proj", "down_proj")}
+    if shape.ffn_width == 0:  # one channel of zeros: see the module docstring
+        mlp = {"gate_proj": torch.zeros(1, hidden), "up_proj": torch.zeros(1, hidden)}
+        mlp["down_proj"] = torch.zeros(hidden, 1)
+        biases.update({name: torch.zeros(1) for name in ("gate_proj", "up_proj") if biases[name] is not None})
+    for name, gguf_name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+        out.add(f"{target}.{gguf_name}.weight", mlp[name])
+        if biases[name] is not None:
+            out.add(f"{target}.{gguf_name}.bias", biases[name])
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> GgufExport:
+    """Write `checkpoint_dir` (dense or pruned) as one GGUF file at `out`, replacing it only when complete."""
+    if gguf_type not in GGUF_TYPES:
+        raise InvalidConfig(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, not {gguf_type!r}")
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    checkpoint = _Checkpoint(checkpoint_dir)
+    config = checkpoint.config
+    _check_supported(config, checkpoint)
+    shapes = _layer_shapes(config)
+    layouts = [attention_layout(shape) for shape in shapes]
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    head_counts = [len(layout.query_order) for layout in layouts]
+    kv_counts = [len(layout.kv_heads) for layout in layouts]
+    head_counts[0], kv_counts[0] = max(head_counts[0], 1), max(kv_counts[0], 1)
+    ffn_widths = [max(shape.ffn_width, 1) for shape in shapes]
+    uniform = len({(h, k, f) for h, k, f in zip(head_counts, kv_counts, ffn_widths, strict=True)}) == 1
+    architecture = "llama" if uniform and head_counts[0] > 0 and shapes[0].ffn_width > 0 else "deci"
+    window = _sliding_window(config)
+    context_length = min(config["max_position_embeddings"], window or config["max_position_embeddings"])
+    embedding = checkpoint.tensor("model.embed_tokens.weight")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    writer = gguf.GGUFWriter(partial, architecture)
+    tensors = _Writer(writer, gguf_type)
+    try:
+        writer.add_name(checkpoint_dir.name)
+        writer.add_file_type(_FILE_TYPE[gguf_type])
+        writer.add_block_count(len(shapes))
+        writer.add_context_length(context_length)
+        writer.add_embedding_length(hidden)
+        writer.add_feed_forward_length(ffn_widths[0] if architecture == "llama" else ffn_widths)
+        writer.add_head_count(head_counts[0] if architecture == "llama" else head_counts)
+        writer.add_head_count_kv(kv_counts[0] if architecture == "llama" else kv_counts)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_freq_base(_rope_theta(config))
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_vocab_size(embedding.shape[0])
+        tokenizer_caveat = write_vocabulary(writer, checkpoint_dir, embedding.shape[0])
+
+        tensors.add("token_embd.weight", embedding)
+        for index, shape in enumerate(shapes):
+            _write_layer(tensors, checkpoint, index, shape, head_dim, hidden)
+        tensors.add("output_norm.weight", checkpoint.tensor("model.norm.weight"))
+        if not config.get("tie_word_embeddings", False):
+            tensors.add("output.weight", checkpoint.tensor("lm_head.weight"))
+        else:
+            checkpoint.unread.discard("lm_head.weight")
+        if checkpoint.unread:
+            raise UnsupportedModel(f"GGUF export: no place in llama.cpp for {', '.join(sorted(checkpoint.unread)[:3])}")
+
+        kv_repeated = [index for index, layout in enumerate(layouts) if layout.repeated]
+        if gguf_type == "q8_0":
+            writer.add_uint32("casp.q8_0_fallback_count", len(tensors.fallback))
+            writer.add_array("casp.q8_0_fallback", tensors.fallback)  # written only when not empty
+        writer.add_array("casp.kv_heads_repeated_layers", kv_repeated)
+        if window is not None:
+            writer.add_uint32("casp.sliding_window", window)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, out)
+    finally:
+        writer.close()  # again on failure, so the partial file can be removed
+        partial.unlink(missing_ok=True)
+    return GgufExport(
+        path=out,
+        sha256=_sha256(out),
+        architecture=architecture,
+        gguf_type=gguf_type,
+        tensor_types=tensors.types,
+        q8_0_fallback=tuple(tensors.fallback),
+        kv_repeated_layers=tuple(kv_repeated),
+        context_length=context_length,
+        tokenizer_caveat=tokenizer_caveat,
+    )
+
+
+def gguf_file_name(gguf_type: str) -> str:
+    return f"model-{gguf_type}.gguf"
+
+
+def export_checkpoint(checkpoint_dir: Path, formats: list[str], gguf_type: str) -> list[GgufExport]:
+    """The exports `casp prune --export` and a job's `export` ask for, written into the checkpoint directory."""
+    exports = []
+    if "gguf" in formats:
+        exports.append(export_gguf(checkpoint_dir, checkpoint_dir / gguf_file_name(gguf_type), gguf_type))
+    return exports

@@ -1,0 +1,279 @@
+"""GGUF export against the real engine: llama-cpp-python must compute what transformers computes.
+
+Both fixture models, dense, pruned by the pipeline at 0.3 and 0.5, and pruned by hand so that the awkward
+shapes certainly occur (uneven GQA groups, a layer without heads, one without FFN channels, one with neither).
+The bounds for the lossy settings were measured on these checkpoints (docs/serving.md has the numbers).
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+import pytest
+import torch
+
+from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.cli.main import main
+from casp_core.config import CalibrationConfig
+from casp_core.data import evaluation_source, load_rows
+from casp_core.errors import InvalidConfig, UnsupportedModel
+from casp_core.export.gguf import LayerShape, attention_layout, export_gguf
+from casp_core.model import load_model
+from casp_core.prune import prune
+from casp_core.surgery import LayerPruning, remove_units
+from tests.conftest import DATASETS_DIR, PTBWIKI, STORIES, small_config
+
+CALIBRATION = CalibrationConfig(dataset="wikitext2:validation", n_samples=8, seq_len=64, batch_size=8)
+POSITIONS = 320  # tokens compared per checkpoint: a few hundred positions
+THREADS = 2
+
+# max |llama.cpp - transformers| / max |transformers logit|, and greedy agreement, per setting
+EXACT = {"relative": 1e-4, "agreement": 0.99}
+LOSSY = {  # measured maximum over the checkpoints, about half the bound: see docs/serving.md
+    ("f16", "f32"): {"relative": 3e-3, "agreement": 0.99},
+    ("bf16", "f32"): {"relative": 3e-2, "agreement": 0.97},
+    ("q8_0", "f32"): {"relative": 6e-2, "agreement": 0.93},
+    ("f32", "default"): {"relative": 1e-2, "agreement": 0.98},
+    ("f16", "default"): {"relative": 1e-2, "agreement": 0.98},
+}
+
+# Pruned by hand (dense numbering). stories260K: 8 query heads over 4 key/value heads in pairs, FFN 172.
+STORIES_MASKS = [
+    LayerPruning((2,), tuple(range(40))),  # key/value head 1 keeps one query head, the others two: uneven
+    LayerPruning(tuple(range(8)), ()),  # no heads
+    LayerPruning((0, 1, 2, 3, 4), tuple(range(172))),  # heads 5, 6, 7 over two key/value heads; no FFN
+    LayerPruning(tuple(range(8)), tuple(range(172))),  # nothing left
+    LayerPruning((1, 3, 5, 7), tuple(range(0, 172, 3))),
+]
+# ptbwiki-7M: 8 heads, 8 key/value heads, FFN 704, 8 layers.
+PTBWIKI_MASKS = [
+    LayerPruning(tuple(range(8)), ()),
+    LayerPruning((), tuple(range(704))),
+    LayerPruning(tuple(range(8)), tuple(range(704))),
+    LayerPruning((0, 5), tuple(range(0, 704, 5))),
+    *[LayerPruning((), ())] * 4,
+]
+MODELS = {"stories260K": (STORIES, STORIES_MASKS), "ptbwiki-7M": (PTBWIKI, PTBWIKI_MASKS)}
+VARIANTS = ("dense", "0.3", "0.5", "by_hand")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """Every (model, variant) checkpoint directory, built once for the module."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    built = {}
+    for name, (dense_dir, masks) in MODELS.items():
+        built[name, "dense"] = dense_dir
+        for ratio in ("0.3", "0.5"):
+            model, tokenizer = load_model(str(dense_dir), dtype="float32")
+            result = prune(model, tokenizer, small_config(float(ratio), calibration=CALIBRATION))
+            save_pruned(result.model, tokenizer, root / f"{name}-{ratio}")
+            built[name, ratio] = root / f"{name}-{ratio}"
+        model, tokenizer = load_model(str(dense_dir), dtype="float32")
+        save_pruned(remove_units(model, masks), tokenizer, root / f"{name}-by_hand")
+        built[name, "by_hand"] = root / f"{name}-by_hand"
+    return built
+
+
+def reference(checkpoint: Path) -> tuple[torch.nn.Module, object]:
+    if checkpoint in (STORIES, PTBWIKI):
+        return load_model(str(checkpoint), dtype="float32")
+    return load_pruned(checkpoint, dtype="float32")
+
+
+def evaluation_text() -> str:
+    return "\n".join(load_rows(evaluation_source("wikitext2"), str(DATASETS_DIR))[:80])
+
+
+def engine(path: Path, n_ctx: int, cache: str = "f32") -> llama_cpp.Llama:
+    kwargs = {}
+    if cache == "f32":
+        kwargs = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32}
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        logits_all=True,
+        n_threads=THREADS,
+        verbose=False,
+        **kwargs,
+    )
+
+
+def compare(checkpoint: Path, gguf_path: Path, cache: str = "f32") -> dict[str, float]:
+    model, tokenizer = reference(checkpoint)
+    ids = tokenizer(evaluation_text()).input_ids[:POSITIONS]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    llm = engine(gguf_path, len(ids), cache)
+    llm.eval(ids)
+    actual = np.asarray(llm.scores[: len(ids)])
+    llm.close()
+    return {
+        "relative": float(np.abs(actual - expected).max() / np.abs(expected).max()),
+        "agreement": float((actual.argmax(-1) == expected.argmax(-1)).mean()),
+    }
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", MODELS)
+def test_f32_logits_match_transformers(checkpoints, tmp_path, name, variant):
+    checkpoint = checkpoints[name, variant]
+    exported = export_gguf(checkpoint, tmp_path / "model.gguf", "f32")
+    measured = compare(checkpoint, exported.path)
+    assert measured["relative"] <= EXACT["relative"], measured
+    assert measured["agreement"] >= EXACT["agreement"], measured
+
+
+@pytest.mark.parametrize(("gguf_type", "cache"), list(LOSSY))
+@pytest.mark.parametrize("variant", ("dense", "0.5"))
+@pytest.mark.parametrize("name", MODELS)
+def test_lossy_settings_stay_within_their_documented_bounds(checkpoints, tmp_path, name, variant, gguf_type, cache):
+    checkpoint = checkpoints[name, variant]
+    exported = export_gguf(checkpoint, tmp_path / "model.gguf", gguf_type)
+    measured = compare(checkpoint, exported.path, cache)
+    bound = LOSSY[gguf_type, cache]
+    assert measured["relative"] <= bound["relative"], measured
+    assert measured["agreement"] >= bound["agreement"], measured
+
+
+def test_the_hand_pruned_shapes_are_the_awkward_ones(checkpoints, tmp_path):
+    exported = export_gguf(checkpoints["stories260K", "by_hand"], tmp_path / "model.gguf", "f32")
+    reader = gguf.GGUFReader(exported.path)
+    heads = reader.get_field("deci.attention.head_count").contents()
+    kv_heads = reader.get_field("deci.attention.head_count_kv").contents()
+    widths = reader.get_field("deci.feed_forward_length").contents()
+    assert heads == [7, 0, 3, 0, 4]
+    assert kv_heads == [7, 0, 3, 0, 4]  # uneven groups: one key/value head per query head
+    assert widths == [132, 172, 1, 1, 114]  # no channels: one channel of zeros
+    assert exported.kv_repeated_layers == (0, 2)
+    assert exported.architecture == "deci"
+    assert "blk.1.attn_q.weight" not in exported.tensor_types
+
+
+def test_uneven_groups_repeat_each_key_value_head_per_gcd_of_group_sizes():
+    layout = attention_layout(LayerShape((0, 0, 0, 0, 1, 1, 2, 2), 3, 8))
+    assert layout.query_order == tuple(range(8))
+    assert layout.kv_heads == (0, 0, 1, 2)
+    shuffled = attention_layout(LayerShape((1, 0, 1, 0), 2, 8))
+    assert shuffled.query_order == (1, 3, 0, 2) and shuffled.kv_heads == (0, 1)
+    assert not shuffled.repeated
+
+
+def in_vocabulary(text: str, tokenizer) -> bool:
+    """Every character is a token of its own or part of one: what a tokenizer without byte fallback can take."""
+    characters = {c for token in tokenizer.get_vocab() for c in token.replace("▁", " ")} | {" ", "\n"}
+    return set(text) <= characters
+
+
+def comparable(text: str, tokenizer) -> bool:
+    """Text outside the two documented differences: no leading space, no special token written out."""
+    return not text.startswith(" ") and not any(special in text for special in tokenizer.all_special_tokens)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_llama_cpp_tokenizes_the_test_texts_as_transformers_does(tmp_path, name):
+    dense_dir = MODELS[name][0]
+    exported = export_gguf(dense_dir, tmp_path / "model.gguf", "f16")
+    _, tokenizer = load_model(str(dense_dir))
+    llm = llama_cpp.Llama(model_path=str(exported.path), vocab_only=True, verbose=False)
+    rows = [row for source in ("wikitext2", "ptb") for row in load_rows(evaluation_source(source), str(DATASETS_DIR))]
+    texts = [row.lstrip(" ") for row in rows if row.strip()][:2000]
+    texts.append("\n".join(rows[:200]).lstrip(" "))
+    texts = [text for text in texts if comparable(text, tokenizer)]
+    if exported.tokenizer_caveat:  # ptbwiki-7M: no byte fallback, so only text of the vocabulary's characters
+        texts = [text for text in texts if in_vocabulary(text, tokenizer)]
+    assert len(texts) >= 1000
+    mismatches = [
+        text for text in texts if llm.tokenize(text.encode("utf-8"), add_bos=True) != tokenizer(text).input_ids
+    ]
+    llm.close()
+    assert not mismatches, f"{len(mismatches)} of {len(texts)} differ, first: {mismatches[0]!r}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_documented_tokenizer_differences_are_still_the_only_ones(tmp_path, name):
+    """docs/serving.md names them; if llama.cpp ever tokenizes these like transformers, the docs must change."""
+    dense_dir = MODELS[name][0]
+    exported = export_gguf(dense_dir, tmp_path / "model.gguf", "f16")
+    _, tokenizer = load_model(str(dense_dir))
+    llm = llama_cpp.Llama(model_path=str(exported.path), vocab_only=True, verbose=False)
+    space = tokenizer.convert_tokens_to_ids("▁")
+    text = "the cat sat"
+    assert llm.tokenize(f" {text}".encode(), add_bos=True) == [1, space, *tokenizer(text).input_ids[1:]]
+    assert tokenizer(f" {text}").input_ids == tokenizer(text).input_ids  # transformers: no second ▁
+    unk = "the <unk> sat"
+    assert tokenizer(unk).input_ids.count(tokenizer.unk_token_id) == 1
+    assert tokenizer.unk_token_id not in llm.tokenize(unk.encode(), add_bos=True, special=False)
+    llm.close()
+
+
+def test_a_tokenizer_without_byte_fallback_is_exported_with_its_caveat(tmp_path):
+    assert export_gguf(STORIES, tmp_path / "stories.gguf").tokenizer_caveat is None
+    exported = export_gguf(PTBWIKI, tmp_path / "ptbwiki.gguf")
+    assert "no byte fallback" in exported.tokenizer_caveat
+    assert gguf.GGUFReader(exported.path).get_field("casp.tokenizer_caveat").contents() == exported.tokenizer_caveat
+
+
+def test_q8_0_keeps_f16_where_rows_are_not_a_multiple_of_32(checkpoints, tmp_path):
+    exported = export_gguf(checkpoints["stories260K", "by_hand"], tmp_path / "model.gguf", "q8_0")
+    reader = gguf.GGUFReader(exported.path)
+    recorded = reader.get_field("casp.q8_0_fallback").contents()
+    assert recorded == list(exported.q8_0_fallback)
+    assert "blk.0.ffn_down.weight" in recorded  # 132 channels
+    assert exported.tensor_types["blk.0.ffn_down.weight"] == "F16"
+    assert exported.tensor_types["blk.0.ffn_up.weight"] == "Q8_0"  # rows of hidden size 64
+
+
+def test_casp_export_writes_the_file_and_prints_its_digest(tmp_path, capsys):
+    out = tmp_path / "dense.gguf"
+    assert main(["export", str(STORIES), "--format", "gguf", "--gguf-type", "q8_0", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert printed["architecture"] == "llama" and printed["q8_0_fallback"]
+    assert main(["export", str(tmp_path), "--format", "gguf", "--out", str(out)]) == 2
+    assert "model_not_found" in capsys.readouterr().err
+
+
+def test_casp_prune_export_gguf_generates_the_text_transformers_generates(tmp_path, capsys):
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(STORIES), "--ratio", "0.5", "--out", str(out), "--export", "gguf"]
+    arguments += ["--gguf-type", "f32", "--calibration-dataset", "wikitext2:validation", "--n-samples", "8"]
+    arguments += ["--seq-len", "64", "--perplexity", "", "--datasets-dir", str(DATASETS_DIR)]
+    assert main(arguments) == 0
+    (export,) = json.loads(capsys.readouterr().out)["exports"]
+    gguf_path = out / "model-f32.gguf"
+    assert export["path"] == gguf_path.name
+    assert export["sha256"] == hashlib.sha256(gguf_path.read_bytes()).hexdigest()
+
+    model, tokenizer = load_pruned(out, dtype="float32")
+    prompt = tokenizer("Once upon a time").input_ids
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt) :]
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=128, n_threads=THREADS, verbose=False)
+    generated = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1):
+        generated.append(token)
+        if len(generated) == len(expected) or token == llm.token_eos():
+            break
+    llm.close()
+    assert generated == expected.tolist()
+    assert len(set(generated)) > 5  # a real continuation, not one token repeated
+
+
+def test_unsupported_settings_are_refused_in_one_line(tmp_path):
+    with pytest.raises(InvalidConfig, match="gguf_type"):
+        export_gguf(STORIES, tmp_path / "model.gguf", "q4_0")
+    config_path = tmp_path / "qwen3" / "config.json"
+    config_path.parent.mkdir()
+    for item in STORIES.iterdir():
+        (config_path.parent / item.name).symlink_to(item)
+    (config_path.parent / "config.json").unlink()
+    config_path.write_text((STORIES / "config.json").read_text().replace('"llama"', '"qwen3"'))
+    with pytest.raises(UnsupportedModel, match="qwen3"):
+        export_gguf(config_path.parent, tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists()
