@@ -1,20 +1,12 @@
-"""`casp export CHECKPOINT --format gguf`, and the `--export gguf` options that `casp prune` shares."""
+"""`casp export CHECKPOINT --format gguf`; `casp prune` takes `--export`/`--gguf-type` from the config like its other
+settings."""
 
 import argparse
 import json
 import sys
 from pathlib import Path
 
-from casp_core.config import EXPORT_FORMATS, GGUF_TYPES
-
-
-def add_gguf_type_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--gguf-type",
-        choices=GGUF_TYPES,
-        default="f16",
-        help="GGUF weight type; q8_0 keeps F16 for rows not a multiple of 32 (listed in casp.q8_0_fallback)",
-    )
+from casp_core.config import EXPORT_FORMATS, GGUF_TYPES, PruneSettings
 
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +14,12 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("checkpoint", type=Path, help="checkpoint directory written by `casp prune`, or a dense one")
     parser.add_argument("--format", choices=EXPORT_FORMATS, required=True)
     parser.add_argument("--out", type=Path, required=True, help="file to write")
-    add_gguf_type_option(parser)
+    parser.add_argument(
+        "--gguf-type",
+        choices=GGUF_TYPES,
+        default=PruneSettings.model_fields["gguf_type"].default,  # the same default as a job's
+        help="GGUF weight type; q8_0 keeps F16 for rows not a multiple of 32 (listed in casp.q8_0_fallback)",
+    )
     parser.set_defaults(run=run_export)
 
 
