@@ -19,7 +19,9 @@ from casp_core.export.gguf import export_checkpoint
 from casp_core.model import check_model_reference, load_model, resolve_device
 from casp_core.prune import prune
 from casp_core.report.build import build_report, write_report
+from casp_core.report.model_card import write_model_card
 from casp_core.report.plots import write_plots
+from casp_core.report.publish import base_model_of, public_name, without_local_paths
 from casp_core.run import Run
 
 # The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration and
@@ -50,7 +52,9 @@ def _prepare_output(out_dir: Path) -> Path:
 def run_job(
     model: str, config: PruneConfig, out_dir: Path, run: Run | None = None, *, revision: str | None = None
 ) -> dict[str, Any]:
-    """The whole job; `out_dir` ends up holding the checkpoint, report.json and report.md, or nothing."""
+    """The whole job; `out_dir` ends up holding the checkpoint with its model card (README.md), report.json and
+    report.md, or nothing. Nothing written there names a local path other than by its last part, and the
+    report returned is the one written."""
     config.validate()
     check_model_reference(model)
     run = run or Run()
@@ -75,7 +79,13 @@ def run_job(
         del dense
         with run.stage("checkpoint"):
             run.report("checkpoint", 0.0, "writing the checkpoint")
-            result.model.config.casp = {"source_model": model, "revision": revision, "settings": config.to_dict()}
+            base_model = base_model_of(model)
+            result.model.config.casp = {
+                "source_model": public_name(model),
+                "base_model": base_model,
+                "revision": revision,
+                "settings": without_local_paths(config.to_dict()),
+            }
             save_pruned(result.model, tokenizer, staging)
         exports = []
         if config.export:
@@ -87,7 +97,7 @@ def run_job(
         run.report("report", 0.0, "writing the report")
         evaluation = side_by_side(dense_figures, pruned_figures, plan.texts)
         report = build_report(
-            model_name=model,
+            model_name=public_name(model),
             config=config,
             result=result,
             perplexity=evaluation.pop("perplexity"),
@@ -98,7 +108,9 @@ def run_job(
         if exports:
             report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
         report["plots"] = [str(path.relative_to(staging)) for path in write_plots(report, staging)]
+        report = without_local_paths(report)
         write_report(report, staging)
+        write_model_card(staging, report, base_model=base_model, exported=[export.path.name for export in exports])
         if out_dir.exists():
             out_dir.rmdir()
         staging.rename(out_dir)

@@ -9,7 +9,7 @@ from typing import Any
 
 from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
-from casp_core.report.card import render_card
+from casp_core.report.evaluation_section import render_evaluation_section
 from casp_core.results import PruneResult
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
 
@@ -106,7 +106,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- device {report['device']}, dtype {report['dtype']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         "",
-        render_card({"perplexity": report["perplexity"], **report["evaluation"]}),
+        render_evaluation_section({"perplexity": report["perplexity"], **report["evaluation"]}),
         "## Objective z'Qz (sum over layers)",
         "",
         "| sub-layer | chosen solver | independent (diagonal) |",

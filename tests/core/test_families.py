@@ -237,7 +237,7 @@ def test_casp_prune_succeeds(
     status = cli.main(["prune", "--model", model, "--ratio", ratio, "--solver", solver, "--out", str(out), *small_run])
     assert status == 0, capsys.readouterr().err
     assert json.loads((out / "report.json").read_text())["verification"]["max_relative_diff"] <= 1e-10
-    assert load_pruned(out)[0].config.casp["source_model"] == model
+    assert load_pruned(out)[0].config.casp["source_model"] == dense_folders[family].name
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,7 @@ def test_run_job_writes_a_checkpoint_both_loaders_read(tmp_path):
     config.efficiency = EfficiencyConfig(macs_seq_len=16, batch_size=2, seq_len=16, new_tokens=4, repeats=1, warmup=0)
     report = run_job(str(STORIES), config, out)
     assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -152,7 +153,7 @@ def test_run_job_writes_a_checkpoint_both_loaders_read(tmp_path):
     assert type(remote).__module__.startswith("transformers_modules")  # the file shipped in the checkpoint
     with torch.no_grad():
         assert torch.equal(own(tokens).logits, remote(tokens).logits)
-    assert own.config.casp["source_model"] == str(STORIES)
+    assert own.config.casp["source_model"] == STORIES.name  # a local source by its name, never its path
 
 
 def test_checkpoint_matches_the_in_memory_model(stories, tmp_path):

@@ -75,7 +75,7 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
 
     artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]
     names = {a["name"] for a in artifacts}
-    assert CHECKPOINT_FILES | {"report.json", "report.md", "model-f16.gguf"} <= names  # gguf: llama.cpp
+    assert CHECKPOINT_FILES | {"README.md", "report.json", "report.md", "model-f16.gguf"} <= names  # gguf: llama.cpp
     assert any(name.startswith("tokenizer") for name in names)
     checkpoint = tmp_path / "checkpoint"
     for artifact in artifacts:

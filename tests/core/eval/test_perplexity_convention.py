@@ -11,7 +11,7 @@ import pytest
 from casp_core import data
 from casp_core.cli.eval import evaluate_checkpoint
 from casp_core.eval.perplexity import BOS_POLICY, NO_BOS, evaluation_text, perplexity
-from casp_core.report.card import render_card
+from casp_core.report.evaluation_section import render_evaluation_section
 from tests.conftest import DATASETS_DIR, STORIES
 
 
@@ -109,7 +109,9 @@ def test_casp_eval_and_the_card_record_the_convention():
             "bos": BOS_POLICY,
         }
     assert validation["ppl"] != test["ppl"]
-    card = render_card({"perplexity": {name: {"dense": r["ppl"], **r} for name, r in out["perplexity"].items()}})
+    card = render_evaluation_section(
+        {"perplexity": {name: {"dense": r["ppl"], **r} for name, r in out["perplexity"].items()}}
+    )
     assert f"| ptb | validation | 64 | 3 | {BOS_POLICY} | {validation['ppl']:.3f} |" in card
     assert f"| ptb:test | test | 64 | 3 | {BOS_POLICY} | {test['ppl']:.3f} |" in card
 
@@ -129,5 +131,5 @@ def test_a_file_has_no_split_and_the_card_says_so(stories, tmp_path):
     notes.write_text("Once upon a time there was a little dog.\nIt liked to play in the park with its friends.\n")
     text = evaluation_text(tokenizer, str(notes), 8)
     assert text.convention["split"] is None
-    card = render_card({"perplexity": {"notes.txt": {"dense": 2.0, **text.convention}}})
+    card = render_evaluation_section({"perplexity": {"notes.txt": {"dense": 2.0, **text.convention}}})
     assert f"| notes.txt | - | 8 | {text.windows.shape[0]} | {BOS_POLICY} | 2.000 |" in card

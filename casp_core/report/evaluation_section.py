@@ -1,5 +1,5 @@
-"""The evaluation section of report.md: every figure with the convention it was measured under, the dense
-model's figure from the same run beside the pruned model's.
+"""The evaluation section of report.md and of the model card: every figure with the convention it was
+measured under, the dense model's figure from the same run beside the pruned model's.
 
 The evaluation dict it renders (each section optional; a side missing from a section shows as "-"):
 
@@ -178,10 +178,10 @@ def efficiency_section(efficiency: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_card(evaluation: dict[str, Any]) -> str:
-    """Markdown for report.md; the sections present in `evaluation`, in the order perplexity, zero-shot,
-    efficiency."""
-    lines = ["## Evaluation", ""]
+def render_evaluation_section(evaluation: dict[str, Any], title: str = "Evaluation") -> str:
+    """Markdown for report.md and the model card; the sections present in `evaluation`, in the order
+    perplexity, zero-shot, efficiency."""
+    lines = [f"## {title}", ""]
     sections = (
         ("perplexity", perplexity_section),
         ("zero_shot", zero_shot_section),

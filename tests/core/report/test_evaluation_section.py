@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from casp_core.eval.efficiency import compare_efficiency
 from casp_core.eval.perplexity import BOS_POLICY
 from casp_core.eval.zeroshot import evaluate_zero_shot
-from casp_core.report.card import render_card
+from casp_core.report.evaluation_section import render_evaluation_section
 from tests.conftest import STORIES
 from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
@@ -51,7 +51,7 @@ def evaluation() -> dict:
 
 
 def test_every_zero_shot_figure_dense_and_pruned(evaluation: dict):
-    card = render_card(evaluation)
+    card = render_evaluation_section(evaluation)
     for side in ("dense", "pruned"):
         out = evaluation["zero_shot"][side]
         for task in TASKS:
@@ -69,7 +69,7 @@ def test_every_zero_shot_figure_dense_and_pruned(evaluation: dict):
 
 
 def test_every_efficiency_figure_dense_and_pruned(evaluation: dict):
-    card = render_card(evaluation)
+    card = render_evaluation_section(evaluation)
     for side in ("dense", "pruned"):
         figures = evaluation["efficiency"][side]
         assert f"| {figures['params']:,} |" in card or f" {figures['params']:,} |" in card
@@ -84,7 +84,7 @@ def test_every_efficiency_figure_dense_and_pruned(evaluation: dict):
 
 
 def test_perplexity_with_its_conventions(evaluation: dict):
-    card = render_card(evaluation)
+    card = render_evaluation_section(evaluation)
     assert f"| wikitext2 | test | 512 | 12 | {BOS_POLICY} | 3.051 | 58.734 | {58.734 / 3.0512:.3f} |" in card
     assert "non-overlapping windows of seq_len tokens" in card
 
@@ -93,13 +93,13 @@ def test_different_settings_for_dense_and_pruned_are_flagged(evaluation: dict):
     skewed = copy.deepcopy(evaluation)
     skewed["zero_shot"]["pruned"]["limit"] = None
     skewed["efficiency"]["pruned"]["device"] = "cuda:0"
-    card = render_card(skewed)
+    card = render_evaluation_section(skewed)
     assert "**different for dense and pruned**" in card and "none (full splits)" in card
     assert "Measured on **different setups**" in card
 
 
 def test_sections_are_optional():
-    assert "No evaluation was run." in render_card({})
-    card = render_card({"perplexity": {"ptb": {"dense": 59.5, "pruned": None, "seq_len": 256}}})
+    assert "No evaluation was run." in render_evaluation_section({})
+    card = render_evaluation_section({"perplexity": {"ptb": {"dense": 59.5, "pruned": None, "seq_len": 256}}})
     assert "| ptb | - | 256 | - | not recorded | 59.500 | - | - |" in card
     assert "Zero-shot" not in card and "Efficiency" not in card

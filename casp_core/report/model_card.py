@@ -1,0 +1,245 @@
+"""The checkpoint's model card, README.md: Hugging Face front matter (base model, tags, a model-index of the
+pruned model's measured figures) and a short body (what was pruned, the settings, dense against pruned, how to
+load it). Written by run_job after the evaluation, from the report; the directory is then ready for
+`huggingface-cli upload` as it is.
+
+Later stages add their own sections through `extra_sections` (a heading and Markdown each; images as paths
+relative to the checkpoint directory).
+"""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from casp_core.data import HUB_SOURCES, evaluation_source
+from casp_core.modeling_casp_llama import CaspLlamaConfig
+from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.publish import public_name
+
+CARD_FILE = "README.md"
+TAGS = ["pruned", "structured-pruning", "casp"]
+PIPELINE_TAG = "text-generation"
+ZERO_SHOT_METRICS = ("acc", "acc_norm")
+
+
+@dataclass(frozen=True)
+class CardSection:
+    """A section another stage adds to the card: `## {title}` and its Markdown."""
+
+    title: str
+    markdown: str
+
+
+def card_model_name(source_name: str, target_ratio: float) -> str:
+    """`stories260K` pruned by 30 % -> `stories260K-casp-30`."""
+    return f"{source_name}-casp-{round(target_ratio * 100)}"
+
+
+def _perplexity_results(perplexity: dict[str, dict[str, Any]]) -> list[EvalResult]:
+    results = []
+    for name, entry in perplexity.items():
+        if entry.get("pruned") is None:
+            continue
+        source = evaluation_source(name)
+        hub = None if source.is_file else HUB_SOURCES[source.name]
+        results.append(
+            EvalResult(
+                task_type=PIPELINE_TAG,
+                task_name="Language modelling",
+                dataset_type=hub.path if hub else name,
+                dataset_name=name,
+                dataset_config=hub.name if hub else None,
+                dataset_split=entry.get("split"),
+                metric_type="perplexity",
+                metric_value=entry["pruned"],
+                metric_name=f"perplexity ({entry.get('seq_len', '?')}-token windows)",
+            )
+        )
+    return results
+
+
+def _zero_shot_results(zero_shot: dict[str, Any]) -> list[EvalResult]:
+    pruned = zero_shot.get("pruned") or {}
+    results = []
+    for task, figures in pruned.get("tasks", {}).items():
+        for metric in ZERO_SHOT_METRICS:
+            if figures.get(metric) is None:
+                continue
+            results.append(
+                EvalResult(
+                    task_type=PIPELINE_TAG,
+                    task_name="Zero-shot multiple choice (lm-evaluation-harness)",
+                    dataset_type=task,
+                    dataset_name=task,
+                    dataset_split=figures.get("split"),
+                    metric_type=metric,
+                    metric_value=figures[metric],
+                    metric_name=f"{metric}, {pruned.get('num_fewshot', 0)}-shot",
+                )
+            )
+    return results
+
+
+def card_data(report: dict[str, Any], *, base_model: str | None, exported: Sequence[str]) -> ModelCardData:
+    """The front matter: the model-index holds the pruned model's figures as report.json has them."""
+    evaluation = report.get("evaluation", {})
+    results = _perplexity_results(report["perplexity"]) + _zero_shot_results(evaluation.get("zero_shot") or {})
+    return ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag=PIPELINE_TAG,
+        tags=TAGS + (["gguf"] if any(name.endswith(".gguf") for name in exported) else []),
+        model_name=card_model_name(public_name(report["model"]), report["target_ratio"]),
+        eval_results=results or None,
+    )
+
+
+def _what_was_pruned(report: dict[str, Any], base: str) -> list[str]:
+    params = report["params"]
+    layers = report["layers"]
+    lines = [
+        f"{base}, pruned with CASP (Correlation-Aware Structured Pruning): whole attention heads and MLP "
+        "channels are removed, chosen per layer from the correlations of their outputs on calibration text, "
+        "and the kept weights are refitted to make up for them. The layers stay dense matrices, smaller.",
+        "",
+        f"- ratio asked {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f}: "
+        f"{params['dense']:,} -> {params['pruned']:,} parameters ({params['counted']})",
+    ]
+    efficiency = report.get("evaluation", {}).get("efficiency") or {}
+    if efficiency.get("dense") and efficiency.get("pruned"):
+        lines.append(
+            f"- whole model: {efficiency['dense']['params']:,} -> {efficiency['pruned']['params']:,} parameters"
+        )
+    lines += [
+        "",
+        "| layer | ratio | attention heads kept | MLP channels kept |",
+        "|---|---|---|---|",
+    ]
+    for layer in layers:
+        heads, channels = layer["attn"]["units"], layer["mlp"]["units"]
+        lines.append(
+            f"| {layer['index']} | {layer['ratio']:.3f} | {heads - len(layer['pruned_heads'])}/{heads} | "
+            f"{channels - len(layer['pruned_channels'])}/{channels} |"
+        )
+    return lines
+
+
+def _settings(report: dict[str, Any]) -> list[str]:
+    settings = report["settings"]
+    calibration = settings["calibration"]
+    return [
+        f"- solver `{settings['solver']}`, allocation `{settings['allocation']}` (alpha {settings['alpha']}, "
+        f"r_max {settings['r_max']}), compensation `{settings['compensation']}`, FFN widths rounded to "
+        f"{settings['round_to']}",
+        f"- calibration: {calibration['n_samples']} windows of {calibration['seq_len']} tokens of "
+        f"`{calibration['dataset']}`, seed {calibration['seed']}, {calibration['mode']} statistics",
+        f"- weights {report['dtype']}, pruned on {report['device']}; "
+        + ", ".join(f"{name} {version}" for name, version in report["versions"].items() if version),
+    ]
+
+
+def _usage(model_type: str, name: str, exported: Sequence[str]) -> list[str]:
+    per_layer = model_type == CaspLlamaConfig.model_type
+    gguf = next((file for file in exported if file.endswith(".gguf")), None)
+    lines = [
+        f"`{name}` below is this folder, or the repository it was uploaded to.",
+        "",
+        "**transformers**"
+        + (
+            " (the layers have different shapes: the modeling file shipped here, `modeling_casp_llama.py`, "
+            "builds them, hence `trust_remote_code=True`)"
+            if per_layer
+            else f" (a plain `{model_type}` checkpoint)"
+        ),
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{name}"' + (", trust_remote_code=True)" if per_layer else ")"),
+        "```",
+        "",
+        "**llama.cpp**",
+        "",
+        "```bash",
+    ]
+    if gguf:
+        lines.append(f'llama-cli -m {gguf} -p "Once upon a time" -n 64')
+    else:
+        lines += [
+            f"casp export {name} --format gguf --out {name}.gguf   # casp's GGUF export",
+            f'llama-cli -m {name}.gguf -p "Once upon a time" -n 64',
+        ]
+    lines += ["```", "", "**vLLM**", ""]
+    if per_layer:
+        lines.append(
+            "vLLM does not load layers of different shapes; prune with `shape: uniform` for a checkpoint it serves."
+        )
+    else:
+        lines += ["```bash", f"vllm serve {name}", "```"]
+    return lines
+
+
+def render_model_card(
+    report: dict[str, Any],
+    *,
+    model_type: str,
+    base_model: str | None,
+    exported: Sequence[str] = (),
+    extra_sections: Sequence[CardSection] = (),
+) -> ModelCard:
+    """The card for a checkpoint of `model_type` (config.json's), from its path-free report (see
+    `casp_core.report.publish`); `exported` names the files written beside it (model-f16.gguf, ...)."""
+    data = card_data(report, base_model=base_model, exported=exported)
+    source = public_name(report["model"])
+    base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"A local model, `{source}`"
+    evaluation = {"perplexity": report["perplexity"], **report.get("evaluation", {})}
+    body = [
+        f"# {data.model_name}",
+        "",
+        "## What was pruned",
+        "",
+        *_what_was_pruned(report, base),
+        "",
+        "## Settings",
+        "",
+        *_settings(report),
+        "",
+        render_evaluation_section(evaluation, title="Dense against pruned"),
+        "## How to load it",
+        "",
+        *_usage(model_type, data.model_name, exported),
+        "",
+    ]
+    for section in extra_sections:
+        body += [f"## {section.title}", "", section.markdown.rstrip(), ""]
+    body += [
+        "## More",
+        "",
+        "`report.md` and `report.json` beside this card hold every figure of the run: the objective per layer, "
+        "the verification of the pruned model against the masked one, time and memory per stage.",
+        "",
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
+
+
+def write_model_card(
+    directory: Path,
+    report: dict[str, Any],
+    *,
+    base_model: str | None,
+    exported: Sequence[str] = (),
+    extra_sections: Sequence[CardSection] = (),
+) -> Path:
+    """README.md in the checkpoint `directory`, for the model type its config.json holds."""
+    model_type = json.loads((directory / "config.json").read_text(encoding="utf-8"))["model_type"]
+    card = render_model_card(
+        report, model_type=model_type, base_model=base_model, exported=exported, extra_sections=extra_sections
+    )
+    path = directory / CARD_FILE
+    card.save(path)
+    return path
