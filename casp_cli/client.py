@@ -97,6 +97,15 @@ class CaspAPIError(Exception):
         self.param = param
 
 
+class ArtifactError(Exception):
+    """A downloaded artifact that cannot be kept: `code` says why (sha256_mismatch, unsafe_name)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class CaspClient:
     """Every request goes through a RetryingTransport: `retries` more attempts after a connection error or a 503,
     the first after about `backoff` seconds."""
@@ -181,7 +190,8 @@ class CaspClient:
             time.sleep(poll_seconds)
 
     def download(self, job_id: str, dest: Path) -> list[Path]:
-        """Downloads every artifact into `dest`, keeping the checkpoint's layout, and checks each sha256."""
+        """Downloads every artifact into `dest`, keeping the checkpoint's layout, and checks each sha256.
+        Raises ArtifactError at the first artifact that fails the check (or whose name would leave `dest`)."""
         dest = dest.resolve()
         paths = []
         # The URLs carry their own credentials (signed); an Authorization header would upset S3.
@@ -189,7 +199,7 @@ class CaspClient:
             for artifact in self.artifacts(job_id):
                 path = (dest / artifact["name"]).resolve()
                 if not path.is_relative_to(dest):
-                    raise ValueError(f"artifact name leaves the target folder: {artifact['name']!r}")
+                    raise ArtifactError("unsafe_name", f"artifact name leaves the target folder: {artifact['name']!r}")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 digest = hashlib.sha256()
                 with plain.stream("GET", artifact["url"]) as response, path.open("wb") as out:
@@ -199,6 +209,11 @@ class CaspClient:
                         digest.update(chunk)
                         out.write(chunk)
                 if digest.hexdigest() != artifact["sha256"]:
-                    raise ValueError(f"{artifact['name']}: sha256 mismatch")
+                    path.unlink()  # what arrived is not the artifact: no file of a checkpoint may look complete
+                    raise ArtifactError(
+                        "sha256_mismatch",
+                        f"{artifact['name']}: the service lists sha256 {artifact['sha256']}, the download has "
+                        f"{digest.hexdigest()}; the file was not kept",
+                    )
                 paths.append(path)
         return paths

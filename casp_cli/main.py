@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from casp_cli.client import DEFAULT_RETRIES, CaspAPIError, CaspClient
+from casp_cli.client import DEFAULT_RETRIES, ArtifactError, CaspAPIError, CaspClient
 from casp_core.cli.arguments import non_negative_int
 from casp_core.cli.main import main as casp_main
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         # The service's own error code, as casp_core's errors print theirs; the HTTP status where it gave none.
         print(f"casp: error: {error.code or f'HTTP {error.status_code}'}: {error.message}", file=sys.stderr)
         return 2 if 400 <= error.status_code < 500 else 1
+    except ArtifactError as error:
+        print(f"casp: error: {error.code}: {error.message}", file=sys.stderr)
+        return 1
     except httpx.TransportError as error:
         # The transport's note says how many attempts were made, and over how long.
         tried = "; ".join(getattr(error, "__notes__", []))

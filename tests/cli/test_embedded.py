@@ -151,7 +151,21 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
         downloaded = casp("download", submitted["id"], "--out", str(out)).stdout
         files = [path for path in out.rglob("*") if path.is_file()]
         assert downloaded == f"{len(files)} files in {out.resolve()}\n"
-        assert {"config.json", "model.safetensors", "report.json", "report.md"} <= {path.name for path in files}
+        assert {"config.json", "model.safetensors", "README.md", "report.json", "report.md"} <= {
+            path.name for path in files
+        }
+
+        # A stored file changed after the upload: one line naming it, exit 1, and the bad copy not kept.
+        stored = home / "artifacts" / "jobs" / submitted["id"] / "report.md"
+        stored.write_text(stored.read_text() + "tampered\n")
+        tampered = subprocess.run(
+            [sys.executable, "-m", "casp_cli.main", "download", submitted["id"], "--out", str(tmp_path / "again")],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert tampered.returncode == 1 and tampered.stdout == ""
+        lines = tampered.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("casp: error: sha256_mismatch: report.md: "), tampered.stderr
+        assert not (tmp_path / "again" / "report.md").exists()
 
     model, _ = load_pruned(out)
     assert sum(p.numel() for p in model.parameters()) == expected_parameters(done["result"])
