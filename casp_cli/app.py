@@ -14,7 +14,7 @@ def background_services(settings: Settings, storage: Storage, dispatcher: Dispat
     # Imported here: the embedded worker pulls in the runner, which only the single-machine mode needs.
     from worker.embedded import EmbeddedWorker
 
-    services: list[BackgroundService] = [Reaper(settings, dispatcher)]
+    services: list[BackgroundService] = [Reaper(settings, dispatcher, storage)]
     if isinstance(dispatcher, EmbeddedDispatcher):
         services += [EmbeddedWorker(settings, storage, dispatcher, i) for i in range(settings.embedded_workers)]
     return services

@@ -49,6 +49,14 @@ class Settings(BaseSettings):
     ready_min_free_bytes: int = Field(default=1 << 30, ge=0)
     # A job request is a few KiB; anything much larger is refused (413) before it is read.
     max_request_bytes: int = Field(default=64 * 1024, ge=1024)
+    # Fair use, per API key (a key's own values, set with `casp keys create`, take precedence): jobs queued or
+    # running at once, and jobs submitted in any 60 s. Not applied with CASP_AUTH=none (there are no keys).
+    max_active_jobs: int = Field(default=8, ge=1)
+    max_submissions_per_minute: int = Field(default=30, ge=1)
+    # Artifacts of a succeeded job are deleted this long after it finished; a job may ask for another time
+    # (`retention_seconds`) up to the maximum.
+    artifact_retention_seconds: int = Field(default=7 * 86400, gt=0)
+    max_artifact_retention_seconds: int = Field(default=30 * 86400, gt=0)
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod

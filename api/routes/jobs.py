@@ -10,7 +10,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, 
 from fastapi.exceptions import RequestValidationError
 
 from api.deps import CallerDep, DispatcherDep, SessionDep, SettingsDep, StorageDep
-from api.errors import responses
+from api.errors import ApiError, artifacts_expired, responses
 from api.schemas import (
     MAX_EVENT_ID,
     ArtifactList,
@@ -103,7 +103,19 @@ def job_out(job: Job) -> JobOut:
         created_at=jobs.aware(job.created_at),
         started_at=jobs.aware(job.started_at),
         finished_at=jobs.aware(job.finished_at),
+        expires_at=jobs.aware(job.expires_at),
     )
+
+
+def retention_of(body: JobCreate, settings: Settings) -> int:
+    if body.retention_seconds is None:
+        return settings.artifact_retention_seconds
+    if body.retention_seconds > settings.max_artifact_retention_seconds:
+        raise invalid(
+            ("retention_seconds",),
+            f"at most {settings.max_artifact_retention_seconds} s on this server (CASP_MAX_ARTIFACT_RETENTION_SECONDS)",
+        )
+    return body.retention_seconds
 
 
 def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
@@ -114,7 +126,9 @@ def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
     return job
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobOut, responses=responses(400, 409, 413, 503))
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=JobOut, responses=responses(400, 409, 413, 429, 503)
+)
 def create_job(
     body: JobCreate,
     request: Request,
@@ -139,13 +153,22 @@ def create_job(
         "config": build_config(body, settings).to_dict(),
         "metadata_": body.metadata,
         "dispatched_at": dispatched_at,
+        "retention_seconds": retention_of(body, settings),
     }
     request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    limits = jobs.limits_of(session, caller, settings)
     try:
-        job, created = jobs.create_job(session, caller, fields, idempotency_key, request_hash)
+        job, created = jobs.create_job(session, caller, fields, idempotency_key, request_hash, limits)
     except jobs.IdempotencyConflict as exc:
         raise HTTPException(
             status.HTTP_409_CONFLICT, "this Idempotency-Key was used with a different request body"
+        ) from exc
+    except jobs.LimitExceeded as exc:
+        raise ApiError(
+            status.HTTP_429_TOO_MANY_REQUESTS,
+            exc.message,
+            f"{exc.limit}_exceeded",
+            headers={"Retry-After": str(exc.retry_after)},
         ) from exc
     session.commit()
     if not created:
@@ -222,7 +245,7 @@ def list_artifacts(
 ) -> ArtifactList:
     job = visible_job(session, caller, job_id)
     if job.artifacts_deleted:
-        raise HTTPException(status.HTTP_410_GONE, "the job's artifacts were deleted")
+        raise artifacts_expired(jobs.aware(job.expires_at))
     if job.status != "succeeded":
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job is {job.status}; artifacts come with success")
     base_url = settings.public_url or str(request.base_url)
