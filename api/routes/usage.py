@@ -8,7 +8,7 @@ from api.schemas import LimitsOut, UsageOut
 from service import jobs
 from service.tables import ApiKey
 
-router = APIRouter(prefix="/v1/usage", tags=["usage"], responses=responses(401))
+router = APIRouter(prefix="/v1/usage", tags=["usage"], responses=responses(401, 422))
 
 
 @router.get("", response_model=UsageOut)
