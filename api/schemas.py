@@ -43,6 +43,13 @@ class JobCreate(PruneSettings):
         description="how long the artifacts are kept after the job succeeds, then deleted; default: the server's"
         " CASP_ARTIFACT_RETENTION_SECONDS (7 days), at most its CASP_MAX_ARTIFACT_RETENTION_SECONDS (30 days)",
     )
+    webhook_url: Annotated[str, Printable] | None = Field(
+        None,
+        max_length=2048,
+        description="posted the job (its JSON, as GET returns it) when it ends, signed (header `Casp-Signature`:"
+        " `t=<unix time>,v1=<hex HMAC-SHA256 of '<t>.<body>'>` with the server's CASP_WEBHOOK_SECRET); its host"
+        " must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
+    )
 
     @field_validator("model")
     @classmethod
@@ -82,6 +89,10 @@ class JobOut(BaseModel):
     finished_at: datetime | None
     expires_at: datetime | None = Field(
         description="when the artifacts of a succeeded job are (or were) deleted; then `GET` on them answers 410"
+    )
+    webhook_url: str | None
+    webhook_state: Literal["pending", "delivered", "failed"] | None = Field(
+        description="pending until the job's end is posted to `webhook_url`; each attempt is an event"
     )
 
 

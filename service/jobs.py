@@ -308,6 +308,45 @@ def mark_expired(session: Session, job_id: str) -> bool:
     return True
 
 
+# --- webhooks -------------------------------------------------------------------------------------------
+
+
+def pending_webhooks(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
+    """Finished jobs whose webhook is still to be delivered and that no notifier holds, longest finished first."""
+    query = select(Job.id).where(
+        Job.webhook_state == "pending",
+        Job.status.in_(FINISHED_STATUSES),
+        or_(Job.webhook_lease_until.is_(None), Job.webhook_lease_until < now),
+    )
+    return session.scalars(query.order_by(Job.finished_at).limit(limit)).all()
+
+
+def claim_webhook(session: Session, job_id: str, now: datetime, lease: timedelta) -> Job | None:
+    """Holds a pending webhook for one notifier until `now + lease`; None when another holds it or it is done."""
+    claimed = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.webhook_state == "pending",
+            or_(Job.webhook_lease_until.is_(None), Job.webhook_lease_until < now),
+        )
+        .values(webhook_lease_until=now + lease)
+    ).rowcount
+    return session.get_one(Job, job_id, populate_existing=True) if claimed else None
+
+
+def webhook_attempted(session: Session, job_id: str, message: str, *, state: str = "pending") -> int:
+    """Counts an attempt with its event; `state` "delivered" or "failed" ends the delivery. Returns the attempt's
+    number."""
+    values: dict[str, Any] = {"webhook_attempts": Job.webhook_attempts + 1, "webhook_state": state}
+    if state != "pending":
+        values["webhook_lease_until"] = None
+    session.execute(update(Job).where(Job.id == job_id).values(**values))
+    job = session.get_one(Job, job_id, populate_existing=True)
+    add_event(session, job, kind="webhook", message=f"webhook attempt {job.webhook_attempts}: {message}")
+    return job.webhook_attempts
+
+
 # --- jobs as workers and the reaper see them ---------------------------------------------------------------
 
 

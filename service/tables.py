@@ -43,6 +43,7 @@ class Job(Base):
         Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
         Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
         Index("ix_jobs_expires_at", "artifacts_deleted", "expires_at"),
+        Index("ix_jobs_webhook_state", "webhook_state"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -72,6 +73,12 @@ class Job(Base):
     # default then); `expires_at` is set from it when the job succeeds, or to the time of a DELETE.
     retention_seconds: Mapped[int | None]
     expires_at: Mapped[datetime | None]
+    # Where the job's end is posted; `webhook_state` is "pending" until then, "delivered" or "failed" after.
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_state: Mapped[str | None] = mapped_column(String(16))
+    webhook_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # A notifier delivering it holds it until then (its attempts and their waits), so two never post at once.
+    webhook_lease_until: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]

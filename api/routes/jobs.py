@@ -33,6 +33,7 @@ from service.dispatch import queue_for, send
 from service.paths import InputRefused, Loc, check_dataset, check_model
 from service.settings import Settings
 from service.tables import JOB_STATUSES, Job, utcnow
+from service.webhooks import WebhookRefused, check_webhook_url
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422))
 
@@ -62,6 +63,18 @@ def resolve_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable
         return check_dataset(spec, loc, settings, source_of)
     except InputRefused as exc:
         raise invalid(exc.loc, exc.message) from exc
+
+
+def check_webhook(body: JobCreate, settings: Settings) -> str | None:
+    if body.webhook_url is None:
+        return None
+    if not settings.webhook_secret:
+        raise invalid(("webhook_url",), "webhooks are off on this server (no CASP_WEBHOOK_SECRET)")
+    try:
+        check_webhook_url(body.webhook_url, settings)
+    except WebhookRefused as exc:
+        raise invalid(("webhook_url",), str(exc)) from exc
+    return body.webhook_url
 
 
 def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
@@ -104,6 +117,8 @@ def job_out(job: Job) -> JobOut:
         started_at=jobs.aware(job.started_at),
         finished_at=jobs.aware(job.finished_at),
         expires_at=jobs.aware(job.expires_at),
+        webhook_url=job.webhook_url,
+        webhook_state=job.webhook_state,  # type: ignore[arg-type]
     )
 
 
@@ -155,6 +170,9 @@ def create_job(
         "dispatched_at": dispatched_at,
         "retention_seconds": retention_of(body, settings),
     }
+    webhook_url = check_webhook(body, settings)
+    if webhook_url:
+        fields |= {"webhook_url": webhook_url, "webhook_state": "pending"}
     request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     limits = jobs.limits_of(session, caller, settings)
     try:
