@@ -132,7 +132,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         wait_until_up(client, server)
         job = client.submit(demo_request(model))
         print(f"submitted job {job['id']}: prune {model.name} by {job['settings']['ratio']:.0%}")
-        job = client.wait(job["id"], timeout=args.timeout, poll_seconds=0.5, on_update=progress_printer())
+        job = client.wait(job["id"], timeout=args.timeout, on_update=progress_printer())
         if job["status"] != "succeeded":
             print(f"job {job['status']}: {job['error']}", file=sys.stderr)
             return 1
