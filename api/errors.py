@@ -7,6 +7,7 @@ short excerpt of the input.
 
 import logging
 from collections.abc import Sequence
+from datetime import datetime
 from http import HTTPStatus
 from typing import Any
 
@@ -51,6 +52,21 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class ApiError(StarletteHTTPException):
+    """An error with a code of its own, more precise than its status's (`artifacts_expired` for a 410)."""
+
+    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message, headers)
+        self.code = code
+
+
+def artifacts_expired(expired_at: datetime | None) -> ApiError:
+    """The 410 of a job whose artifacts were deleted, by the retention sweep or a DELETE (which expires them
+    at once); jobs deleted before retention existed have no date."""
+    at = f" at {expired_at:%Y-%m-%dT%H:%M:%SZ}" if expired_at else ""
+    return ApiError(410, f"the job's artifacts expired{at} and were deleted", "artifacts_expired")
+
+
 def error_response(
     status: int, message: str, *, code: str | None = None, param: str | None = None, headers: Any = None
 ) -> JSONResponse:
@@ -71,7 +87,8 @@ def param_of(loc: Sequence[str | int]) -> str | None:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+    code = exc.code if isinstance(exc, ApiError) else None
+    return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

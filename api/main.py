@@ -11,7 +11,7 @@ from fastapi_offline import FastAPIOffline
 
 from api import errors, unavailable
 from api.limits import RequestBodyLimit
-from api.routes import files, health, jobs
+from api.routes import files, health, jobs, usage
 from service.dispatch import Dispatcher, make_dispatcher
 from service.settings import Settings, local_devices, resolve_device
 from service.storage import Storage, make_storage
@@ -65,6 +65,7 @@ def create_app(settings: Settings | None = None, background: BackgroundServices 
     unavailable.install(app)
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_bytes)
     app.include_router(jobs.router)
+    app.include_router(usage.router)
     app.include_router(files.router)
     app.include_router(health.router)
     return app

@@ -37,6 +37,19 @@ class JobCreate(PruneSettings):
         " `auto` is the device of the machine that runs the job",
     )
     metadata: dict[MetadataKey, MetadataValue] = Field(default_factory=dict, max_length=16)
+    retention_seconds: int | None = Field(
+        None,
+        gt=0,
+        description="how long the artifacts are kept after the job succeeds, then deleted; default: the server's"
+        " CASP_ARTIFACT_RETENTION_SECONDS (7 days), at most its CASP_MAX_ARTIFACT_RETENTION_SECONDS (30 days)",
+    )
+    webhook_url: Annotated[str, Printable] | None = Field(
+        None,
+        max_length=2048,
+        description="posted the job (its JSON, as GET returns it) when it ends, signed (header `Casp-Signature`:"
+        " `t=<unix time>,v1=<hex HMAC-SHA256 of '<t>.<body>'>` with the server's CASP_WEBHOOK_SECRET); its host"
+        " must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
+    )
 
     @field_validator("model")
     @classmethod
@@ -74,6 +87,13 @@ class JobOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    expires_at: datetime | None = Field(
+        description="when the artifacts of a succeeded job are (or were) deleted; then `GET` on them answers 410"
+    )
+    webhook_url: str | None
+    webhook_state: Literal["pending", "delivered", "failed"] | None = Field(
+        description="pending until the job's end is posted to `webhook_url`; each attempt is an event"
+    )
 
 
 class JobList(BaseModel):
@@ -107,3 +127,17 @@ class ArtifactOut(BaseModel):
 
 class ArtifactList(BaseModel):
     data: list[ArtifactOut]
+
+
+class LimitsOut(BaseModel):
+    max_active_jobs: int = Field(description="jobs queued or running at once")
+    max_submissions_per_minute: int = Field(description="jobs submitted in any 60 s")
+
+
+class UsageOut(BaseModel):
+    key_name: str | None = Field(description="the API key asking; null when the server runs without keys")
+    limits: LimitsOut | None = Field(description="the key's limits (its own, else the server's); null without keys")
+    active_jobs: int = Field(description="jobs queued or running")
+    submissions_last_minute: int
+    storage_bytes: int = Field(description="size of the artifacts kept for the key's jobs")
+    artifact_files: int

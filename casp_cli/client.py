@@ -2,8 +2,9 @@
 commands."""
 
 import hashlib
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import tenacity
 FINISHED = ("succeeded", "failed", "cancelled")
 DEFAULT_RETRIES = 3
 CONNECT_TIMEOUT = 5.0  # a host that drops packets costs at most this per attempt, not the whole read timeout
+# Without a client timeout, a stream without a byte (the server sends a keep-alive every 15 s) is given up after this.
+STREAM_READ_SECONDS = 60.0
 RETRIED_STATUS = 503  # the service is up but cannot serve now (its database or queue is down): ask again later
 # A request that may have reached the server is sent again only if a second copy does nothing more than the first.
 REPEATABLE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
@@ -136,14 +139,20 @@ class CaspClient:
     def __exit__(self, *exc: object) -> None:
         self.http.close()
 
+    @staticmethod
+    def _raise_for(response: httpx.Response) -> None:
+        if not response.is_error:
+            return
+        response.read()
+        try:
+            error = response.json()["error"]
+        except (ValueError, KeyError, TypeError):  # not the service's answer (a proxy's, say)
+            raise CaspAPIError(response.status_code, response.text) from None
+        raise CaspAPIError(response.status_code, error["message"], error["code"], error["param"])
+
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self.http.request(method, path, **kwargs)
-        if response.is_error:
-            try:
-                error = response.json()["error"]
-            except (ValueError, KeyError, TypeError):  # not the service's answer (a proxy's, say)
-                raise CaspAPIError(response.status_code, response.text) from None
-            raise CaspAPIError(response.status_code, error["message"], error["code"], error["param"])
+        self._raise_for(response)
         return response.json() if response.content else None
 
     def submit(self, request: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
@@ -174,20 +183,53 @@ class CaspClient:
         self,
         job_id: str,
         timeout: float | None = None,
-        poll_seconds: float = 1.0,
         on_update: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        """Polls until the job has finished; returns it. Raises TimeoutError past `timeout` seconds."""
+        """Follows the job's events as the server streams them (Server-Sent Events) until it has finished;
+        returns the job. `on_update` gets each event (`status`, `stage`, `progress`, `message`, ...). A stream
+        cut short (the server restarted) is taken up again after the last event seen. Raises TimeoutError past
+        `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        last: int | None = None
+
+        def check_deadline() -> None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {self.get(job_id)['status']} after {timeout} s")
+
         while True:
+            try:
+                for event in self._event_stream(job_id, last, deadline):
+                    if event is not None:
+                        last = event["id"]
+                        if on_update:
+                            on_update(event)
+                    check_deadline()
+            except (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError):
+                check_deadline()
             job = self.get(job_id)
-            if on_update:
-                on_update(job)
             if job["status"] in FINISHED:
                 return job
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} is still {job['status']} after {timeout} s")
-            time.sleep(poll_seconds)
+            check_deadline()
+
+    def _event_stream(self, job_id: str, after: int | None, deadline: float | None) -> Iterator[dict[str, Any] | None]:
+        """The events of one `?stream=true` answer; None for each keep-alive comment, so the caller can look at
+        the clock while nothing happens."""
+        params: dict[str, Any] = {"stream": "true", **({"after": after} if after is not None else {})}
+        read = self.http.timeout.read or STREAM_READ_SECONDS
+        if deadline is not None:
+            read = max(0.1, min(read, deadline - time.monotonic()))
+        timeout = httpx.Timeout(self.http.timeout.connect, read=read)
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", params=params, timeout=timeout) as response:
+            self._raise_for(response)
+            data: list[str] = []
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    data.append(line[5:].removeprefix(" "))
+                elif not line and data:  # a blank line ends an event
+                    yield json.loads("\n".join(data))
+                    data = []
+                elif line.startswith(":"):
+                    yield None
 
     def download(self, job_id: str, dest: Path) -> list[Path]:
         """Downloads every artifact into `dest`, keeping the checkpoint's layout, and checks each sha256.

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from casp_cli.client import DEFAULT_RETRIES, ArtifactError, CaspAPIError, CaspClient
-from casp_core.cli.arguments import non_negative_int
+from casp_core.cli.arguments import non_negative_int, positive_int
 from casp_core.cli.main import main as casp_main
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.errors import InvalidConfig
@@ -84,7 +84,12 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     settings = Settings()
     prepare(settings)
     with session_scope(settings.database) as session:
-        row, key = jobs.create_api_key(session, args.name)
+        row, key = jobs.create_api_key(
+            session,
+            args.name,
+            max_active_jobs=args.max_active_jobs,
+            max_submissions_per_minute=args.max_submissions_per_minute,
+        )
     print(f"key id {row.id} ({args.name}); the key is shown only now:", file=sys.stderr)
     print(key)
     return 0
@@ -127,7 +132,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         wait_until_up(client, server)
         job = client.submit(demo_request(model))
         print(f"submitted job {job['id']}: prune {model.name} by {job['settings']['ratio']:.0%}")
-        job = client.wait(job["id"], timeout=args.timeout, poll_seconds=0.5, on_update=progress_printer())
+        job = client.wait(job["id"], timeout=args.timeout, on_update=progress_printer())
         if job["status"] != "succeeded":
             print(f"job {job['status']}: {job['error']}", file=sys.stderr)
             return 1
@@ -269,6 +274,14 @@ def register(subparsers: Any) -> None:
     keys = subparsers.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("create", help="create an API key and print it")
     p.add_argument("--name", required=True)
+    p.add_argument(
+        "--max-active-jobs", type=positive_int, help="jobs queued or running at once; default: CASP_MAX_ACTIVE_JOBS"
+    )
+    p.add_argument(
+        "--max-submissions-per-minute",
+        type=positive_int,
+        help="jobs submitted in any 60 s; default: CASP_MAX_SUBMISSIONS_PER_MINUTE",
+    )
     p.set_defaults(run=cmd_keys_create)
 
     p = subparsers.add_parser(

@@ -147,6 +147,29 @@ def job_id_of(message: dict[str, Any]) -> str | None:
         return None
 
 
+def fair_turn(settings: Settings, dispatcher: Dispatcher, job_id: str) -> str:
+    """The job a worker runs for the message of `job_id`: the fairest queued job of that job's queue
+    (jobs.next_queued), so a message is a token for "a job of this queue", and keys take turns whatever order
+    their messages lie in the broker.
+
+    When that is another job, `job_id` is sent again at once, so that every queued job keeps a message of its
+    own: the reaper's search for lost messages (held_job_ids) and the worker's drop of messages whose job is
+    not queued (worker.tasks.JobRequest) rely on it. The other job's message, still in the queue, is then
+    dropped as stale when it arrives; if another worker claims the chosen job first, this message did nothing
+    and the job it named still has one."""
+    with session_scope(settings.database) as session:
+        row = session.execute(select(Job.queue, Job.dispatched_at).where(Job.id == job_id)).one_or_none()
+        if row is None:
+            return job_id
+        chosen = jobs.next_queued(session, [row.queue])
+        if chosen is None or chosen == job_id:
+            return job_id
+        mark = jobs.claim_dispatch(session, job_id, was=row.dispatched_at)
+    if mark is not None:  # else it is no longer queued, or the reaper is sending it already
+        send(settings, dispatcher, job_id, row.queue, mark, failure_event=True)
+    return chosen
+
+
 def send(
     settings: Settings, dispatcher: Dispatcher, job_id: str, queue: str, mark: datetime, failure_event: bool
 ) -> bool:

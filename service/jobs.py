@@ -4,6 +4,7 @@ State changes of a job are conditional UPDATEs (`... WHERE status = 'queued'`, `
 workers, the reaper and a cancel request can race, and the row must end in exactly one consistent state.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -14,8 +15,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.security import hash_api_key, new_api_key
+from service.settings import Settings
 from service.storage import StoredFile
 from service.tables import FINISHED_STATUSES, ApiKey, Artifact, Job, JobEvent, StageTiming, new_id, utcnow
+
+ACTIVE_STATUSES = ("queued", "running")
+# Submissions per minute are counted over the last 60 s (a sliding window, from the jobs' own rows).
+SUBMISSION_WINDOW = timedelta(seconds=60)
+# When one of its jobs ends is unknown: a key at its active-jobs limit is asked to come back after this.
+ACTIVE_RETRY_AFTER_SECONDS = 30
 
 
 def aware(value: datetime | None) -> datetime | None:
@@ -28,10 +36,19 @@ def aware(value: datetime | None) -> datetime | None:
 # --- API keys -------------------------------------------------------------------------------------------
 
 
-def create_api_key(session: Session, name: str) -> tuple[ApiKey, str]:
-    """Returns the row and the key itself, which is shown once and never stored."""
+def create_api_key(
+    session: Session, name: str, *, max_active_jobs: int | None = None, max_submissions_per_minute: int | None = None
+) -> tuple[ApiKey, str]:
+    """Returns the row and the key itself, which is shown once and never stored. Limits left None are the
+    server's."""
     raw = new_api_key()
-    row = ApiKey(id=new_id(), name=name, key_hash=hash_api_key(raw))
+    row = ApiKey(
+        id=new_id(),
+        name=name,
+        key_hash=hash_api_key(raw),
+        max_active_jobs=max_active_jobs,
+        max_submissions_per_minute=max_submissions_per_minute,
+    )
     session.add(row)
     session.flush()
     return row, raw
@@ -59,10 +76,106 @@ class IdempotencyConflict(Exception):
     """The Idempotency-Key was used before with a different request body."""
 
 
+# --- fair use -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_active_jobs: int
+    max_submissions_per_minute: int
+
+
+def limits_of(session: Session, caller: Caller, settings: Settings) -> Limits | None:
+    """The caller's limits: its key's own where set, else the server's; None without keys (auth off)."""
+    key = session.get(ApiKey, caller.key_id) if caller.key_id else None
+    if key is None:
+        return None
+    return Limits(
+        max_active_jobs=key.max_active_jobs or settings.max_active_jobs,
+        max_submissions_per_minute=key.max_submissions_per_minute or settings.max_submissions_per_minute,
+    )
+
+
+class LimitExceeded(Exception):
+    """A submission over one of the key's limits; `limit` is its name, `retry_after` whole seconds."""
+
+    def __init__(self, limit: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.message = message
+        self.retry_after = retry_after
+
+
+def active_jobs(session: Session, caller: Caller) -> int:
+    query = select(func.count()).select_from(Job).where(_visible(caller), Job.status.in_(ACTIVE_STATUSES))
+    return session.scalar(query) or 0
+
+
+def recent_submissions(session: Session, caller: Caller, now: datetime) -> list[datetime]:
+    """Creation times of the caller's jobs in the last minute, oldest first."""
+    query = select(Job.created_at).where(_visible(caller), Job.created_at > now - SUBMISSION_WINDOW)
+    return [aware(t) for t in session.scalars(query.order_by(Job.created_at))]  # type: ignore[misc]
+
+
+def check_limits(session: Session, caller: Caller, limits: Limits) -> None:
+    """Raises LimitExceeded when one more job would take the caller past a limit."""
+    # The key's row locked until the job is committed: two submissions at once cannot both take the last
+    # place (PostgreSQL; SQLite lets one writer at a time anyway).
+    session.execute(select(ApiKey.id).where(ApiKey.id == caller.key_id).with_for_update())
+    active = active_jobs(session, caller)
+    if active >= limits.max_active_jobs:
+        raise LimitExceeded(
+            "max_active_jobs",
+            f"this key has {active} jobs queued or running, its limit max_active_jobs is {limits.max_active_jobs};"
+            " submit again when one has finished",
+            ACTIVE_RETRY_AFTER_SECONDS,
+        )
+    now = utcnow()
+    recent = recent_submissions(session, caller, now)
+    if len(recent) >= limits.max_submissions_per_minute:
+        # The next place frees when the oldest submission that keeps the window full leaves it.
+        frees_at = recent[len(recent) - limits.max_submissions_per_minute] + SUBMISSION_WINDOW
+        raise LimitExceeded(
+            "max_submissions_per_minute",
+            f"this key submitted {len(recent)} jobs in the last minute, its limit max_submissions_per_minute is"
+            f" {limits.max_submissions_per_minute}",
+            max(1, math.ceil((frees_at - now).total_seconds())),
+        )
+
+
+@dataclass(frozen=True)
+class Usage:
+    active_jobs: int
+    submissions_last_minute: int
+    storage_bytes: int  # artifacts kept (not yet expired or deleted)
+    artifact_files: int
+
+
+def usage_of(session: Session, caller: Caller) -> Usage:
+    stored = session.execute(
+        select(func.coalesce(func.sum(Artifact.size), 0), func.count())
+        .select_from(Artifact)
+        .join(Job, Job.id == Artifact.job_id)
+        .where(_visible(caller))
+    ).one()
+    return Usage(
+        active_jobs=active_jobs(session, caller),
+        submissions_last_minute=len(recent_submissions(session, caller, utcnow())),
+        storage_bytes=int(stored[0]),
+        artifact_files=int(stored[1]),
+    )
+
+
 def create_job(
-    session: Session, caller: Caller, fields: dict[str, Any], idempotency_key: str | None, request_hash: str
+    session: Session,
+    caller: Caller,
+    fields: dict[str, Any],
+    idempotency_key: str | None,
+    request_hash: str,
+    limits: Limits | None = None,
 ) -> tuple[Job, bool]:
-    """Inserts a queued job; returns (job, created). A repeated Idempotency-Key returns the first job."""
+    """Inserts a queued job; returns (job, created). A repeated Idempotency-Key returns the first job, and
+    is not held to the limits (the job exists already); a new one is, with `limits`."""
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
     if scoped_key:
         existing = session.scalar(select(Job).where(Job.idempotency_key == scoped_key))
@@ -70,6 +183,8 @@ def create_job(
             if existing.request_hash != request_hash:
                 raise IdempotencyConflict
             return existing, False
+    if limits is not None:
+        check_limits(session, caller, limits)
     job = Job(
         id=new_id(),
         owner_id=caller.key_id,
@@ -87,7 +202,7 @@ def create_job(
     except IntegrityError:
         if scoped_key is None:
             raise
-        return create_job(session, caller, fields, idempotency_key, request_hash)
+        return create_job(session, caller, fields, idempotency_key, request_hash, limits)
     add_event(session, job, kind="status", message="queued")
     return job, True
 
@@ -163,8 +278,73 @@ def artifacts_of(session: Session, job_id: str) -> Sequence[Artifact]:
 
 
 def forget_artifacts(session: Session, job: Job) -> None:
+    """A DELETE of the artifacts: they expire now."""
     session.execute(delete(Artifact).where(Artifact.job_id == job.id))
     job.artifacts_deleted = True
+    job.expires_at = utcnow()
+
+
+# --- retention ------------------------------------------------------------------------------------------
+
+
+def expired_jobs(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
+    """Jobs whose artifacts are past their expiry and not yet deleted, the longest expired first."""
+    query = select(Job.id).where(Job.artifacts_deleted.is_(False), Job.expires_at <= now)
+    return session.scalars(query.order_by(Job.expires_at).limit(limit)).all()
+
+
+def mark_expired(session: Session, job_id: str) -> bool:
+    """Records that the expired job's artifacts were deleted from storage; False when another sweep (or a
+    DELETE) recorded it first."""
+    marked = session.execute(
+        update(Job).where(Job.id == job_id, Job.artifacts_deleted.is_(False)).values(artifacts_deleted=True)
+    ).rowcount
+    if not marked:
+        return False
+    session.execute(delete(Artifact).where(Artifact.job_id == job_id))
+    job = session.get_one(Job, job_id, populate_existing=True)
+    expired = aware(job.expires_at)
+    add_event(session, job, kind="status", message=f"artifacts expired at {expired:%Y-%m-%dT%H:%M:%SZ}; deleted")
+    return True
+
+
+# --- webhooks -------------------------------------------------------------------------------------------
+
+
+def pending_webhooks(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
+    """Finished jobs whose webhook is still to be delivered and that no notifier holds, longest finished first."""
+    query = select(Job.id).where(
+        Job.webhook_state == "pending",
+        Job.status.in_(FINISHED_STATUSES),
+        or_(Job.webhook_lease_until.is_(None), Job.webhook_lease_until < now),
+    )
+    return session.scalars(query.order_by(Job.finished_at).limit(limit)).all()
+
+
+def claim_webhook(session: Session, job_id: str, now: datetime, lease: timedelta) -> Job | None:
+    """Holds a pending webhook for one notifier until `now + lease`; None when another holds it or it is done."""
+    claimed = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.webhook_state == "pending",
+            or_(Job.webhook_lease_until.is_(None), Job.webhook_lease_until < now),
+        )
+        .values(webhook_lease_until=now + lease)
+    ).rowcount
+    return session.get_one(Job, job_id, populate_existing=True) if claimed else None
+
+
+def webhook_attempted(session: Session, job_id: str, message: str, *, state: str = "pending") -> int:
+    """Counts an attempt with its event; `state` "delivered" or "failed" ends the delivery. Returns the attempt's
+    number."""
+    values: dict[str, Any] = {"webhook_attempts": Job.webhook_attempts + 1, "webhook_state": state}
+    if state != "pending":
+        values["webhook_lease_until"] = None
+    session.execute(update(Job).where(Job.id == job_id).values(**values))
+    job = session.get_one(Job, job_id, populate_existing=True)
+    add_event(session, job, kind="webhook", message=f"webhook attempt {job.webhook_attempts}: {message}")
+    return job.webhook_attempts
 
 
 # --- jobs as workers and the reaper see them ---------------------------------------------------------------
@@ -194,10 +374,40 @@ def claim_job(session: Session, job_id: str, worker_id: str) -> Job | None:
     return job
 
 
+EARLIEST = datetime.min.replace(tzinfo=UTC)
+
+
+def _owned_by(owner_id: str | None) -> Any:
+    return Job.owner_id.is_(None) if owner_id is None else Job.owner_id == owner_id
+
+
 def next_queued(session: Session, queues: Sequence[str]) -> str | None:
-    return session.scalar(
-        select(Job.id).where(Job.status == "queued", Job.queue.in_(queues)).order_by(Job.created_at).limit(1)
+    """The queued job of these queues to run next. Keys take turns, so that one key's burst does not starve
+    the others: the key with the fewest running jobs goes first, then the one whose last job started longest
+    ago (a key that never ran one, first of all), then the one waiting longest; within a key, its oldest job."""
+    waiting_query = (
+        select(Job.owner_id, func.min(Job.created_at))
+        .where(Job.status == "queued", Job.cancel_requested.is_(False), Job.queue.in_(queues))
+        .group_by(Job.owner_id)
     )
+    waiting = {owner: aware(oldest) for owner, oldest in session.execute(waiting_query)}
+    if not waiting:
+        return None
+    owner = next(iter(waiting))
+    if len(waiting) > 1:
+        of_waiting = or_(*(_owned_by(key) for key in waiting))
+        running_query = select(Job.owner_id, func.count()).where(of_waiting, Job.status == "running")
+        running = dict(session.execute(running_query.group_by(Job.owner_id)).all())
+        last_start_query = select(Job.owner_id, func.max(Job.started_at)).where(of_waiting)
+        last_start = dict(session.execute(last_start_query.group_by(Job.owner_id)).all())
+        owner = min(
+            waiting,
+            key=lambda key: (running.get(key, 0), aware(last_start.get(key)) or EARLIEST, waiting[key]),
+        )
+    query = select(Job.id).where(
+        Job.status == "queued", Job.cancel_requested.is_(False), Job.queue.in_(queues), _owned_by(owner)
+    )
+    return session.scalar(query.order_by(Job.created_at, Job.id).limit(1))
 
 
 def _ours(job_id: str, attempt: int) -> Any:
@@ -250,9 +460,14 @@ def finish(
     condition = _ours(job_id, attempt)
     if status == "succeeded":
         condition = and_(condition, Job.cancel_requested.is_(False))
-    values: dict[str, Any] = {"status": status, "finished_at": utcnow(), "result": result}
+    now = utcnow()
+    values: dict[str, Any] = {"status": status, "finished_at": now, "result": result}
     if status == "succeeded":
         values["progress"] = 100.0
+        # The retention clock starts when the artifacts are there (jobs from before retention have none).
+        retention = session.scalar(select(Job.retention_seconds).where(Job.id == job_id))
+        if retention is not None:
+            values["expires_at"] = now + timedelta(seconds=retention)
     if error:
         values["error_code"], values["error_message"] = error
     if not session.execute(update(Job).where(condition).values(**values)).rowcount:

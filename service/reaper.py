@@ -1,5 +1,6 @@
 """Takes back jobs whose worker stopped beating: queued again (and re-sent), or failed after the last attempt.
 Sends again queued jobs that have no message in the broker: their send failed, or the broker lost it.
+Deletes the artifacts of jobs past their expiry (retention).
 
 Runs as a thread beside every API process (distributed and embedded; `casp_cli.app` starts it with the app):
 the API is always up, and the conditional updates in service.jobs make several reapers at once harmless.
@@ -13,6 +14,7 @@ from service import jobs
 from service.db import session_scope
 from service.dispatch import Dispatcher, send
 from service.settings import Settings
+from service.storage import Storage
 from service.tables import utcnow
 
 log = logging.getLogger(__name__)
@@ -83,16 +85,43 @@ def resend_lost(settings: Settings, dispatcher: Dispatcher) -> list[str]:
     return resent
 
 
+def sweep_expired(settings: Settings, storage: Storage) -> list[str]:
+    """Deletes from storage the artifacts of jobs past their expiry, then marks the jobs (with an event).
+    Storage first: a sweep that stops between the two finds the job again next round, and deleting twice is
+    harmless; two sweeps at once both delete, and one of them marks."""
+    with session_scope(settings.database) as session:
+        expired = jobs.expired_jobs(session, utcnow())
+    swept = []
+    for job_id in expired:
+        try:
+            storage.delete(job_id)
+        except Exception as exc:  # the storage is away: the job stays unmarked, and the next round tries again
+            log.warning("retention: could not delete the artifacts of job %s: %s", job_id, exc)
+            continue
+        with session_scope(settings.database) as session:
+            if jobs.mark_expired(session, job_id):
+                swept.append(job_id)
+    if swept:
+        log.info("retention: deleted the expired artifacts of %s", swept)
+    return swept
+
+
 class Reaper(threading.Thread):
-    def __init__(self, settings: Settings, dispatcher: Dispatcher) -> None:
+    def __init__(self, settings: Settings, dispatcher: Dispatcher, storage: Storage) -> None:
         super().__init__(name="casp-reaper", daemon=True)
         self.settings = settings
         self.dispatcher = dispatcher
+        self.storage = storage
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(self.settings.reaper_interval_seconds):
+            # Each on its own: a broker outage must not hold back the retention sweep, nor the reverse.
             try:
                 reap_once(self.settings, self.dispatcher)
             except Exception as exc:  # the database or the broker may be briefly away; try again next round
                 log.warning("reaper round failed: %s: %s", type(exc).__name__, exc)
+            try:
+                sweep_expired(self.settings, self.storage)
+            except Exception as exc:  # the database may be briefly away; try again next round
+                log.warning("retention sweep failed: %s: %s", type(exc).__name__, exc)

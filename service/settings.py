@@ -49,12 +49,37 @@ class Settings(BaseSettings):
     ready_min_free_bytes: int = Field(default=1 << 30, ge=0)
     # A job request is a few KiB; anything much larger is refused (413) before it is read.
     max_request_bytes: int = Field(default=64 * 1024, ge=1024)
+    # Fair use, per API key (a key's own values, set with `casp keys create`, take precedence): jobs queued or
+    # running at once, and jobs submitted in any 60 s. Not applied with CASP_AUTH=none (there are no keys).
+    max_active_jobs: int = Field(default=8, ge=1)
+    max_submissions_per_minute: int = Field(default=30, ge=1)
+    # Artifacts of a succeeded job are deleted this long after it finished; a job may ask for another time
+    # (`retention_seconds`) up to the maximum.
+    artifact_retention_seconds: int = Field(default=7 * 86400, gt=0)
+    max_artifact_retention_seconds: int = Field(default=30 * 86400, gt=0)
+    # Webhooks (a job's `webhook_url`): off until a secret to sign them with is set. Hosts a URL may name, comma-
+    # separated (`hooks.example.com`, `*.example.com`); addresses that are not public (private, loopback,
+    # link-local) are refused unless allowed.
+    webhook_secret: str | None = None
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    webhook_allow_private: bool = False
+    webhook_max_attempts: int = Field(default=5, ge=1)
+    webhook_backoff_seconds: float = Field(default=2.0, gt=0)  # doubled after each failed attempt, up to 60 s
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0)
+    webhook_poll_seconds: float = Field(default=2.0, gt=0)
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
             return [part for part in value.split(":") if part]
+        return value
+
+    @field_validator("webhook_allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip().lower() for part in value.split(",") if part.strip()]
         return value
 
     @property

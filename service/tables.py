@@ -32,6 +32,9 @@ class ApiKey(Base):
     # SHA-256 of the key: keys are 256-bit random strings, so a slow password hash would add nothing.
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # This key's own fair-use limits; None: the server's (CASP_MAX_ACTIVE_JOBS, CASP_MAX_SUBMISSIONS_PER_MINUTE).
+    max_active_jobs: Mapped[int | None]
+    max_submissions_per_minute: Mapped[int | None]
 
 
 class Job(Base):
@@ -39,6 +42,8 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
         Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
+        Index("ix_jobs_expires_at", "artifacts_deleted", "expires_at"),
+        Index("ix_jobs_webhook_state", "webhook_state"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -64,6 +69,16 @@ class Job(Base):
     error_message: Mapped[str | None] = mapped_column(Text)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     artifacts_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # How long the artifacts are kept after success, fixed at submit (the job's request or the server's
+    # default then); `expires_at` is set from it when the job succeeds, or to the time of a DELETE.
+    retention_seconds: Mapped[int | None]
+    expires_at: Mapped[datetime | None]
+    # Where the job's end is posted; `webhook_state` is "pending" until then, "delivered" or "failed" after.
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_state: Mapped[str | None] = mapped_column(String(16))
+    webhook_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # A notifier delivering it holds it until then (its attempts and their waits), so two never post at once.
+    webhook_lease_until: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     heartbeat_at: Mapped[datetime | None]

@@ -223,6 +223,9 @@ def distributed_settings(
         reaper_interval_seconds=1.0,
         max_attempts=3,
         default_device="cpu",
+        # The tests park many jobs per key: the fair-use tests give their keys limits of their own.
+        max_active_jobs=1000,
+        max_submissions_per_minute=1000,
     )
 
 

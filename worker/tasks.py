@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from service import jobs
-from service.dispatch import TASK_NAME, make_celery
+from service.dispatch import TASK_NAME, CeleryDispatcher, fair_turn, make_celery
 from service.settings import Settings
 from service.storage import Storage, make_storage
 from worker.runner import execute
@@ -25,6 +25,11 @@ app = make_celery(settings)
 @cache
 def storage() -> Storage:
     return make_storage(settings)
+
+
+@cache
+def dispatcher() -> CeleryDispatcher:
+    return CeleryDispatcher(settings)
 
 
 @cache
@@ -60,5 +65,6 @@ class JobRequest(Request):
 
 @app.task(name=TASK_NAME, Request=JobRequest)
 def job_task(job_id: str) -> str | None:
-    """The Celery task of a job (its wire name stays `casp.run_job`, so messages already queued still run)."""
-    return execute(job_id, settings, storage())
+    """The Celery task of a job (its wire name stays `casp.run_job`, so messages already queued still run).
+    It runs the fairest queued job of the message's queue, which need not be the message's own (fair_turn)."""
+    return execute(fair_turn(settings, dispatcher(), job_id), settings, storage())

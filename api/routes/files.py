@@ -6,13 +6,14 @@ from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import FileResponse
 
 from api.deps import SessionDep, SettingsDep, StorageDep
-from api.errors import responses
+from api.errors import artifacts_expired, responses
 from api.schemas import JobId
+from service.jobs import aware
 from service.security import verify_download
 from service.storage import LocalStorage
-from service.tables import Artifact
+from service.tables import Artifact, Job
 
-router = APIRouter(prefix="/v1/files", tags=["files"], responses=responses(403, 404, 422))
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=responses(403, 404, 410, 422))
 
 
 @router.get("/{job_id}/{name:path}", response_class=FileResponse)
@@ -28,6 +29,9 @@ def download(
     # The signature is the credential here, as with a presigned S3 URL: no Authorization header needed.
     if not verify_download(settings.signing_key, job_id, name, expires, signature):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "the link is invalid or has expired")
+    job = session.get(Job, job_id)
+    if job is not None and job.artifacts_deleted:
+        raise artifacts_expired(aware(job.expires_at))
     if not isinstance(storage, LocalStorage) or session.get(Artifact, (job_id, name)) is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "no such artifact")
     return FileResponse(storage.path(job_id, name), filename=name.rsplit("/", 1)[-1])

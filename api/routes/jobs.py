@@ -1,16 +1,19 @@
 """/v1/jobs: submit, inspect, page, cancel, list and delete artifacts."""
 
+import asyncio
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.deps import CallerDep, DispatcherDep, SessionDep, SettingsDep, StorageDep
-from api.errors import responses
+from api.errors import ApiError, artifacts_expired, responses
 from api.schemas import (
     MAX_EVENT_ID,
     ArtifactList,
@@ -29,12 +32,18 @@ from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig
 from casp_core.model import is_local_reference, load_config
 from service import jobs
+from service.db import session_scope
 from service.dispatch import queue_for, send
 from service.paths import InputRefused, Loc, check_dataset, check_model
 from service.settings import Settings
-from service.tables import JOB_STATUSES, Job, utcnow
+from service.tables import JOB_STATUSES, Job, JobEvent, utcnow
+from service.webhooks import WebhookRefused, check_webhook_url
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422))
+
+# How often a stream of events looks for new ones, and sends a comment that keeps proxies from closing it.
+STREAM_POLL_SECONDS = 0.5
+PING_SECONDS = 15
 
 
 def invalid(loc: Loc, message: str) -> RequestValidationError:
@@ -62,6 +71,18 @@ def resolve_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable
         return check_dataset(spec, loc, settings, source_of)
     except InputRefused as exc:
         raise invalid(exc.loc, exc.message) from exc
+
+
+def check_webhook(body: JobCreate, settings: Settings) -> str | None:
+    if body.webhook_url is None:
+        return None
+    if not settings.webhook_secret:
+        raise invalid(("webhook_url",), "webhooks are off on this server (no CASP_WEBHOOK_SECRET)")
+    try:
+        check_webhook_url(body.webhook_url, settings)
+    except WebhookRefused as exc:
+        raise invalid(("webhook_url",), str(exc)) from exc
+    return body.webhook_url
 
 
 def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
@@ -103,7 +124,21 @@ def job_out(job: Job) -> JobOut:
         created_at=jobs.aware(job.created_at),
         started_at=jobs.aware(job.started_at),
         finished_at=jobs.aware(job.finished_at),
+        expires_at=jobs.aware(job.expires_at),
+        webhook_url=job.webhook_url,
+        webhook_state=job.webhook_state,  # type: ignore[arg-type]
     )
+
+
+def retention_of(body: JobCreate, settings: Settings) -> int:
+    if body.retention_seconds is None:
+        return settings.artifact_retention_seconds
+    if body.retention_seconds > settings.max_artifact_retention_seconds:
+        raise invalid(
+            ("retention_seconds",),
+            f"at most {settings.max_artifact_retention_seconds} s on this server (CASP_MAX_ARTIFACT_RETENTION_SECONDS)",
+        )
+    return body.retention_seconds
 
 
 def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
@@ -114,7 +149,9 @@ def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
     return job
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobOut, responses=responses(400, 409, 413, 503))
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=JobOut, responses=responses(400, 409, 413, 429, 503)
+)
 def create_job(
     body: JobCreate,
     request: Request,
@@ -139,13 +176,25 @@ def create_job(
         "config": build_config(body, settings).to_dict(),
         "metadata_": body.metadata,
         "dispatched_at": dispatched_at,
+        "retention_seconds": retention_of(body, settings),
     }
+    webhook_url = check_webhook(body, settings)
+    if webhook_url:
+        fields |= {"webhook_url": webhook_url, "webhook_state": "pending"}
     request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    limits = jobs.limits_of(session, caller, settings)
     try:
-        job, created = jobs.create_job(session, caller, fields, idempotency_key, request_hash)
+        job, created = jobs.create_job(session, caller, fields, idempotency_key, request_hash, limits)
     except jobs.IdempotencyConflict as exc:
         raise HTTPException(
             status.HTTP_409_CONFLICT, "this Idempotency-Key was used with a different request body"
+        ) from exc
+    except jobs.LimitExceeded as exc:
+        raise ApiError(
+            status.HTTP_429_TOO_MANY_REQUESTS,
+            exc.message,
+            f"{exc.limit}_exceeded",
+            headers={"Retry-After": str(exc.retry_after)},
         ) from exc
     session.commit()
     if not created:
@@ -174,32 +223,75 @@ def get_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> JobOut:
     return job_out(visible_job(session, caller, job_id))
 
 
-@router.get("/{job_id}/events", response_model=EventList, responses=responses(404))
+def event_out(event: JobEvent) -> EventOut:
+    return EventOut(
+        id=event.id,
+        attempt=event.attempt,
+        kind=event.kind,
+        status=event.status,
+        stage=event.stage,
+        progress=round(event.progress, 1),
+        message=event.message,
+        created_at=jobs.aware(event.created_at),
+    )
+
+
+def events_since(settings: Settings, job_id: str, after: int | None) -> tuple[list[EventOut], bool]:
+    """The job's next events, and whether it had finished before they were read (so none is missed after)."""
+    with session_scope(settings.database) as session:
+        done = jobs.is_finished(session.get_one(Job, job_id))
+        rows, _ = jobs.list_events(session, job_id, limit=100, after=after)
+        return [event_out(e) for e in rows], done
+
+
+async def event_stream(settings: Settings, job_id: str, after: int | None) -> AsyncIterator[ServerSentEvent]:
+    """Every event as it is written, until the job has finished and its events so far are sent. The database is
+    read in a worker thread, every STREAM_POLL_SECONDS while nothing new comes."""
+    while True:
+        events, done = await run_in_threadpool(events_since, settings, job_id, after)
+        for event in events:
+            yield ServerSentEvent(data=event.model_dump_json(), id=str(event.id), event=event.kind)
+        if events:
+            after = events[-1].id
+        elif done:
+            return
+        else:
+            await asyncio.sleep(STREAM_POLL_SECONDS)
+
+
+STREAM_DESCRIPTION = (
+    "With `stream=true`: Server-Sent Events, one per job event (`id`: the event id, `event`: its kind, `data`: the"
+    " event as JSON), from `after` or the `Last-Event-ID` header; the stream ends once the job has finished."
+)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_model=EventList,
+    responses={
+        **responses(404),
+        200: {"description": STREAM_DESCRIPTION, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    },
+)
 def list_events(
     job_id: JobId,
     session: SessionDep,
     caller: CallerDep,
+    settings: SettingsDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 100,
     after: Annotated[
         int | None, Query(ge=0, le=MAX_EVENT_ID, description="id of the last event of the previous page")
     ] = None,
-) -> EventList:
+    stream: Annotated[bool, Query(description="follow the events as Server-Sent Events")] = False,
+    last_event_id: Annotated[int | None, Header(ge=0, le=MAX_EVENT_ID)] = None,
+) -> EventList | EventSourceResponse:
     visible_job(session, caller, job_id)
+    if stream:
+        # The session is not held for the stream's life: each read opens its own.
+        session.close()
+        return EventSourceResponse(event_stream(settings, job_id, last_event_id or after), ping=PING_SECONDS)
     rows, has_more = jobs.list_events(session, job_id, limit=limit, after=after)
-    data = [
-        EventOut(
-            id=e.id,
-            attempt=e.attempt,
-            kind=e.kind,
-            status=e.status,
-            stage=e.stage,
-            progress=round(e.progress, 1),
-            message=e.message,
-            created_at=jobs.aware(e.created_at),
-        )
-        for e in rows
-    ]
-    return EventList(data=data, has_more=has_more)
+    return EventList(data=[event_out(e) for e in rows], has_more=has_more)
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses=responses(404, 409))
@@ -222,7 +314,7 @@ def list_artifacts(
 ) -> ArtifactList:
     job = visible_job(session, caller, job_id)
     if job.artifacts_deleted:
-        raise HTTPException(status.HTTP_410_GONE, "the job's artifacts were deleted")
+        raise artifacts_expired(jobs.aware(job.expires_at))
     if job.status != "succeeded":
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job is {job.status}; artifacts come with success")
     base_url = settings.public_url or str(request.base_url)

@@ -140,7 +140,7 @@ def kill_worker_mid_job(compose: Compose, client: CaspClient, request: dict[str,
     at = client.get(job["id"])
     print(f"killed the worker (pid {pid}) during {at['stage']} at {at['progress']:.0f} %", flush=True)
     # The restart policy brings the worker back; the job is redelivered or re-queued by the reaper.
-    finished = client.wait(job["id"], timeout=900, poll_seconds=2)
+    finished = client.wait(job["id"], timeout=900)
     restarts = int(run("docker", "inspect", "-f", "{{.RestartCount}}", container, capture=True))
     events = client.events(job["id"])["data"]
     return {
@@ -175,7 +175,7 @@ def main() -> int:
         request = {**demo_request(Path("/models/stories260K")), "metadata": {"source": "compose check"}}
         with CaspClient(API_URL, key) as client:
             mark = time.monotonic()
-            first = client.wait(client.submit(request)["id"], timeout=900, poll_seconds=1)
+            first = client.wait(client.submit(request)["id"], timeout=900)
             timings["first job"] = time.monotonic() - mark
             summary["first_job"] = check_job(client, first, work / "download" / "first")
 

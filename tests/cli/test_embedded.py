@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import httpx
@@ -93,8 +94,14 @@ def test_embedded_serve_keeps_queued_jobs_across_a_restart_and_serves_signed_fil
         time.sleep(1)
         assert client.get(job["id"])["status"] == "queued"
     with casp_serve(home, port, workers=1) as client:
-        done = client.wait(job["id"], timeout=300, poll_seconds=0.5)
+        arrivals: list[tuple[float, dict[str, Any]]] = []
+        done = client.wait(job["id"], timeout=300, on_update=lambda event: arrivals.append((time.monotonic(), event)))
         assert done["status"] == "succeeded", done
+        # Streamed as they happened, from the first event on, and the stream ended with the job.
+        events = [event for _, event in arrivals]
+        assert [e["id"] for e in events] == sorted({e["id"] for e in events})
+        assert events[0]["message"] == "queued" and events[-1]["status"] == "succeeded"
+        assert arrivals[-1][0] - arrivals[1][0] > 1.0, "the events came all at once, not as they happened"
         assert done["result"]["achieved_ratio"] == pytest.approx(0.3, abs=0.05)
         paths = client.download(job["id"], tmp_path / "out")  # checks every sha256
         assert {"config.json", "model.safetensors", "report.json", "report.md"} <= {p.name for p in paths}

@@ -1,0 +1,152 @@
+"""A job's end posted to its `webhook_url`: the job's JSON, signed with HMAC-SHA256 over a timestamp and the body
+(as Stripe does), retried with backoff; every attempt an event of the job.
+
+Deliveries are read from the job rows (`webhook_state` "pending" once the job has finished), so a webhook is
+not lost when the process that would send it stops: a notifier holds one with a lease, and another takes it
+over, counting on from the attempts recorded, once the lease has run out.
+
+Headers of each POST:
+- `Casp-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" with CASP_WEBHOOK_SECRET>`
+- `Casp-Event: job.succeeded` (or `job.failed`, `job.cancelled`)
+"""
+
+import hashlib
+import hmac
+import ipaddress
+import itertools
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import tenacity
+
+from service import jobs
+from service.db import session_scope
+from service.settings import Settings
+from service.tables import Job, utcnow
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "Casp-Signature"
+EVENT_HEADER = "Casp-Event"
+MAX_BACKOFF_SECONDS = 60.0
+
+JobBody = Callable[[Job], dict[str, Any]]
+
+
+class WebhookRefused(ValueError):
+    """A webhook URL the settings do not allow."""
+
+
+def host_allowed(host: str, allowed: list[str]) -> bool:
+    host = host.lower().rstrip(".")
+    return any(host == entry or (entry.startswith("*.") and host.endswith(entry[1:])) for entry in allowed)
+
+
+def check_webhook_url(url: str, settings: Settings) -> None:
+    """Raises WebhookRefused unless the URL is http(s), its host is allowed and (unless private addresses are
+    allowed) every address it resolves to is public. Checked at submit and again before each attempt, since
+    what a name resolves to can change in between."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise WebhookRefused("must be an http:// or https:// URL with a host")
+    if not host_allowed(parsed.hostname, settings.webhook_allowed_hosts):
+        allowed = ", ".join(settings.webhook_allowed_hosts) or "none configured"
+        raise WebhookRefused(f"the host is not one of CASP_WEBHOOK_ALLOWED_HOSTS ({allowed})")
+    if settings.webhook_allow_private:
+        return
+    try:
+        infos = socket.getaddrinfo(parsed.hostname, parsed.port or 443, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise WebhookRefused(f"the host does not resolve ({exc})") from exc
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0])
+        if not address.is_global:
+            raise WebhookRefused(f"the host resolves to {address}, not a public address (CASP_WEBHOOK_ALLOW_PRIVATE)")
+
+
+def signature(secret: str, timestamp: int, body: bytes) -> str:
+    return hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+
+
+def post_signed(settings: Settings, url: str, body: bytes, event: str) -> tuple[bool, str]:
+    """One attempt: (delivered, what happened)."""
+    assert settings.webhook_secret is not None  # no job has a webhook without one (checked at submit)
+    try:
+        check_webhook_url(url, settings)
+    except WebhookRefused as exc:
+        return False, f"refused: {exc}"
+    timestamp = int(time.time())
+    headers = {
+        "Content-Type": "application/json",
+        EVENT_HEADER: event,
+        SIGNATURE_HEADER: f"t={timestamp},v1={signature(settings.webhook_secret, timestamp, body)}",
+    }
+    try:
+        response = httpx.post(url, content=body, headers=headers, timeout=settings.webhook_timeout_seconds)
+    except httpx.HTTPError as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    return response.is_success, f"HTTP {response.status_code}"
+
+
+def deliver(settings: Settings, job_body: JobBody, job_id: str, stopped: threading.Event) -> bool | None:
+    """Posts the finished job to its webhook until it is taken (2xx) or the attempts are used up; None when
+    another notifier holds it or it was delivered meanwhile."""
+    # Long enough for every attempt and wait: a live notifier never loses its lease.
+    lease = timedelta(seconds=settings.webhook_max_attempts * (settings.webhook_timeout_seconds + MAX_BACKOFF_SECONDS))
+    with session_scope(settings.database) as session:
+        job = jobs.claim_webhook(session, job_id, utcnow(), lease)
+        if job is None or job.webhook_url is None:
+            return None
+        url, event, done_before = job.webhook_url, f"job.{job.status}", job.webhook_attempts
+        body = json.dumps(job_body(job), separators=(",", ":")).encode()
+    numbers = itertools.count(done_before + 1)
+
+    def attempt() -> bool:
+        number = next(numbers)
+        delivered, message = post_signed(settings, url, body, event)
+        state = "delivered" if delivered else "failed" if number >= settings.webhook_max_attempts else "pending"
+        with session_scope(settings.database) as session:
+            jobs.webhook_attempted(session, job_id, message, state=state)
+        return delivered
+
+    retrying = tenacity.Retrying(
+        # At least one: a lower CASP_WEBHOOK_MAX_ATTEMPTS than when the attempts were made still ends the delivery.
+        stop=tenacity.stop_after_attempt(max(1, settings.webhook_max_attempts - done_before))
+        | tenacity.stop_when_event_set(stopped),
+        wait=tenacity.wait_exponential(multiplier=settings.webhook_backoff_seconds, max=MAX_BACKOFF_SECONDS),
+        retry=tenacity.retry_if_result(lambda delivered: not delivered),
+        retry_error_callback=lambda state: False,
+        # A shutdown cuts a wait short; the lease then runs out and another notifier goes on.
+        sleep=stopped.wait,
+    )
+    return retrying(attempt)
+
+
+class Notifier(threading.Thread):
+    """Delivers the webhooks of finished jobs; runs beside the API (casp_cli.app), where webhooks are on."""
+
+    def __init__(self, settings: Settings, job_body: JobBody) -> None:
+        super().__init__(name="casp-notifier", daemon=True)
+        self.settings = settings
+        self.job_body = job_body
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.settings.webhook_poll_seconds):
+            try:
+                with session_scope(self.settings.database) as session:
+                    pending = jobs.pending_webhooks(session, utcnow())
+                for job_id in pending:
+                    if self.stopped.is_set():
+                        return
+                    deliver(self.settings, self.job_body, job_id, self.stopped)
+            except Exception as exc:  # the database may be briefly away; try again next round
+                log.warning("webhook round failed: %s: %s", type(exc).__name__, exc)

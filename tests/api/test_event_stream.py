@@ -1,0 +1,53 @@
+"""`GET /v1/jobs/{id}/events?stream=true`: Server-Sent Events, resumable, ending with the job; the OpenAPI
+document shows it. (That events arrive as they happen, through `casp_cli.client`, is in tests/cli/test_embedded.)"""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.api.test_api import PARKED
+
+pytestmark = pytest.mark.service
+
+
+def parse(stream: str) -> list[dict[str, str]]:
+    """The events of an SSE body: blocks of `field: value` lines parted by blank lines, comments left out."""
+    events = []
+    for block in stream.replace("\r\n", "\n").split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if line and not line.startswith(":"))
+        if fields:
+            events.append(fields)
+    return events
+
+
+def test_the_events_of_a_finished_job_stream_and_the_stream_ends(
+    api: TestClient, keys: dict[str, dict[str, str]]
+) -> None:
+    alice = keys["alice"]
+    job = api.post("/v1/jobs", json=PARKED, headers=alice).json()
+    api.post(f"/v1/jobs/{job['id']}/cancel", headers=alice)
+    paged = api.get(f"/v1/jobs/{job['id']}/events", headers=alice).json()["data"]
+
+    response = api.get(f"/v1/jobs/{job['id']}/events", params={"stream": "true"}, headers=alice)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    streamed = parse(response.text)
+    assert [json.loads(e["data"]) for e in streamed] == paged
+    assert [e["id"] for e in streamed] == [str(e["id"]) for e in paged]
+    assert [e["event"] for e in streamed] == ["status", "status"]  # queued, cancelled
+
+    # Taken up again after the last event a client saw (the header a reconnecting EventSource sends).
+    resumed = api.get(
+        f"/v1/jobs/{job['id']}/events",
+        params={"stream": "true"},
+        headers={**alice, "Last-Event-ID": streamed[0]["id"]},
+    )
+    assert [json.loads(e["data"])["message"] for e in parse(resumed.text)] == ["cancelled"]
+    # Another key's job answers 404 as on every route.
+    assert api.get(f"/v1/jobs/{job['id']}/events?stream=true", headers=keys["bob"]).status_code == 404
+
+
+def test_the_openapi_document_shows_the_stream(api: TestClient) -> None:
+    operation = api.get("/openapi.json").json()["paths"]["/v1/jobs/{job_id}/events"]["get"]
+    assert "text/event-stream" in operation["responses"]["200"]["content"]
+    assert "stream" in [p["name"] for p in operation["parameters"]]

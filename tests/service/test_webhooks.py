@@ -1,0 +1,133 @@
+"""A job's end posted to its webhook: a local HTTP receiver checks the signature, and fails the first attempts to
+see the retries, each an event; against PostgreSQL and Redis with the API's notifier thread."""
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from casp_cli.app import service_app
+from service.settings import Settings
+from tests.api.test_api import PARKED, refusal
+from tests.service_fixtures import wait_for
+
+pytestmark = pytest.mark.service
+
+SECRET = "whsec-test"
+
+
+@dataclass
+class Receiver:
+    """Answers 500 to the first `failures` requests, then 200; keeps what it received and when."""
+
+    failures: int = 0
+    received: list[tuple[float, dict[str, str], bytes]] = field(default_factory=list)
+    url: str = ""
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    state = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            state.received.append((time.monotonic(), dict(self.headers), body))
+            self.send_response(500 if len(state.received) <= state.failures else 200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            """Quiet."""
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    state.url = f"http://127.0.0.1:{server.server_address[1]}/hooks/casp"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield state
+    server.shutdown()
+
+
+@pytest.fixture
+def hooked(distributed_settings: Settings) -> Settings:
+    return distributed_settings.model_copy(
+        update={
+            "webhook_secret": SECRET,
+            "webhook_allowed_hosts": ["127.0.0.1", "localhost"],
+            "webhook_allow_private": True,
+            "webhook_backoff_seconds": 0.3,
+            "webhook_poll_seconds": 0.2,
+            "webhook_max_attempts": 3,
+            "auth": "none",
+        }
+    )
+
+
+def webhook_events(api: TestClient, job_id: str) -> list[str]:
+    events = api.get(f"/v1/jobs/{job_id}/events").json()["data"]
+    return [e["message"] for e in events if e["kind"] == "webhook"]
+
+
+def test_the_end_of_a_job_is_posted_signed_and_retried(hooked: Settings, receiver: Receiver) -> None:
+    receiver.failures = 2
+    with TestClient(service_app(hooked)) as api:
+        job = api.post("/v1/jobs", json={**PARKED, "webhook_url": receiver.url}).json()
+        assert (job["webhook_url"], job["webhook_state"]) == (receiver.url, "pending")
+        api.post(f"/v1/jobs/{job['id']}/cancel")
+        done = wait_for(
+            lambda: (j := api.get(f"/v1/jobs/{job['id']}").json())["webhook_state"] == "delivered" and j,
+            30,
+            "the webhook to be delivered",
+        )
+        assert webhook_events(api, job["id"]) == [
+            "webhook attempt 1: HTTP 500",
+            "webhook attempt 2: HTTP 500",
+            "webhook attempt 3: HTTP 200",
+        ]
+    assert len(receiver.received) == 3
+    # Waits that double: 0.3 s, then 0.6 s.
+    times = [at for at, _, _ in receiver.received]
+    assert times[1] - times[0] >= 0.3 and times[2] - times[1] >= 0.6
+    for _, headers, body in receiver.received:
+        assert headers["Casp-Event"] == "job.cancelled" and headers["Content-Type"] == "application/json"
+        fields = dict(part.split("=", 1) for part in headers["Casp-Signature"].split(","))
+        expected = hmac.new(SECRET.encode(), f"{fields['t']}.".encode() + body, hashlib.sha256).hexdigest()
+        assert hmac.compare_digest(fields["v1"], expected)
+        assert abs(time.time() - int(fields["t"])) < 60
+        posted = json.loads(body)
+        assert posted["id"] == job["id"] and posted["status"] == "cancelled"
+    assert done["status"] == "cancelled"
+
+
+def test_a_webhook_that_keeps_failing_ends_failed_after_the_last_attempt(hooked: Settings, receiver: Receiver) -> None:
+    receiver.failures = 100
+    with TestClient(service_app(hooked.model_copy(update={"webhook_max_attempts": 2}))) as api:
+        job = api.post("/v1/jobs", json={**PARKED, "webhook_url": receiver.url}).json()
+        api.post(f"/v1/jobs/{job['id']}/cancel")
+        wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["webhook_state"] == "failed", 30, "it to fail")
+        time.sleep(1)  # nothing more is sent after the last attempt
+        assert webhook_events(api, job["id"]) == ["webhook attempt 1: HTTP 500", "webhook attempt 2: HTTP 500"]
+    assert len(receiver.received) == 2
+
+
+def test_webhook_urls_are_checked_at_submit(hooked: Settings, receiver: Receiver) -> None:
+    private_refused = hooked.model_copy(update={"webhook_allow_private": False})
+    off = hooked.model_copy(update={"webhook_secret": None})
+    cases = [
+        (hooked, "https://hooks.example.org/x", "not one of CASP_WEBHOOK_ALLOWED_HOSTS"),
+        (hooked, "ftp://127.0.0.1/x", "http:// or https://"),
+        (private_refused, "http://localhost:9/x", "not a public address"),
+        (off, receiver.url, "webhooks are off on this server"),
+    ]
+    for settings, url, reason in cases:
+        with TestClient(service_app(settings)) as api:
+            error = refusal(api.post("/v1/jobs", json={**PARKED, "webhook_url": url}))
+        assert error["param"] == "webhook_url" and reason in error["message"], (url, error)
