@@ -41,6 +41,28 @@ def find_api_key(session: Session, raw: str) -> ApiKey | None:
     return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_api_key(raw)))
 
 
+# A revoked key's row stays (its name, its jobs and their artifacts): only its hash is replaced by this marker
+# and the row's id, which no SHA-256 hex digest can equal.
+REVOKED_MARK = "revoked:"
+
+
+def revoke_api_key(session: Session, key_id: str) -> ApiKey | None:
+    """The key stops working at once; None when there is no such key. Revoking twice changes nothing."""
+    row = session.get(ApiKey, key_id)
+    if row is not None:
+        row.key_hash = REVOKED_MARK + row.id
+        session.flush()
+    return row
+
+
+def list_api_keys(session: Session) -> Sequence[ApiKey]:
+    return session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)).all()
+
+
+def is_revoked(key: ApiKey) -> bool:
+    return key.key_hash.startswith(REVOKED_MARK)
+
+
 # --- jobs as the API sees them ---------------------------------------------------------------------------
 
 
@@ -388,12 +410,6 @@ def is_claimable(session: Session, job_id: str) -> bool:
 
 def count_by_status(session: Session) -> dict[str, int]:
     return {status: count for status, count in session.execute(select(Job.status, func.count()).group_by(Job.status))}
-
-
-def stage_durations(session: Session) -> list[tuple[str, int, float]]:
-    """(stage, count, total seconds) over every finished attempt."""
-    query = select(StageTiming.stage, func.count(), func.sum(StageTiming.seconds)).group_by(StageTiming.stage)
-    return [(stage, count, float(total)) for stage, count, total in session.execute(query)]
 
 
 def is_finished(job: Job) -> bool:

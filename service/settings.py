@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.logs import LogFormat
+
 DEVICES = ("cpu", "cuda")
 # "auto": the device of the machine the job lands on. Resolved where that is known (the embedded service at
 # start, a worker for what it serves); the distributed API sends such jobs to the queue every worker reads.
@@ -36,6 +38,9 @@ class Settings(BaseSettings):
     datasets_dir: Path | None = None
     auth: Literal["apikey", "none"] = "apikey"
     secret_key: str | None = None
+    # Secrets used before `secret_key`, comma-separated: links they signed stay valid until they expire, so
+    # that the secret can be rotated without breaking links already handed out (docs/operations.md).
+    previous_secret_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     public_url: str | None = None  # base of signed download URLs on local storage; default: the request's
     url_ttl_seconds: int = Field(default=3600, gt=0)
     job_time_limit_seconds: int = Field(default=6 * 3600, gt=0)
@@ -49,12 +54,21 @@ class Settings(BaseSettings):
     ready_min_free_bytes: int = Field(default=1 << 30, ge=0)
     # A job request is a few KiB; anything much larger is refused (413) before it is read.
     max_request_bytes: int = Field(default=64 * 1024, ge=1024)
+    # "json": one JSON object a line, with the job's id, key name and stage (service.logs); for collectors.
+    log_format: LogFormat = "text"
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: object) -> object:
         if isinstance(value, str):
             return [part for part in value.split(":") if part]
+        return value
+
+    @field_validator("previous_secret_keys", mode="before")
+    @classmethod
+    def _split_secrets(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
     @property
@@ -81,6 +95,11 @@ class Settings(BaseSettings):
             path.write_text(secrets.token_urlsafe(32))
             path.chmod(0o600)
         return path.read_text().strip().encode()
+
+    @property
+    def verification_keys(self) -> list[bytes]:
+        """Secrets a signed URL may carry: the current one, then the previous ones."""
+        return [self.signing_key, *(secret.encode() for secret in self.previous_secret_keys)]
 
     def model_roots(self) -> list[Path]:
         return [root.expanduser().resolve() for root in self.allowed_model_roots]

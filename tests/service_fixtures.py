@@ -223,6 +223,8 @@ def distributed_settings(
         reaper_interval_seconds=1.0,
         max_attempts=3,
         default_device="cpu",
+        # As docker-compose.yml runs the service: the worker processes write JSON lines (tests/worker read them).
+        log_format="json",
     )
 
 
@@ -234,6 +236,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
             continue
         if name == "allowed_model_roots":
             value = ":".join(map(str, value))
+        elif name == "previous_secret_keys":
+            value = ",".join(value)
         env[f"CASP_{name.upper()}"] = str(value)
     env["PYTHONPATH"] = str(REPO)
     return env

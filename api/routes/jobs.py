@@ -30,6 +30,7 @@ from casp_core.errors import CaspError, InvalidConfig
 from casp_core.model import is_local_reference, load_config
 from service import jobs
 from service.dispatch import queue_for, send
+from service.logs import add_log_context
 from service.paths import InputRefused, Loc, check_dataset, check_model
 from service.settings import Settings
 from service.tables import JOB_STATUSES, Job, utcnow
@@ -148,6 +149,7 @@ def create_job(
             status.HTTP_409_CONFLICT, "this Idempotency-Key was used with a different request body"
         ) from exc
     session.commit()
+    add_log_context(job_id=job.id)
     if not created:
         response.headers["Idempotent-Replayed"] = "true"
         return job_out(job)
