@@ -19,6 +19,7 @@ import torch
 from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
 from casp_core.job import STAGES, run_job
+from casp_core.model import resolve_device
 from casp_core.run import Run
 from service import jobs
 from service.db import session_scope
@@ -225,17 +226,13 @@ def execute(
             shutil.rmtree(out_dir.parent, ignore_errors=True)
 
 
-def on_cuda(config: PruneConfig) -> bool:
-    return torch.device(config.device).type == "cuda"
-
-
-def peak_gpu_memory(config: PruneConfig) -> dict[str, int]:
+def peak_gpu_memory(device: torch.device) -> dict[str, int]:
     """`peak_gpu_memory_bytes` of a job that ran on CUDA: the most memory torch held allocated at once on
     its device since the job started (_run resets the count; Celery gives each job a fresh process, while the
     embedded mode's worker threads share one, so there it is the peak of whatever ran beside the job too)."""
-    if not on_cuda(config):
+    if device.type != "cuda":
         return {}
-    return {"peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(torch.device(config.device))}
+    return {"peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device)}
 
 
 def _run(
@@ -244,8 +241,10 @@ def _run(
     try:
         # Checked again here: the row may have been written past the API, or the roots changed since.
         check_job_inputs(model, config, attempt.settings)
-        if on_cuda(config):
-            torch.cuda.reset_peak_memory_stats(torch.device(config.device))
+        # A device this machine lacks fails the job here, with casp_core's device_unavailable.
+        device = resolve_device(config.device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         report = run_job(
             model, config, out_dir, Run(progress=attempt.report, should_cancel=attempt.should_cancel), revision=revision
         )
@@ -260,7 +259,7 @@ def _run(
             error = ("upload_failed", f"could not store the artifacts: {type(exc).__name__}: {exc}")
             return "failed" if attempt.finish("failed", error=error) else None
         attempt.report("upload", 1.0, f"uploaded {len(stored)} files")
-        if attempt.finish("succeeded", result={**summary_of(report), **peak_gpu_memory(config)}, artifacts=stored):
+        if attempt.finish("succeeded", result={**summary_of(report), **peak_gpu_memory(device)}, artifacts=stored):
             return "succeeded"
         # A cancel came during the upload, or the attempt lost the row: drop the upload if cancelled.
         if not attempt.lost and attempt.finish("cancelled"):

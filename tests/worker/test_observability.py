@@ -5,6 +5,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select, update
@@ -15,6 +16,7 @@ from service.metrics import PEAK_GPU_MEMORY_BUCKETS, STAGE_SECONDS_BUCKETS
 from service.settings import Settings
 from service.tables import Job, StageTiming
 from tests.service_fixtures import TINY_JOB, WorkerProcess, finished, wait_job
+from worker.runner import peak_gpu_memory
 
 pytestmark = pytest.mark.service
 
@@ -115,3 +117,14 @@ def test_webhook_failures_count_the_failed_delivery_events(
             jobs.add_event(session, job, kind="webhook", message=message)
         jobs.add_event(session, job, kind="status", message="failed: not a webhook")
     assert scrape(api)[("casp_webhook_failures_total", ())] == before + 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_peak_gpu_memory_of_a_job_is_what_torch_held_at_most_since_it_started() -> None:
+    device = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats(device)
+    held = torch.cuda.memory_allocated(device)
+    block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    del block
+    assert peak_gpu_memory(device)["peak_gpu_memory_bytes"] >= held + (256 << 20)
+    assert peak_gpu_memory(torch.device("cpu")) == {}
