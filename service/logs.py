@@ -14,6 +14,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 LogFormat = Literal["text", "json"]
@@ -71,6 +72,8 @@ def json_formatter() -> logging.Formatter:
         style="{",
         rename_fields={"levelname": "level", "name": "logger"},
         timestamp="time",  # ISO 8601, UTC
+        # uvicorn's `color_message` repeats the message with terminal colour codes.
+        reserved_attrs=[*RESERVED_ATTRS, "color_message"],
     )
 
 
@@ -87,3 +90,9 @@ def configure_logging(log_format: LogFormat, level: str | int) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    if log_format == "json":
+        # Progress bars (loading and writing weights, data sets) are drawn for a terminal; in a JSON log they
+        # would be lines of no format. A job's progress is in its events and its `stage ... started` records.
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # Hugging Face Hub's (and so datasets') bars too
