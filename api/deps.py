@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from service import jobs
 from service.db import session_factory
 from service.dispatch import Dispatcher
+from service.logs import add_log_context
 from service.settings import Settings
 from service.storage import Storage
 
@@ -58,6 +59,7 @@ def get_caller(
             "a valid API key is required: Authorization: Bearer <key>",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    add_log_context(key_name=key.name)
     return jobs.Caller(key_id=key.id)
 
 

@@ -11,6 +11,7 @@ from fastapi_offline import FastAPIOffline
 
 from api import errors, unavailable
 from api.limits import RequestBodyLimit
+from api.log_context import JobLogContext
 from api.routes import files, health, jobs, usage
 from service.dispatch import Dispatcher, make_dispatcher
 from service.settings import Settings, local_devices, resolve_device
@@ -64,6 +65,7 @@ def create_app(settings: Settings | None = None, background: BackgroundServices 
     errors.install(app)
     unavailable.install(app)
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(JobLogContext)
     app.include_router(jobs.router)
     app.include_router(usage.router)
     app.include_router(files.router)

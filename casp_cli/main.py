@@ -1,5 +1,6 @@
 """The `casp` command: the library's commands (casp_core.cli: prune, eval) and the service's: serve, demo, keys
-create, worker, and submit, status, wait, download through the client. `python -m casp_cli.main ...` runs it.
+(create, revoke, list), worker, and submit, status, wait, download through the client. `python -m casp_cli.main ...`
+runs it.
 """
 
 import argparse
@@ -20,6 +21,7 @@ from casp_core.cli.arguments import non_negative_int, positive_int
 from casp_core.cli.main import main as casp_main
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.errors import InvalidConfig
+from service.logs import configure_logging
 from service.settings import AUTO, DEVICES, Settings, local_devices, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +47,12 @@ def serve(settings: Settings, sock: socket.socket, log_level: str = "info") -> N
 
     from casp_cli.app import service_app
 
+    configure_logging(settings.log_format, log_level)
     prepare(settings)
-    config = uvicorn.Config(service_app(settings), log_level=log_level)
+    # JSON: uvicorn's own loggers (its access log too) propagate to the root logger's JSON handler; text:
+    # uvicorn's usual coloured lines.
+    log_config = None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG
+    config = uvicorn.Config(service_app(settings), log_level=log_level, log_config=log_config)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -64,7 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    device = resolve_device(args.device or Settings().default_device)
+    settings = Settings()
+    device = resolve_device(args.device or settings.default_device)
     if device not in local_devices():
         raise SystemExit(f"casp worker: no {device} device on this machine (torch sees: {', '.join(local_devices())})")
     # The worker's own device is the default its jobs for any device (queue casp-auto) run on.
@@ -73,7 +80,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.tasks import app
 
     queues = f"{queue_for(device)},{queue_for(AUTO)}"
-    app.worker_main(["worker", "-Q", queues, "-n", f"casp-{device}@%h", "--loglevel", args.log_level])
+    # JSON logs (worker.tasks sets them up): without Celery's start banner, which is plain text.
+    quiet = ["--quiet"] if settings.log_format == "json" else []
+    app.worker_main([*quiet, "worker", "-Q", queues, "-n", f"casp-{device}@%h", "--loglevel", args.log_level])
     return 0
 
 
@@ -92,6 +101,34 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         )
     print(f"key id {row.id} ({args.name}); the key is shown only now:", file=sys.stderr)
     print(key)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from service import jobs
+    from service.db import session_scope
+
+    settings = Settings()
+    prepare(settings)
+    with session_scope(settings.database) as session:
+        row = jobs.revoke_api_key(session, args.key_id)
+        if row is None:
+            print(f"casp: error: not_found: no API key with id {args.key_id} (see casp keys list)", file=sys.stderr)
+            return 1
+        print(f"revoked key {row.id} ({row.name}); its jobs stay", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from service import jobs
+    from service.db import session_scope
+
+    settings = Settings()
+    prepare(settings)
+    with session_scope(settings.database) as session:
+        for row in jobs.list_api_keys(session):
+            state = "revoked" if jobs.is_revoked(row) else "active"
+            print(f"{row.id}  {state:<7}  {row.created_at:%Y-%m-%d %H:%M}  {row.name}")
     return 0
 
 
@@ -283,6 +320,11 @@ def register(subparsers: Any) -> None:
         help="jobs submitted in any 60 s; default: CASP_MAX_SUBMISSIONS_PER_MINUTE",
     )
     p.set_defaults(run=cmd_keys_create)
+    p = keys.add_parser("revoke", help="revoke an API key at once (its jobs and artifacts stay)")
+    p.add_argument("key_id", help="the id `casp keys create` printed (or `casp keys list` shows)")
+    p.set_defaults(run=cmd_keys_revoke)
+    p = keys.add_parser("list", help="list API keys: id, active or revoked, created, name")
+    p.set_defaults(run=cmd_keys_list)
 
     p = subparsers.add_parser(
         "submit", help="submit a pruning job", description="Options left out take the server's defaults."

@@ -14,6 +14,7 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service.metrics import WEBHOOK_EVENT_KIND, WEBHOOK_FAILURE_PREFIX
 from service.security import hash_api_key, new_api_key
 from service.settings import Settings
 from service.storage import StoredFile
@@ -56,6 +57,28 @@ def create_api_key(
 
 def find_api_key(session: Session, raw: str) -> ApiKey | None:
     return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_api_key(raw)))
+
+
+# A revoked key's row stays (its name, its jobs and their artifacts): only its hash is replaced by this marker
+# and the row's id, which no SHA-256 hex digest can equal.
+REVOKED_MARK = "revoked:"
+
+
+def revoke_api_key(session: Session, key_id: str) -> ApiKey | None:
+    """The key stops working at once; None when there is no such key. Revoking twice changes nothing."""
+    row = session.get(ApiKey, key_id)
+    if row is not None:
+        row.key_hash = REVOKED_MARK + row.id
+        session.flush()
+    return row
+
+
+def list_api_keys(session: Session) -> Sequence[ApiKey]:
+    return session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)).all()
+
+
+def is_revoked(key: ApiKey) -> bool:
+    return key.key_hash.startswith(REVOKED_MARK)
 
 
 # --- jobs as the API sees them ---------------------------------------------------------------------------
@@ -343,7 +366,8 @@ def webhook_attempted(session: Session, job_id: str, message: str, *, state: str
         values["webhook_lease_until"] = None
     session.execute(update(Job).where(Job.id == job_id).values(**values))
     job = session.get_one(Job, job_id, populate_existing=True)
-    add_event(session, job, kind="webhook", message=f"webhook attempt {job.webhook_attempts}: {message}")
+    outcome = "delivered" if state == "delivered" else WEBHOOK_FAILURE_PREFIX
+    add_event(session, job, kind=WEBHOOK_EVENT_KIND, message=f"{outcome}: {message} (attempt {job.webhook_attempts})")
     return job.webhook_attempts
 
 
@@ -603,12 +627,6 @@ def is_claimable(session: Session, job_id: str) -> bool:
 
 def count_by_status(session: Session) -> dict[str, int]:
     return {status: count for status, count in session.execute(select(Job.status, func.count()).group_by(Job.status))}
-
-
-def stage_durations(session: Session) -> list[tuple[str, int, float]]:
-    """(stage, count, total seconds) over every finished attempt."""
-    query = select(StageTiming.stage, func.count(), func.sum(StageTiming.seconds)).group_by(StageTiming.stage)
-    return [(stage, count, float(total)) for stage, count, total in session.execute(query)]
 
 
 def is_finished(job: Job) -> bool:

@@ -4,6 +4,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Sequence
 
 KEY_PREFIX = "casp_"
 
@@ -27,8 +28,10 @@ def sign_download(secret: bytes, job_id: str, name: str, ttl_seconds: int) -> tu
     return expires, _signature(secret, job_id, name, expires)
 
 
-def verify_download(secret: bytes, job_id: str, name: str, expires: int, signature: str) -> bool:
+def verify_download(secrets: Sequence[bytes], job_id: str, name: str, expires: int, signature: str) -> bool:
+    """Whether one of `secrets` (the current one and those it replaced) signed this unexpired link."""
     if expires < time.time():
         return False
     # Compared as bytes: compare_digest refuses str with non-ASCII characters, and a signature is the caller's.
-    return hmac.compare_digest(_signature(secret, job_id, name, expires).encode(), signature.encode())
+    given = signature.encode()
+    return any(hmac.compare_digest(_signature(secret, job_id, name, expires).encode(), given) for secret in secrets)

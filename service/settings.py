@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.logs import LogFormat
+
 DEVICES = ("cpu", "cuda")
 # "auto": the device of the machine the job lands on. Resolved where that is known (the embedded service at
 # start, a worker for what it serves); the distributed API sends such jobs to the queue every worker reads.
@@ -36,6 +38,9 @@ class Settings(BaseSettings):
     datasets_dir: Path | None = None
     auth: Literal["apikey", "none"] = "apikey"
     secret_key: str | None = None
+    # Secrets used before `secret_key`, comma-separated: links they signed stay valid until they expire, so
+    # that the secret can be rotated without breaking links already handed out (docs/operations.md).
+    previous_secret_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     public_url: str | None = None  # base of signed download URLs on local storage; default: the request's
     url_ttl_seconds: int = Field(default=3600, gt=0)
     job_time_limit_seconds: int = Field(default=6 * 3600, gt=0)
@@ -67,6 +72,8 @@ class Settings(BaseSettings):
     webhook_backoff_seconds: float = Field(default=2.0, gt=0)  # doubled after each failed attempt, up to 60 s
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     webhook_poll_seconds: float = Field(default=2.0, gt=0)
+    # "json": one JSON object a line, with the job's id, key name and stage (service.logs); for collectors.
+    log_format: LogFormat = "text"
 
     @field_validator("allowed_model_roots", mode="before")
     @classmethod
@@ -75,11 +82,11 @@ class Settings(BaseSettings):
             return [part for part in value.split(":") if part]
         return value
 
-    @field_validator("webhook_allowed_hosts", mode="before")
+    @field_validator("webhook_allowed_hosts", "previous_secret_keys", mode="before")
     @classmethod
-    def _split_hosts(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
-            return [part.strip().lower() for part in value.split(",") if part.strip()]
+            return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
     @property
@@ -106,6 +113,11 @@ class Settings(BaseSettings):
             path.write_text(secrets.token_urlsafe(32))
             path.chmod(0o600)
         return path.read_text().strip().encode()
+
+    @property
+    def verification_keys(self) -> list[bytes]:
+        """Secrets a signed URL may carry: the current one, then the previous ones."""
+        return [self.signing_key, *(secret.encode() for secret in self.previous_secret_keys)]
 
     def model_roots(self) -> list[Path]:
         return [root.expanduser().resolve() for root in self.allowed_model_roots]

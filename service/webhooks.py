@@ -47,7 +47,8 @@ class WebhookRefused(ValueError):
 
 def host_allowed(host: str, allowed: list[str]) -> bool:
     host = host.lower().rstrip(".")
-    return any(host == entry or (entry.startswith("*.") and host.endswith(entry[1:])) for entry in allowed)
+    entries = (entry.lower() for entry in allowed)
+    return any(host == entry or (entry.startswith("*.") and host.endswith(entry[1:])) for entry in entries)
 
 
 def check_webhook_url(url: str, settings: Settings) -> None:

@@ -226,6 +226,8 @@ def distributed_settings(
         # The tests park many jobs per key: the fair-use tests give their keys limits of their own.
         max_active_jobs=1000,
         max_submissions_per_minute=1000,
+        # As docker-compose.yml runs the service: the worker processes write JSON lines (tests/worker read them).
+        log_format="json",
     )
 
 
@@ -237,6 +239,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
             continue
         if name == "allowed_model_roots":
             value = ":".join(map(str, value))
+        elif name == "previous_secret_keys":
+            value = ",".join(value)
         env[f"CASP_{name.upper()}"] = str(value)
     env["PYTHONPATH"] = str(REPO)
     return env

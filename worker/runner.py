@@ -3,6 +3,7 @@
 Shared by the Celery task (distributed mode) and the in-process worker threads (embedded mode).
 """
 
+import contextvars
 import logging
 import shutil
 import socket
@@ -13,16 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
 from casp_core.job import STAGES, run_job
+from casp_core.model import resolve_device
 from casp_core.run import Run
 from service import jobs
 from service.db import session_scope
+from service.logs import add_log_context, job_log_context
 from service.paths import check_job_inputs
 from service.settings import AUTO, Settings
 from service.storage import Storage
-from service.tables import Job
+from service.tables import ApiKey, Job
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +100,8 @@ class Attempt:
         if changed:
             self._close_stage(now)
             self.stage = stage
+            add_log_context(stage=stage)
+            log.info("stage %s started", stage)
         self.progress = progress
         event = changed or progress - self._last_event_progress >= 1.0
         if not (event or now - self._last_write >= WRITE_INTERVAL_SECONDS):
@@ -132,7 +139,11 @@ class Attempt:
     def finish(self, status: str, **kwargs: Any) -> bool:
         self._close_stage(time.monotonic())
         with session_scope(self.settings.database) as session:
-            return jobs.finish(session, self.job_id, self.number, status=status, timings=self.timings, **kwargs)
+            finished = jobs.finish(session, self.job_id, self.number, status=status, timings=self.timings, **kwargs)
+        if finished:
+            seconds = {stage: round(value, 3) for stage, value in self.timings.items()}
+            log.info("attempt %d ended %s", self.number, status, extra={"stage_seconds": seconds})
+        return finished
 
 
 class Heartbeat(threading.Thread):
@@ -143,8 +154,13 @@ class Heartbeat(threading.Thread):
         super().__init__(name=f"heartbeat-{attempt.job_id}", daemon=True)
         self.attempt = attempt
         self.done = threading.Event()
+        # A thread starts with an empty context: this one logs in its job's (see service.logs).
+        self.context = contextvars.copy_context()
 
     def run(self) -> None:
+        self.context.run(self._beat)
+
+    def _beat(self) -> None:
         interval = self.attempt.settings.heartbeat_interval_seconds
         while not self.done.wait(interval):
             try:
@@ -177,33 +193,46 @@ def execute(
     stop_requested: Callable[[], bool] = lambda: False,
 ) -> str | None:
     """Runs the job if it is still queued; returns its final status (None when it was not ours to run,
-    or the attempt was released or lost midway)."""
-    with session_scope(settings.database) as session:
-        job = jobs.claim_job(session, job_id, worker_id or worker_name())
-        if job is None:
-            log.info("job %s is not queued; nothing to do", job_id)
-            return None
-        config = job_config(job, settings)
-        model, revision, number = job.model, job.revision, job.attempts
+    or the attempt was released or lost midway). Everything logged meanwhile carries the job's id, its
+    owner's key name and the stage (service.logs)."""
+    with job_log_context(job_id) as log_context:
+        with session_scope(settings.database) as session:
+            job = jobs.claim_job(session, job_id, worker_id or worker_name())
+            if job is None:
+                log.info("job %s is not queued; nothing to do", job_id)
+                return None
+            config = job_config(job, settings)
+            model, revision, number = job.model, job.revision, job.attempts
+            owner = session.get(ApiKey, job.owner_id) if job.owner_id else None
+            log_context.key_name = owner.name if owner else None
 
-    attempt = Attempt(
-        settings,
-        job_id,
-        number,
-        deadline=time.monotonic() + settings.job_time_limit_seconds,
-        stop_requested=stop_requested,
-    )
-    out_dir = settings.home / "work" / job_id / f"attempt-{number}"
-    shutil.rmtree(out_dir, ignore_errors=True)  # a rerun starts clean: nothing half-written is kept
-    out_dir.mkdir(parents=True)
-    heartbeat = Heartbeat(attempt)
-    heartbeat.start()
-    try:
-        return _run(attempt, model, revision, config, out_dir, storage)
-    finally:
-        heartbeat.done.set()
-        heartbeat.join()
-        shutil.rmtree(out_dir.parent, ignore_errors=True)
+        attempt = Attempt(
+            settings,
+            job_id,
+            number,
+            deadline=time.monotonic() + settings.job_time_limit_seconds,
+            stop_requested=stop_requested,
+        )
+        out_dir = settings.home / "work" / job_id / f"attempt-{number}"
+        shutil.rmtree(out_dir, ignore_errors=True)  # a rerun starts clean: nothing half-written is kept
+        out_dir.mkdir(parents=True)
+        heartbeat = Heartbeat(attempt)
+        heartbeat.start()
+        try:
+            return _run(attempt, model, revision, config, out_dir, storage)
+        finally:
+            heartbeat.done.set()
+            heartbeat.join()
+            shutil.rmtree(out_dir.parent, ignore_errors=True)
+
+
+def peak_gpu_memory(device: torch.device) -> dict[str, int]:
+    """`peak_gpu_memory_bytes` of a job that ran on CUDA: the most memory torch held allocated at once on
+    its device since the job started (_run resets the count; Celery gives each job a fresh process, while the
+    embedded mode's worker threads share one, so there it is the peak of whatever ran beside the job too)."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device)}
 
 
 def _run(
@@ -212,6 +241,10 @@ def _run(
     try:
         # Checked again here: the row may have been written past the API, or the roots changed since.
         check_job_inputs(model, config, attempt.settings)
+        # A device this machine lacks fails the job here, with casp_core's device_unavailable.
+        device = resolve_device(config.device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         report = run_job(
             model, config, out_dir, Run(progress=attempt.report, should_cancel=attempt.should_cancel), revision=revision
         )
@@ -226,7 +259,7 @@ def _run(
             error = ("upload_failed", f"could not store the artifacts: {type(exc).__name__}: {exc}")
             return "failed" if attempt.finish("failed", error=error) else None
         attempt.report("upload", 1.0, f"uploaded {len(stored)} files")
-        if attempt.finish("succeeded", result=summary_of(report), artifacts=stored):
+        if attempt.finish("succeeded", result={**summary_of(report), **peak_gpu_memory(device)}, artifacts=stored):
             return "succeeded"
         # A cancel came during the upload, or the attempt lost the row: drop the upload if cancelled.
         if not attempt.lost and attempt.finish("cancelled"):

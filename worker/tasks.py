@@ -3,6 +3,7 @@
 import logging
 from functools import cache
 
+from celery.signals import setup_logging
 from celery.worker.request import Request
 from celery.worker.state import task_ready
 from sqlalchemy import Engine, create_engine
@@ -12,6 +13,7 @@ from sqlalchemy.pool import NullPool
 
 from service import jobs
 from service.dispatch import TASK_NAME, CeleryDispatcher, fair_turn, make_celery
+from service.logs import configure_logging, install_record_context
 from service.settings import Settings
 from service.storage import Storage, make_storage
 from worker.runner import execute
@@ -20,6 +22,18 @@ log = logging.getLogger(__name__)
 
 settings = Settings()
 app = make_celery(settings)
+
+
+def json_logging(loglevel: int, **_: object) -> None:
+    """Celery's `setup_logging` signal: with a receiver, Celery leaves the logging setup to it. The pool's
+    children inherit it; what is printed (a library's progress bar) becomes a record too, as Celery does."""
+    configure_logging("json", loglevel)
+    app.log.redirect_stdouts("WARNING")
+
+
+install_record_context()
+if settings.log_format == "json":
+    setup_logging.connect(json_logging, weak=False)
 
 
 @cache

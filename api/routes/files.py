@@ -27,7 +27,7 @@ def download(
     signature: Annotated[str, Query()],
 ) -> FileResponse:
     # The signature is the credential here, as with a presigned S3 URL: no Authorization header needed.
-    if not verify_download(settings.signing_key, job_id, name, expires, signature):
+    if not verify_download(settings.verification_keys, job_id, name, expires, signature):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "the link is invalid or has expired")
     job = session.get(Job, job_id)
     if job is not None and job.artifacts_deleted:

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
@@ -18,6 +18,7 @@ from api.errors import error_response, responses
 from service import jobs
 from service.db import session_scope
 from service.dispatch import Dispatcher
+from service.metrics import peak_gpu_memory, stage_durations, webhook_failures
 from service.settings import Settings
 from service.tables import JOB_STATUSES
 
@@ -80,8 +81,7 @@ def readyz(request: Request, settings: SettingsDep, storage: StorageDep, dispatc
 
 
 class JobsCollector(Collector):
-    """Read from the database and the broker at scrape time: workers run in other processes, so counters
-    kept in this process would see only a part of the picture."""
+    """Read from the database (service.metrics) and the broker at scrape time."""
 
     def __init__(self, settings: Settings, dispatcher: Dispatcher) -> None:
         self.settings = settings
@@ -90,15 +90,25 @@ class JobsCollector(Collector):
     def collect(self) -> list[Metric]:
         with session_scope(self.settings.database) as session:
             counts = jobs.count_by_status(session)
-            durations = jobs.stage_durations(session)
+            durations = stage_durations(session)
+            peaks = peak_gpu_memory(session)
+            failed_webhooks = webhook_failures(session)
         by_status = GaugeMetricFamily("casp_jobs", "Jobs by status", labels=["status"])
         for status in JOB_STATUSES:
             by_status.add_metric([status], counts.get(status, 0))
-        stages = SummaryMetricFamily(
+        stages = HistogramMetricFamily(
             "casp_stage_duration_seconds", "Time finished attempts spent in each stage", labels=["stage"]
         )
-        for stage, count, total in durations:
-            stages.add_metric([stage], count_value=count, sum_value=total)
+        for stage, histogram in durations.items():
+            stages.add_metric([stage], histogram.prometheus_buckets(), histogram.total)
+        peak_memory = HistogramMetricFamily(
+            "casp_job_peak_gpu_memory_bytes", "Peak GPU memory torch allocated, per succeeded job on a GPU"
+        )
+        peak_memory.add_metric([], peaks.prometheus_buckets(), peaks.total)
+        webhooks = CounterMetricFamily(
+            "casp_webhook_failures", "Webhook delivery attempts that failed (events of kind webhook)"
+        )
+        webhooks.add_metric([], failed_webhooks)
         depth = GaugeMetricFamily("casp_queue_depth", "Jobs waiting in each queue", labels=["queue"])
         broker_up = GaugeMetricFamily("casp_broker_up", "1 when the broker answered this scrape, else 0")
         try:
@@ -109,7 +119,7 @@ class JobsCollector(Collector):
         broker_up.add_metric([], up)
         for queue, count in waiting.items():
             depth.add_metric([queue], count)
-        return [by_status, stages, depth, broker_up]
+        return [by_status, stages, peak_memory, webhooks, depth, broker_up]
 
 
 def metrics_registry(settings: Settings, dispatcher: Dispatcher) -> CollectorRegistry:

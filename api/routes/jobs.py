@@ -34,6 +34,7 @@ from casp_core.model import is_local_reference, load_config
 from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
+from service.logs import add_log_context
 from service.paths import InputRefused, Loc, check_dataset, check_model
 from service.settings import Settings
 from service.tables import JOB_STATUSES, Job, JobEvent, utcnow
@@ -197,6 +198,7 @@ def create_job(
             headers={"Retry-After": str(exc.retry_after)},
         ) from exc
     session.commit()
+    add_log_context(job_id=job.id)
     if not created:
         response.headers["Idempotent-Replayed"] = "true"
         return job_out(job)

@@ -88,9 +88,9 @@ def test_the_end_of_a_job_is_posted_signed_and_retried(hooked: Settings, receive
             "the webhook to be delivered",
         )
         assert webhook_events(api, job["id"]) == [
-            "webhook attempt 1: HTTP 500",
-            "webhook attempt 2: HTTP 500",
-            "webhook attempt 3: HTTP 200",
+            "failed: HTTP 500 (attempt 1)",
+            "failed: HTTP 500 (attempt 2)",
+            "delivered: HTTP 200 (attempt 3)",
         ]
     assert len(receiver.received) == 3
     # Waits that double: 0.3 s, then 0.6 s.
@@ -107,14 +107,22 @@ def test_the_end_of_a_job_is_posted_signed_and_retried(hooked: Settings, receive
     assert done["status"] == "cancelled"
 
 
+def webhook_failures_metric(api: TestClient) -> float:
+    lines = api.get("/metrics").text.splitlines()
+    return next(float(line.split()[1]) for line in lines if line.startswith("casp_webhook_failures_total "))
+
+
 def test_a_webhook_that_keeps_failing_ends_failed_after_the_last_attempt(hooked: Settings, receiver: Receiver) -> None:
     receiver.failures = 100
     with TestClient(service_app(hooked.model_copy(update={"webhook_max_attempts": 2}))) as api:
+        failures_before = webhook_failures_metric(api)
         job = api.post("/v1/jobs", json={**PARKED, "webhook_url": receiver.url}).json()
         api.post(f"/v1/jobs/{job['id']}/cancel")
         wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["webhook_state"] == "failed", 30, "it to fail")
         time.sleep(1)  # nothing more is sent after the last attempt
-        assert webhook_events(api, job["id"]) == ["webhook attempt 1: HTTP 500", "webhook attempt 2: HTTP 500"]
+        assert webhook_events(api, job["id"]) == ["failed: HTTP 500 (attempt 1)", "failed: HTTP 500 (attempt 2)"]
+        # Each failed attempt counts in the metric operators alert on (docs/operations.md).
+        assert webhook_failures_metric(api) == failures_before + 2
     assert len(receiver.received) == 2
 
 
