@@ -657,6 +657,29 @@ def _section_shape(rows: list[dict[str, Any]], dense: list[dict[str, Any]]) -> l
     return [*lines, ""]
 
 
+def _studied(rows: list[dict[str, Any]], study: str) -> bool:
+    return any(study in r["studies"] for r in rows)
+
+
+def _grid_sections(grid: list[dict[str, Any]], rows: list[dict[str, Any]], baseline_lines: list[str]) -> list[str]:
+    """Claims (1) to (3), read from the grid of solvers x allocations."""
+    return [
+        *_section_objective(rows),
+        "### (2) Greedy perplexity vs the independent scores",
+        "",
+        "Count of (model, ratio, allocation) cells where greedy's perplexity is lower:",
+        "",
+        *baseline_lines,
+        "",
+        "### (3) Gradient allocation vs uniform",
+        "",
+        "Count of (model, ratio, solver) cells where gradient allocation's perplexity is lower:",
+        "",
+        f"- {_wins(grid, {'allocation': 'gradient'}, {'allocation': 'uniform'}, ('model', 'ratio', 'solver'))}",
+        "",
+    ]
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     rows, dense, settings, machine = payload["rows"], payload["dense"], payload["settings"], payload["machine"]
     grid = _grid(rows)
@@ -689,27 +712,17 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         "## Claims",
         "",
-        *_section_objective(rows),
-        "### (2) Greedy perplexity vs the independent scores",
-        "",
-        "Count of (model, ratio, allocation) cells where greedy's perplexity is lower:",
-        "",
-        *baseline_lines,
-        "",
-        "### (3) Gradient allocation vs uniform",
-        "",
-        "Count of (model, ratio, solver) cells where gradient allocation's perplexity is lower:",
-        "",
-        f"- {_wins(grid, {'allocation': 'gradient'}, {'allocation': 'uniform'}, ('model', 'ratio', 'solver'))}",
-        "",
-        *_section_alpha(rows),
-        *_section_modes(rows),
+        *(_grid_sections(grid, rows, baseline_lines) if grid else []),
+        # A run of some studies only (`--ratios` with no value, ...) shows only theirs.
+        *(_section_alpha(rows) if _studied(rows, "alpha") else []),
+        *(_section_modes(rows) if _studied(rows, "calibration") else []),
         *_section_compensation(rows, dense),
         *_section_shape(rows, dense),
-        "## All solvers x allocations (wikitext2 / ptb perplexity)",
-        "",
-        *_ppl_table(grid, dense, solvers),
-        "",
+        *(
+            ["## All solvers x allocations (wikitext2 / ptb perplexity)", "", *_ppl_table(grid, dense, solvers), ""]
+            if grid
+            else []
+        ),
         "## Runs",
         "",
         "| model | ratio | solver | allocation | alpha | calibration | compensation | shape | z'Qz | achieved ratio "
