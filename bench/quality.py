@@ -1,5 +1,6 @@
 """Quality bench: perplexity and objective of every solver x allocation, an alpha sweep, sequential vs dense,
-and every score with and without least-squares compensation (FLAP also with its own mean-bias compensation).
+every score with and without least-squares compensation (FLAP also with its own mean-bias compensation), and
+the price of the uniform shape (a plain LlamaForCausalLM) beside the per-layer result at the same ratio.
 
 Calibration is on `ptb:train` (in distribution for ptbwiki-7M, which was trained on PTB train + WikiText-2
 valid); perplexity is on the held-out test splits `wikitext2` (raw test) and `ptb` (test), first
@@ -67,6 +68,9 @@ ALPHAS = (0.5, 1.0, 1.5, 2.0)
 MODES = ("sequential", "dense")
 COMPENSATION_RATIOS = (0.2, 0.3, 0.5)
 COMPENSATION_SOLVERS = ("greedy", "diagonal", "wanda_sp", "flap", "greedy_compensated")
+SHAPE_RATIOS = (0.3, 0.5)
+# Rows written before the shape study have no `shape`: they are per_layer.
+FIELD_DEFAULTS = {"shape": "per_layer"}
 # Label in the results -> the source measured. PTB test, not the convention's default validation split: the
 # bench's claim is about held-out text, and ptbwiki-7M's provenance names the PTB test split as held out.
 EVAL_SETS = {"wikitext2": "wikitext2", "ptb": "ptb:test"}
@@ -84,6 +88,7 @@ class Spec:
     alpha: float
     mode: str
     compensation: str = "none"
+    shape: str = "per_layer"
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ def plan(
     compensation_ratios: Iterable[float] = (),
     compensation_solvers: Iterable[str] = COMPENSATION_SOLVERS,
     compensations: Iterable[str] = COMPENSATIONS,
+    shape_ratios: Iterable[float] = (),
 ) -> dict[Spec, list[str]]:
     """Each distinct run once, tagged with the studies that read it (the grid's greedy row is also alpha=1)."""
     runs: dict[Spec, list[str]] = {}
@@ -140,6 +146,11 @@ def plan(
                             continue  # one stream: the same fit as least_squares
                         spec = Spec(model, ratio, solver, "gradient", DEFAULT_ALPHA, mode, compensation)
                         runs.setdefault(spec, []).append("compensation")
+        for ratio in shape_ratios:
+            # Greedy per layer with either allocation, and the uniform shape (whose budget is uniform by nature).
+            for allocation, shape in (("gradient", "per_layer"), ("uniform", "per_layer"), ("uniform", "uniform")):
+                spec = Spec(model, ratio, "greedy", allocation, DEFAULT_ALPHA, "sequential", shape=shape)
+                runs.setdefault(spec, []).append("shape")
     return runs
 
 
@@ -259,6 +270,7 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         solver=spec.solver,
         allocation=spec.allocation,
         compensation=spec.compensation,
+        shape=spec.shape,
         calibration=CalibrationConfig(
             dataset=CALIBRATION_SET,
             n_samples=settings.n_samples,
@@ -275,7 +287,8 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
     with timer.stage("calibration_data"):
         windows = calibration_windows(model, tokenizer, config)
     with timer.stage("allocation"):
-        sensitivities = cached_sensitivities(model, windows) if spec.allocation == "gradient" else None
+        uses_gradient = spec.allocation == "gradient" and spec.shape == "per_layer"
+        sensitivities = cached_sensitivities(model, windows) if uses_gradient else None
     result = prune(model, tokenizer, config, Run(timer=timer), windows=windows, sensitivities=sensitivities)
     seconds = time.perf_counter() - start
     sublayers = [sub for layer in result.layers for sub in (layer.attn, layer.mlp)]
@@ -288,6 +301,9 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         "alpha": spec.alpha,
         "calibration_mode": spec.mode,
         "compensation": spec.compensation,
+        "shape": spec.shape,
+        # Per layer (one entry per distinct layer shape): query heads, key/value heads, FFN channels kept.
+        "layer_shapes": sorted({layer_shape(layer) for layer in result.model.model.layers}),
         "calibration_set": CALIBRATION_SET,
         "n_samples": settings.n_samples,
         "seq_len": settings.seq_len,
@@ -310,6 +326,12 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         "stage_seconds": {name: stage["seconds"] for name, stage in result.timings.items()},
         "studies": studies,
     }
+
+
+def layer_shape(layer: torch.nn.Module) -> tuple[int, int, int]:
+    attention = layer.self_attn
+    heads = attention.q_proj.out_features // attention.head_dim
+    return heads, attention.k_proj.out_features // attention.head_dim, layer.mlp.down_proj.in_features
 
 
 def _cost(spec: Spec) -> tuple[int, int]:
@@ -347,11 +369,7 @@ def run_all(
                 f"{row['model']} r={row['ratio']} {row['solver']}/{row['allocation']} a={row['alpha']} "
                 f"{row['calibration_mode']} {row['compensation']}: ppl {row['ppl']} in {row['seconds']:.1f}s"
             )
-    rows.sort(
-        key=lambda r: (
-            r["model"], r["ratio"], r["solver"], r["allocation"], r["alpha"], r["calibration_mode"], r["compensation"]
-        )
-    )  # fmt: skip
+    rows.sort(key=row_key)
     return rows, dense
 
 
@@ -367,7 +385,7 @@ def _fmt(value: float | None) -> str:
 
 
 def _select(rows: list[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
-    return [r for r in rows if all(r[k] == v for k, v in fields.items())]
+    return [r for r in rows if all(r.get(k, FIELD_DEFAULTS.get(k)) == v for k, v in fields.items())]
 
 
 def _one(rows: list[dict[str, Any]], **fields: Any) -> dict[str, Any] | None:
@@ -602,6 +620,66 @@ def _zero_shot_table(study: list[dict[str, Any]], dense: list[dict[str, Any]]) -
     ]
 
 
+def _section_shape(rows: list[dict[str, Any]], dense: list[dict[str, Any]]) -> list[str]:
+    study = [r for r in rows if "shape" in r["studies"]]
+    if not study:
+        return []
+    dense_ppl = {d["model"]: f"{_fmt(d['ppl']['wikitext2'])} / {_fmt(d['ppl']['ptb'])}" for d in dense}
+
+    def cell(row: dict[str, Any] | None) -> str:
+        return f"{_fmt(row['ppl']['wikitext2'])} / {_fmt(row['ppl']['ptb'])}" if row else "-"
+
+    lines = [
+        "### (7) The price of the uniform shape",
+        "",
+        "Greedy, sequential calibration, no compensation. Per layer (CASP's default: gradient allocation, and the "
+        "same with uniform allocation) against the uniform shape: every layer keeps the same heads, key/value heads "
+        "and FFN channels, saved as a plain LlamaForCausalLM (vLLM, TGI, llama.cpp `llama`). LlamaConfig takes "
+        "only head counts that divide hidden_size (1, 2, 4, 8 on both models), so the uniform shape moves heads in "
+        "coarse steps and the FFN channels take the rest. Kept shapes are (query heads, key/value heads, FFN "
+        "channels).",
+        "",
+        "| model | ratio | dense | per layer, gradient | per layer, uniform allocation | uniform shape "
+        "| uniform shape kept | achieved ratio (uniform shape) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, ratio in sorted({(r["model"], r["ratio"]) for r in study}):
+        key = {"model": model, "ratio": ratio, "solver": "greedy", "calibration_mode": "sequential"}
+        gradient = _one(study, allocation="gradient", shape="per_layer", **key)
+        uniform_allocation = _one(study, allocation="uniform", shape="per_layer", **key)
+        uniform = _one(study, shape="uniform", **key)
+        kept = ", ".join(str(tuple(s)) for s in uniform["layer_shapes"]) if uniform else "-"
+        achieved = f"{uniform['achieved_ratio']:.4f}" if uniform else "-"
+        lines.append(
+            f"| {model} | {ratio} | {dense_ppl.get(model, '-')} | {cell(gradient)} | {cell(uniform_allocation)} "
+            f"| {cell(uniform)} | {kept} | {achieved} |"
+        )
+    return [*lines, ""]
+
+
+def _studied(rows: list[dict[str, Any]], study: str) -> bool:
+    return any(study in r["studies"] for r in rows)
+
+
+def _grid_sections(grid: list[dict[str, Any]], rows: list[dict[str, Any]], baseline_lines: list[str]) -> list[str]:
+    """Claims (1) to (3), read from the grid of solvers x allocations."""
+    return [
+        *_section_objective(rows),
+        "### (2) Greedy perplexity vs the independent scores",
+        "",
+        "Count of (model, ratio, allocation) cells where greedy's perplexity is lower:",
+        "",
+        *baseline_lines,
+        "",
+        "### (3) Gradient allocation vs uniform",
+        "",
+        "Count of (model, ratio, solver) cells where gradient allocation's perplexity is lower:",
+        "",
+        f"- {_wins(grid, {'allocation': 'gradient'}, {'allocation': 'uniform'}, ('model', 'ratio', 'solver'))}",
+        "",
+    ]
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     rows, dense, settings, machine = payload["rows"], payload["dense"], payload["settings"], payload["machine"]
     grid = _grid(rows)
@@ -634,35 +712,26 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         "## Claims",
         "",
-        *_section_objective(rows),
-        "### (2) Greedy perplexity vs the independent scores",
-        "",
-        "Count of (model, ratio, allocation) cells where greedy's perplexity is lower:",
-        "",
-        *baseline_lines,
-        "",
-        "### (3) Gradient allocation vs uniform",
-        "",
-        "Count of (model, ratio, solver) cells where gradient allocation's perplexity is lower:",
-        "",
-        f"- {_wins(grid, {'allocation': 'gradient'}, {'allocation': 'uniform'}, ('model', 'ratio', 'solver'))}",
-        "",
-        *_section_alpha(rows),
-        *_section_modes(rows),
+        *(_grid_sections(grid, rows, baseline_lines) if grid else []),
+        # A run of some studies only (`--ratios` with no value, ...) shows only theirs.
+        *(_section_alpha(rows) if _studied(rows, "alpha") else []),
+        *(_section_modes(rows) if _studied(rows, "calibration") else []),
         *_section_compensation(rows, dense),
-        "## All solvers x allocations (wikitext2 / ptb perplexity)",
-        "",
-        *_ppl_table(grid, dense, solvers),
-        "",
+        *_section_shape(rows, dense),
+        *(
+            ["## All solvers x allocations (wikitext2 / ptb perplexity)", "", *_ppl_table(grid, dense, solvers), ""]
+            if grid
+            else []
+        ),
         "## Runs",
         "",
-        "| model | ratio | solver | allocation | alpha | calibration | compensation | z'Qz | achieved ratio "
+        "| model | ratio | solver | allocation | alpha | calibration | compensation | shape | z'Qz | achieved ratio "
         "| seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['model']} | {r['ratio']} | {r['solver']} | {r['allocation']} | {r['alpha']} | "
-            f"{r['calibration_mode']} | {r['compensation']} | {_fmt(r['objective'])} | {r['achieved_ratio']:.4f} | "
-            f"{r['seconds']:.1f} |"
+            f"{r['calibration_mode']} | {r['compensation']} | {r.get('shape', FIELD_DEFAULTS['shape'])} | "
+            f"{_fmt(r['objective'])} | {r['achieved_ratio']:.4f} | {r['seconds']:.1f} |"
             for r in rows
         ),
         "",
@@ -702,6 +771,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the compensations of that study (bias runs with flap only)",
     )
     parser.add_argument(
+        "--shape-ratios",
+        nargs="*",
+        type=float,
+        default=list(SHAPE_RATIOS),
+        help="ratios of the uniform shape's price (per layer vs uniform shape; none: skip it)",
+    )
+    parser.add_argument(
         "--zero-shot",
         nargs="*",
         default=[],
@@ -734,11 +810,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _main(args, argv)
 
 
-ROW_KEY = ("model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "compensation")
+ROW_KEY = ("model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "compensation", "shape")
 # Settings two runs must share for their rows to sit in one table (jobs, threads and timings may differ).
 COMPARABLE_SETTINGS = (
     "calibration_set", "n_samples", "seq_len", "seed", "batch_size", "eval_sets", "eval_seq_len", "eval_windows",
 )  # fmt: skip
+
+
+def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row.get(k, FIELD_DEFAULTS.get(k)) for k in ROW_KEY)
 
 
 def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> dict[str, Any]:
@@ -748,11 +828,11 @@ def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> di
     differing = [k for k in COMPARABLE_SETTINGS if earlier["settings"].get(k) != later["settings"][k]]
     if differing:
         raise SystemExit(f"--merge: the earlier result has other settings ({', '.join(differing)}); not merged")
-    stored = {tuple(row[k] for k in ROW_KEY): row for row in earlier["rows"]}
+    stored = {row_key(row): row for row in earlier["rows"]}
     run_index = len(earlier.get("merged_runs", []))
     added, rerun_differences = [], []
     for row in later["rows"]:
-        previous = stored.get(tuple(row[k] for k in ROW_KEY))
+        previous = stored.get(row_key(row))
         if previous is None:
             added.append({**row, "merged_run": run_index})
         else:
@@ -765,7 +845,7 @@ def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> di
         "rows_rerun": len(later["rows"]) - len(added),
         "rerun_max_relative_ppl_difference": max(rerun_differences, default=None),
     }
-    rows = sorted([*earlier["rows"], *added], key=lambda r: tuple(r[k] for k in ROW_KEY))
+    rows = sorted([*earlier["rows"], *added], key=row_key)
     return {**earlier, "rows": rows, "merged_runs": [*earlier.get("merged_runs", []), record]}
 
 
@@ -792,6 +872,7 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         args.compensation_ratios,
         args.compensation_solvers,
         args.compensations,
+        args.shape_ratios,
     )
     start = time.perf_counter()
     rows, dense = run_all(runs, settings, args.jobs, args.threads, lambda message: print(message, flush=True))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import PreTrainedModel
 
-from casp_core.config import PruneConfig
+from casp_core.config import UNIFORM_SHAPE, PruneConfig
 from casp_core.errors import InvalidConfig
 from casp_core.model import (
     AttentionGeometry,
@@ -16,6 +16,7 @@ from casp_core.model import (
     prunable_parameters,
     sublayer_parameters,
 )
+from casp_core.plain import allows_head_count, check_plain_shape
 from casp_core.surgery import kept_kv_heads
 
 # The budget is planned from the ratios and the shapes alone, before any statistics: in sequential mode layer l
@@ -112,6 +113,9 @@ def layer_plan(
 
 def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
     """Refuse, before any work, a ratio that whole heads and channels within r_max cannot reach."""
+    if config.shape == UNIFORM_SHAPE:
+        plan_uniform_shape(model, config)  # refuses what the uniform shape cannot reach or save
+        return
     most = 0
     for layer in decoder_layers(model):
         counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to)
@@ -170,3 +174,65 @@ def channels_to_prune(plan: BudgetPlan, index: int, removed_before: int, attenti
     owed_before = sum(p.share for p in plan.layers[:index]) - removed_before
     wanted = max(min(layer.share - attention_removed + owed_before, most), least) / layer.channel_params
     return min(layer.channel_counts, key=lambda count: abs(count - wanted))
+
+
+# ---------------------------------------------------------------- the uniform shape
+
+
+@dataclass(frozen=True)
+class UniformShape:
+    """Every layer's budget in the uniform shape: it keeps `kv_heads` key/value heads with `heads_per_kv` query
+    heads each, and prunes `pruned_channels` FFN channels. Which units go is still the solver's choice per layer."""
+
+    kv_heads: int
+    heads_per_kv: int
+    pruned_channels: int
+
+
+def representative_heads(geometry: AttentionGeometry, kv_heads: int, heads_per_kv: int) -> list[int]:
+    """Some query heads whose removal leaves that shape: the last groups whole, the last heads of the others.
+    Every such set removes the same parameters, so it stands for all of them in the count."""
+    group = geometry.num_heads // geometry.num_kv_heads
+    return [h for h in range(geometry.num_heads) if h // group >= kv_heads or h % group >= heads_per_kv]
+
+
+def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformShape:
+    """The one shape every layer takes: the ratio spread evenly over the layers, as `allocation: uniform` does.
+
+    Heads: the count the per-layer rule gives at r_l = ratio, moved to the nearest one the family's class can
+    hold (whole key/value groups times equal query heads per group, within r_max; LlamaConfig also needs it to
+    divide hidden_size); on a tie the larger count, whose rest the finer FFN channels take, then the fewer
+    key/value heads (a smaller KV cache). Channels: the rest of the layer's share, to the nearest count, so the
+    achieved ratio is within half a rounding unit (round_to channels in every layer) of the target.
+    """
+    check_plain_shape(model.config, config)
+    layers = decoder_layers(model)
+    layer = layers[0]  # the supported families' decoder layers are all alike
+    geometry = attention_geometry(model, layer)
+    group = geometry.num_heads // geometry.num_kv_heads
+    cap = heads_cap(geometry, config.r_max)
+    wanted_heads = geometry.num_heads - round(config.ratio * geometry.num_heads)
+    choices = sorted(
+        (
+            (kv, per)
+            for kv in range(1, geometry.num_kv_heads + 1)
+            for per in range(1, group + 1)
+            if allows_head_count(model.config, kv * per) and geometry.num_heads - kv * per <= cap
+        ),
+        key=lambda choice: (abs(choice[0] * choice[1] - wanted_heads), -choice[0] * choice[1], -choice[1]),
+    )
+    counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to)
+    per_channel = channel_params(layer)
+    share = config.ratio * prunable_parameters(model) / len(layers)
+    half_unit = config.round_to * per_channel / 2
+    for kv, per in choices:
+        rest = share - attention_params_removed(layer, geometry, representative_heads(geometry, kv, per))
+        # The nearest head count first; a further one only where the channels cannot close the gap with it.
+        if counts[0] * per_channel - half_unit <= rest <= counts[-1] * per_channel + half_unit:
+            pruned_channels = min(counts, key=lambda count: abs(count * per_channel - rest))
+            return UniformShape(kv, per, pruned_channels)
+    raise InvalidConfig(
+        f"ratio: {config.ratio} cannot be reached with shape uniform on this model: every layer keeping the same "
+        f"whole heads (a count its {type(model.config).__name__} accepts) and FFN channels, at most r_max = "
+        f"{config.r_max} of each; ask for another ratio, raise r_max or use shape per_layer"
+    )

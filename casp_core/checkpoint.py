@@ -3,11 +3,15 @@
 It loads offline with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` and with
 `load_pruned(path)`. Without trust_remote_code, in a process that has not imported casp_core, transformers
 refuses the unknown `casp_llama` model type rather than loading a dense LLaMA with wrong shapes.
+
+A uniform-shape result (`shape: uniform`) is the source family's own class (LlamaForCausalLM, ...): its
+config.json has no auto_map, the directory no modeling file, and it loads with plain
+`AutoModelForCausalLM.from_pretrained(path)`.
 """
 
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.errors import ModelNotFound
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
@@ -19,16 +23,21 @@ from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
 AutoConfig.register(CaspLlamaConfig.model_type, CaspLlamaConfig, exist_ok=True)
 
 
-def save_pruned(model: CaspLlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
-    """Weights as safetensors, the config with auto_map, a copy of modeling_casp_llama.py, the tokenizer."""
+def save_pruned(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """Weights as safetensors, the config (a CaspLlamaForCausalLM's with auto_map and a copy of
+    modeling_casp_llama.py), the tokenizer."""
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
 
-def load_pruned(path: str | Path, *, dtype: str = "auto") -> tuple[CaspLlamaForCausalLM, PreTrainedTokenizerBase]:
-    """The project's own loader: the class comes from casp_core, not from the file in the checkpoint."""
+def load_pruned(path: str | Path, *, dtype: str = "auto") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The project's own loader: the class comes from casp_core, not from the file in the checkpoint (a
+    uniform-shape checkpoint's is transformers' own)."""
     if not (Path(path) / "config.json").is_file():
         raise ModelNotFound(f"{path} is not a checkpoint directory (no config.json)")
-    model = CaspLlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    if AutoConfig.from_pretrained(path).model_type == CaspLlamaConfig.model_type:
+        model = CaspLlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer

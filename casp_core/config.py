@@ -17,6 +17,10 @@ from casp_core.errors import InvalidConfig
 
 SOLVERS = ("greedy", "diagonal", "relaxation", "greedy_refine", "wanda_sp", "flap", "greedy_compensated")
 ALLOCATIONS = ("gradient", "uniform")
+# per_layer: each layer keeps its own heads and FFN width (CaspLlamaForCausalLM, remote code); uniform: every layer
+# keeps the same ones, saved as the source family's own class (LlamaForCausalLM, ...) for vLLM, TGI and llama.cpp.
+SHAPES = ("per_layer", "uniform")
+UNIFORM_SHAPE = "uniform"
 CALIBRATION_MODES = ("sequential", "dense")
 # least_squares fits the kept units to this layer's own output on the inputs it sees; with sequential calibration,
 # least_squares_dense_target fits them to the dense model's output on the dense model's inputs (the same in dense
@@ -153,6 +157,11 @@ class PruneSettings(ConfigPart):
     solver: Literal[SOLVERS] = Field("greedy", description="per-layer unit selection")  # type: ignore[valid-type]
     allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
         "gradient", description="per-layer ratios: from the sensitivities, or the same everywhere"
+    )
+    shape: Literal[SHAPES] = Field(  # type: ignore[valid-type]
+        "per_layer",
+        description="per_layer: each layer its own heads and FFN width (remote code); uniform: the same in every "
+        "layer, a plain checkpoint of the source family's class (vLLM, TGI); allocation does not apply",
     )
     r_max: float = Field(0.9, gt=0, le=1, description="no layer loses more than this fraction (at least ratio)")
     round_to: int = Field(1, ge=1, le=65_536, description="kept FFN channels rounded to a multiple (8, 64: kernels)")

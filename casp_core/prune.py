@@ -13,11 +13,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_ratios
 from casp_core.budget import (
     BudgetPlan,
+    UniformShape,
     attention_params_removed,
     channel_params,
     channels_to_prune,
     check_reachable,
     plan_budget,
+    plan_uniform_shape,
 )
 from casp_core.calibration import (
     LayerInputs,
@@ -31,9 +33,10 @@ from casp_core.calibration import (
     run_layer_on_stream_pair,
 )
 from casp_core.compensation import compensate_layer
-from casp_core.config import DENSE_TARGET_COMPENSATION, PruneConfig
+from casp_core.config import DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.interaction import block_aggregate, interaction_matrix, objective, offdiag_ratio
 from casp_core.model import (
+    AttentionGeometry,
     attention_geometry,
     decoder_layers,
     prunable_parameters,
@@ -44,7 +47,7 @@ from casp_core.numerics import check_finite
 from casp_core.results import LayerReport, PruneResult, SubLayerReport
 from casp_core.run import Run
 from casp_core.solvers import diagonal, select_units
-from casp_core.surgery import LayerPruning, kept_kv_heads, mask_layer, remove_units
+from casp_core.surgery import LayerPruning, head_columns, kept_kv_heads, mask_layer, remove_units
 from casp_core.verification import verify
 
 
@@ -75,11 +78,69 @@ def solve_sublayer(
     )
 
 
+def solve_uniform_heads(
+    solver: str,
+    q_heads: torch.Tensor,
+    geometry: AttentionGeometry,
+    shape: UniformShape,
+    weight: torch.Tensor,
+    moment: SecondMoment,
+) -> SubLayerReport:
+    """The uniform shape's heads: `shape.kv_heads` whole key/value groups stay, each with `shape.heads_per_kv`
+    query heads, so that LLaMA's repeat_kv (one key/value head per equal contiguous group) still holds.
+
+    Two choices by the same solver on the same Q. Groups first, on the group-aggregated Q (Q̃ summed over each
+    group's query heads, as heads are Q summed over their head_dim columns): a group's cost is that of all its
+    query heads together, and its key and value rows go with it. Then, in each kept group alone, the query heads
+    to drop on that group's block of Q. The second step leaves out the interactions between heads of different
+    groups: the fixed count per group is a constraint of each group, and solving each group on its own lets every
+    solver (greedy, relaxation, wanda_sp, ...) apply unchanged. Under MHA the groups are the heads themselves.
+    """
+    groups = {kv: [q for q, k in enumerate(geometry.kv_of_query) if k == kv] for kv in range(geometry.num_kv_heads)}
+    group_size = geometry.num_heads // geometry.num_kv_heads
+    pruned: list[int] = []
+    if shape.kv_heads < geometry.num_kv_heads:
+        q_groups = block_aggregate(q_heads, group_size)
+        gone, _ = select_units(
+            solver,
+            q_groups,
+            geometry.num_kv_heads - shape.kv_heads,
+            weight=weight,
+            second_moment=moment.second_moment,
+            mean=moment.mean,
+            block=group_size * geometry.head_dim,
+        )
+        pruned += [q for kv in gone.tolist() for q in groups[kv]]
+        groups = {kv: heads for kv, heads in groups.items() if kv not in set(gone.tolist())}
+    if shape.heads_per_kv < group_size:
+        for heads in groups.values():
+            columns = head_columns(geometry, heads)
+            gone, _ = select_units(
+                solver,
+                q_heads[heads][:, heads],
+                group_size - shape.heads_per_kv,
+                weight=weight[:, columns],
+                second_moment=moment.second_moment[columns][:, columns],
+                mean=moment.mean[columns],
+                block=geometry.head_dim,
+            )
+            pruned += [heads[i] for i in gone.tolist()]
+    chosen = torch.tensor(sorted(pruned), dtype=torch.int64)
+    return SubLayerReport(
+        units=q_heads.shape[0],
+        pruned=sorted(pruned),
+        objective=objective(q_heads, chosen),
+        diagonal_objective=objective(q_heads, diagonal(q_heads, len(pruned))),
+        offdiag_ratio=offdiag_ratio(q_heads),
+        lower_bound=None,
+    )
+
+
 def prune_layer(
     model: PreTrainedModel,
     index: int,
     stream: CalibrationStream,
-    plan: BudgetPlan,
+    plan: BudgetPlan | UniformShape,
     removed_before: int,
     config: PruneConfig,
     run: Run,
@@ -112,10 +173,16 @@ def prune_layer(
         o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
         q_heads = block_aggregate(interaction_matrix(o_proj.weight, moments["attn"].second_moment), geometry.head_dim)
         check_finite(q_heads, "interaction", "Q of the attention heads", layer.self_attn.layer_idx)
-        n_heads = plan.layers[index].heads
-        attn = solve_sublayer(config.solver, q_heads, n_heads, o_proj.weight, moments["attn"], geometry.head_dim)
+        if isinstance(plan, UniformShape):
+            attn = solve_uniform_heads(config.solver, q_heads, geometry, plan, o_proj.weight, moments["attn"])
+        else:
+            n_heads = plan.layers[index].heads
+            attn = solve_sublayer(config.solver, q_heads, n_heads, o_proj.weight, moments["attn"], geometry.head_dim)
         attention_removed = attention_params_removed(layer, geometry, attn.pruned)
-        n_channels = channels_to_prune(plan, index, removed_before, attention_removed)
+        if isinstance(plan, UniformShape):
+            n_channels = plan.pruned_channels
+        else:
+            n_channels = channels_to_prune(plan, index, removed_before, attention_removed)
         q_channels = interaction_matrix(down_proj.weight, moments["mlp"].second_moment)
         check_finite(q_channels, "interaction", "Q of the FFN channels", layer.self_attn.layer_idx)
         mlp = solve_sublayer(config.solver, q_channels, n_channels, down_proj.weight, moments["mlp"], 1)
@@ -194,14 +261,22 @@ def prune(
             run.report("calibration", 0.0, "loading calibration text")
             windows = calibration_windows(model, tokenizer, config)
 
+    uniform_shape = config.shape == UNIFORM_SHAPE
+    gradient = config.allocation == "gradient" and not uniform_shape
     with run.stage("allocation"):
-        if sensitivities is None:
-            sensitivities = allocate(model, windows, config, device, run)
-        if config.allocation == "gradient":
-            ratios = allocate_ratios(sensitivities, config.ratio, config.alpha, config.r_max)
-        else:
+        plan: BudgetPlan | UniformShape
+        if uniform_shape:
+            # One budget for every layer: no sensitivities are measured (no gradient pass over the model).
             ratios = uniform_ratios(len(layers), config.ratio)
-        plan = plan_budget(model, ratios, config)
+            plan = plan_uniform_shape(model, config)
+        else:
+            if sensitivities is None:
+                sensitivities = allocate(model, windows, config, device, run)
+            if gradient:
+                ratios = allocate_ratios(sensitivities, config.ratio, config.alpha, config.r_max)
+            else:
+                ratios = uniform_ratios(len(layers), config.ratio)
+            plan = plan_budget(model, ratios, config)
 
     params_dense = prunable_parameters(model)
     with run.stage("calibration_forward"):
@@ -219,7 +294,7 @@ def prune(
     for index in range(len(layers)):
         run.check_cancelled()
         run.report("pruning", index / len(layers), f"layer {index + 1} of {len(layers)}")
-        sensitivity = sensitivities[index] if config.allocation == "gradient" else None
+        sensitivity = sensitivities[index] if gradient else None
         report = prune_layer(
             model, index, stream, plan, removed, config, run, ratio=ratios[index], sensitivity=sensitivity
         )
@@ -229,7 +304,7 @@ def prune(
     del stream, inputs, dense_inputs
 
     with run.stage("surgery"):
-        pruned = remove_units(model, [report.pruning for report in reports])
+        pruned = remove_units(model, [report.pruning for report in reports], plain=uniform_shape)
     with run.stage("verification"):
         run.report("verification", 0.0, "pruned model against the masked model")
         verification = verify(model, pruned, windows[:2, : min(windows.shape[1], 128)], device)

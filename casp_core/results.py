@@ -5,8 +5,9 @@ The pipeline builds these and the report writes them; both import them from here
 
 from dataclasses import dataclass, field
 
+from transformers import PreTrainedModel
+
 from casp_core.compensation import CompensationReport
-from casp_core.modeling_casp_llama import CaspLlamaForCausalLM
 from casp_core.surgery import LayerPruning
 
 
@@ -41,7 +42,7 @@ class LayerReport:
 
 @dataclass
 class PruneResult:
-    model: CaspLlamaForCausalLM
+    model: PreTrainedModel  # CaspLlamaForCausalLM, or the source family's own class for the uniform shape
     layers: list[LayerReport]
     params_dense: int
     params_pruned: int

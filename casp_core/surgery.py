@@ -2,18 +2,27 @@
 
 Masking zeroes a unit's input columns of o_proj / down_proj, which removes its contribution exactly; the
 sequential pipeline runs the masked model so that later layers see the earlier layers as pruned. Removal
-builds the smaller `CaspLlamaForCausalLM`, which must compute what the masked model computes.
+builds the smaller `CaspLlamaForCausalLM` (or, for the uniform shape, the source family's own class), which must
+compute what the masked model computes.
 """
 
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.errors import VerificationFailed
-from casp_core.model import AttentionGeometry, attention_geometry, attention_layer_types, decoder_layers
-from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+from casp_core.model import (
+    ATTENTION_PARTS,
+    MLP_PARTS,
+    AttentionGeometry,
+    attention_geometry,
+    attention_layer_types,
+    decoder_layers,
+)
+from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM, even_group_size
+from casp_core.plain import plain_config
 
 # Settings of the dense config that describe its uniform layers or its class, not the pruned model, and the
 # family settings the pruned config states its own way (Qwen2/3's sliding layers become `layer_types`).
@@ -97,24 +106,10 @@ def _pruned_layer_tensors(
     return tensors, kv_of_query, len(channels)
 
 
-@torch.no_grad()
-def remove_units(model: PreTrainedModel, prunings: list[LayerPruning]) -> CaspLlamaForCausalLM:
-    """Build the physically smaller model. `model` may be the dense or the masked model: same result."""
+def _casp_config(model: PreTrainedModel, kv_maps: list[list[int]], widths: list[int], head_dim: int) -> CaspLlamaConfig:
     layers = decoder_layers(model)
-    state: dict[str, torch.Tensor] = {
-        name: tensor for name, tensor in model.state_dict().items() if not name.startswith("model.layers.")
-    }
-    kv_maps, kv_counts, widths = [], [], []
-    for index, (layer, pruning) in enumerate(zip(layers, prunings, strict=True)):
-        geometry = attention_geometry(model, layer)
-        tensors, kv_of_query, width = _pruned_layer_tensors(layer, geometry, pruning, f"model.layers.{index}")
-        state.update(tensors)
-        kv_maps.append(kv_of_query)
-        kv_counts.append(len(set(kv_of_query)))
-        widths.append(width)
-
     settings = {k: v for k, v in model.config.to_dict().items() if k not in _DENSE_ONLY_KEYS}
-    settings["head_dim"] = geometry.head_dim
+    settings["head_dim"] = head_dim
     # Read from the dense layers themselves: the families differ in which projections carry a bias, and
     # mean-bias compensation gives o_proj and down_proj one.
     attention = layers[0].self_attn
@@ -127,16 +122,66 @@ def remove_units(model: PreTrainedModel, prunings: list[LayerPruning]) -> CaspLl
         sliding_window=sliding_window,
         layer_types=layer_types,
         layer_kv_of_query=kv_maps,
-        layer_num_kv_heads=kv_counts,
+        layer_num_kv_heads=[len(set(kv_map)) for kv_map in kv_maps],
         layer_intermediate_sizes=widths,
         casp=settings.get("casp"),
         architectures=["CaspLlamaForCausalLM"],
     )
-    config = CaspLlamaConfig(**settings)
+    return CaspLlamaConfig(**settings)
+
+
+def _plain_config(
+    model: PreTrainedModel, kv_maps: list[list[int]], widths: list[int], head_dim: int
+) -> PretrainedConfig:
+    """The source family's own config, for layers that all keep one shape in equal contiguous groups."""
+    heads, kv_heads = len(kv_maps[0]), len(set(kv_maps[0]))
+    if any(kv_map != kv_maps[0] for kv_map in kv_maps) or len(set(widths)) != 1:
+        raise VerificationFailed("the uniform shape left decoder layers of different shapes")
+    if even_group_size(kv_maps[0], kv_heads) is None:
+        raise VerificationFailed("the uniform shape left key/value groups that repeat_kv cannot express")
+    layer = decoder_layers(model)[0]
+    return plain_config(
+        model.config,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn_width=widths[0],
+        head_dim=head_dim,
+        attention_bias=any(getattr(layer.self_attn, p).bias is not None for p in ATTENTION_PARTS),
+        mlp_bias=any(getattr(layer.mlp, p).bias is not None for p in MLP_PARTS),
+    )
+
+
+@torch.no_grad()
+def remove_units(model: PreTrainedModel, prunings: list[LayerPruning], *, plain: bool = False) -> PreTrainedModel:
+    """Build the physically smaller model. `model` may be the dense or the masked model: same result.
+
+    A `CaspLlamaForCausalLM`, or with `plain` (the uniform shape) the source model's own class, where a bias
+    the class has and the source had not (Llama's q/k/v beside a compensated o_proj) is zero."""
+    layers = decoder_layers(model)
+    state: dict[str, torch.Tensor] = {
+        name: tensor for name, tensor in model.state_dict().items() if not name.startswith("model.layers.")
+    }
+    kv_maps, widths = [], []
+    for index, (layer, pruning) in enumerate(zip(layers, prunings, strict=True)):
+        geometry = attention_geometry(model, layer)
+        tensors, kv_of_query, width = _pruned_layer_tensors(layer, geometry, pruning, f"model.layers.{index}")
+        state.update(tensors)
+        kv_maps.append(kv_of_query)
+        widths.append(width)
+
+    if plain:
+        config, model_class = _plain_config(model, kv_maps, widths, geometry.head_dim), type(model)
+    else:
+        config, model_class = _casp_config(model, kv_maps, widths, geometry.head_dim), CaspLlamaForCausalLM
     with torch.device("meta"):
-        pruned = CaspLlamaForCausalLM(config)
+        pruned = model_class(config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if plain:
+        dtype = model.model.embed_tokens.weight.dtype
+        for name, parameter in pruned.named_parameters():
+            if name.endswith(".bias") and name not in state:
+                state[name] = torch.zeros(parameter.shape, dtype=dtype)
     unused = pruned.load_state_dict(state, assign=True, strict=False).unexpected_keys
     if unused:
         raise VerificationFailed(f"surgery found no place for dense weights: {', '.join(unused[:5])}")

@@ -24,14 +24,20 @@ def test_quality_tiny(tmp_path: Path) -> None:
     payload = quality.main(
         ["--models", "stories260K", "--ratios", "0.3", "--solvers", "greedy", "diagonal", "--allocations",
          "gradient", "--alphas", "--modes", "dense", "--compensation-ratios", "0.3",
-         "--compensation-solvers", "greedy", "--zero-shot", "piqa", "--zero-shot-limit", "4", "--n-samples", "4",
+         "--compensation-solvers", "greedy", "--shape-ratios", "0.3", "--zero-shot", "piqa", "--zero-shot-limit", "4",
+         "--n-samples", "4",
          "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "32", "--jobs", "1", "--out", str(tmp_path)]
     )  # fmt: skip
     written = json.loads((tmp_path / "quality.json").read_text())
     assert written == json.loads(json.dumps(payload))
     assert {"rows", "machine", "settings"} <= set(written)
-    # greedy and diagonal (sequential), greedy with dense calibration, and that one again with compensation
-    assert len(written["rows"]) == 4
+    # greedy and diagonal (sequential), greedy with dense calibration, and that one again with compensation;
+    # greedy with uniform allocation and with the uniform shape
+    assert len(written["rows"]) == 6
+    uniform = quality._one(written["rows"], shape="uniform")
+    assert len(uniform["layer_shapes"]) == 1 and "shape" in uniform["studies"]
+    per_layer = quality._one(written["rows"], allocation="gradient", solver="greedy", compensation="none")
+    assert len(per_layer["layer_shapes"]) > 1
     for row in written["rows"]:
         assert set(row) >= ROW_FIELDS
         assert set(row["ppl"]) == {"wikitext2", "ptb"}
@@ -48,13 +54,14 @@ def test_quality_tiny(tmp_path: Path) -> None:
     assert "## Claims" in (tmp_path / "quality.md").read_text()
     assert "(6) Least-squares compensation" in (tmp_path / "quality.md").read_text()
     assert "Least squares has the higher mean in" in (tmp_path / "quality.md").read_text()
+    assert "(7) The price of the uniform shape" in (tmp_path / "quality.md").read_text()
 
 
 def test_quality_merge_adds_new_rows_and_reruns_stored_ones_as_a_check(tmp_path: Path) -> None:
     """Only FLAP's rows of the compensation study, then its bias rows merged into that result."""
     tiny = ["--models", "stories260K", "--ratios", "--alphas", "--modes", "dense", "--compensation-ratios", "0.3",
             "--compensation-solvers", "flap", "--n-samples", "4", "--seq-len", "32", "--eval-windows", "2",
-            "--eval-seq-len", "32", "--jobs", "1"]  # fmt: skip
+            "--eval-seq-len", "32", "--shape-ratios", "--jobs", "1"]  # fmt: skip
     first = quality.main([*tiny, "--compensations", "none", "--out", str(tmp_path / "first")])
     assert [row["compensation"] for row in first["rows"]] == ["none"]
     merged = quality.main(

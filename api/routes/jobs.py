@@ -31,6 +31,7 @@ from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig
 from casp_core.model import is_local_reference, load_config
+from casp_core.plain import check_plain_shape
 from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
@@ -61,7 +62,12 @@ def resolve_model(body: JobCreate, settings: Settings) -> str:
         raise invalid(exc.loc, exc.message) from exc
     if is_local_reference(model):
         try:
-            load_config(model)  # an unsupported family is refused now, not after the worker loads it
+            # An unsupported family is refused now, not after the worker loads it; so is a uniform shape its own
+            # class cannot hold (a hub model's is refused when the job starts).
+            check_plain_shape(load_config(model), body)
+        except InvalidConfig as exc:
+            field, _, reason = exc.message.partition(": ")
+            raise invalid(tuple(field.split(".")), reason or exc.message) from exc
         except CaspError as exc:
             raise invalid(("model",), f"{exc.code}: {exc.message}") from exc
     return model

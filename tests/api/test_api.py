@@ -38,6 +38,7 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
         ({"ratio": 0}, "ratio", "greater than 0"),
         ({"alpha": -1}, "alpha", "greater than or equal to 0"),
         ({"solver": "magic"}, "solver", "'greedy'"),
+        ({"shape": "square"}, "shape", "'per_layer' or 'uniform'"),
         ({"model": "/etc"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/../casp_core"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/missing"}, "model", "no such model folder"),
@@ -87,6 +88,7 @@ def test_submit_answers_201_with_the_job_and_maps_settings(
     api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
 ) -> None:
     body = {**PARKED, "alpha": 0.5, "solver": "diagonal", "export": ["gguf"], "metadata": {"team": "llm"}}
+    body["shape"] = "uniform"
     response = api.post("/v1/jobs", json=body, headers=keys["alice"])
     assert response.status_code == 201, response.text
     job = response.json()
@@ -94,6 +96,7 @@ def test_submit_answers_201_with_the_job_and_maps_settings(
     assert job["device"] == "cuda" and job["metadata"] == {"team": "llm"}
     assert job["settings"]["alpha"] == 0.5 and job["settings"]["solver"] == "diagonal"
     assert job["settings"]["export"] == ["gguf"] and job["settings"]["gguf_type"] == "f16"
+    assert job["settings"]["shape"] == "uniform"
     assert job["settings"]["calibration"] == {
         "dataset": "wikitext2:validation",
         "n_samples": 8,

@@ -56,3 +56,15 @@ def test_supported_local_model_is_accepted(
     body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "qwen2")}
     response = api_with_root.post("/v1/jobs", json=body, headers=keys["alice"])
     assert response.status_code == 201, response.text
+
+
+def test_a_uniform_shape_the_family_s_class_cannot_hold_is_422_at_submit(
+    api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
+) -> None:
+    """Qwen2ForCausalLM has no o_proj or down_proj bias for FLAP's mean-bias compensation to fill."""
+    body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "qwen2"), "shape": "uniform"}
+    response = api_with_root.post("/v1/jobs", json={**body, "compensation": "bias"}, headers=keys["alice"])
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "compensation" and "shape uniform cannot save it" in error["message"], error
+    assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201

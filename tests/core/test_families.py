@@ -9,6 +9,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from casp_core.budget import attention_params_removed, channel_params
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
 from casp_core.config import CalibrationConfig, PruneConfig
-from casp_core.errors import UnsupportedModel
+from casp_core.errors import InvalidConfig, UnsupportedModel
 from casp_core.model import (
     attention_geometry,
     check_supported_config,
@@ -173,11 +174,13 @@ def test_parameter_counts_agree_with_surgery(family: str, dense_folders: dict[st
         assert sum(sublayer_parameters(dense_layer)) - sum(sublayer_parameters(pruned_layer)) == expected
 
 
-def prune_small(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ratio: float, solver: str) -> PruneResult:
+def prune_small(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ratio: float, solver: str, **settings: Any
+) -> PruneResult:
     """The real pipeline (gradient allocation, sequential calibration, its own verification) on a few random
     windows; it masks `model` in place."""
     calibration = CalibrationConfig(n_samples=4, seq_len=32, batch_size=4)
-    config = PruneConfig(ratio=ratio, solver=solver, calibration=calibration, device="cpu")
+    config = PruneConfig(ratio=ratio, solver=solver, calibration=calibration, device="cpu", **settings)
     windows = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(5))
     return prune(model, tokenizer, config, windows=windows)
 
@@ -199,6 +202,42 @@ def test_pipeline_prunes_exactly(family: str, solver: str, ratio: float, dense_f
     # Within one rounding unit (one FFN channel's parameters), coarse 16-wide heads included.
     unit = channel_params(decoder_layers(model)[0])
     assert abs(result.params_dense - result.params_pruned - ratio * result.params_dense) <= unit
+
+
+@pytest.mark.parametrize(
+    ("family", "ratio", "settings"),
+    [
+        ("llama3", 0.35, {}),  # 8 query heads over 2 key/value heads: one whole group goes
+        ("llama3", 0.5, {"compensation": "bias"}),  # o/down biases beside zero q/k/v/gate/up biases
+        ("llama-biases", 0.5, {"compensation": "bias"}),
+        ("mistral", 0.5, {"solver": "diagonal"}),
+        ("qwen2", 0.5, {}),
+        ("qwen3", 0.35, {}),  # 6 heads over 2: both groups stay, each loses one of its three heads
+    ],
+)
+def test_uniform_shape_is_the_family_s_own_class(
+    family: str, ratio: float, settings: dict[str, Any], dense_folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """No remote code: the checkpoint loads as the dense model's class and computes what the masked model does."""
+    model, tokenizer = load_model(str(dense_folders[family]))
+    dense_class = type(model)
+    result = prune_small(model, tokenizer, ratio, settings.pop("solver", "greedy"), shape="uniform", **settings)
+    layers = decoder_layers(result.model)
+    shapes = {(len(layer.self_attn.q_proj.weight), len(layer.self_attn.k_proj.weight)) for layer in layers}
+    assert len(shapes) == 1 and len({layer.mlp.down_proj.in_features for layer in layers}) == 1
+    assert type(result.model) is dense_class
+    save_pruned(result.model, tokenizer, tmp_path / "pruned")
+    assert "auto_map" not in json.loads((tmp_path / "pruned" / "config.json").read_text())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=False).eval()
+    assert type(loaded) is dense_class
+    assert_computes_the_same(model, [loaded])
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_uniform_shape_refuses_a_bias_the_family_s_class_has_not(family: str, dense_folders: dict[str, Path]) -> None:
+    model, tokenizer = load_model(str(dense_folders[family]))
+    with pytest.raises(InvalidConfig, match=r"compensation: bias .* shape uniform cannot save it"):
+        prune_small(model, tokenizer, 0.5, "greedy", shape="uniform", compensation="bias")
 
 
 @pytest.fixture(scope="module")
