@@ -275,6 +275,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _model_name(config: dict[str, Any], checkpoint_dir: Path) -> str:
+    """general.name: a pruned checkpoint is named after its source model, since a job writes it in a staging
+    directory (`.pruned.partial`) that is renamed afterwards; a dense one after its directory."""
+    casp = config.get("casp")
+    if casp:
+        return f"{casp['source_model']} (CASP-pruned, ratio {casp['settings']['ratio']})"
+    return checkpoint_dir.name
+
+
 def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> GgufExport:
     """Write `checkpoint_dir` (dense or pruned) as one GGUF file at `out`, replacing it only when complete."""
     if gguf_type not in GGUF_TYPES:
@@ -302,7 +311,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
     writer = gguf.GGUFWriter(partial, architecture)
     tensors = _Writer(writer, gguf_type)
     try:
-        writer.add_name(checkpoint_dir.name)
+        writer.add_name(_model_name(config, checkpoint_dir))
         writer.add_file_type(_FILE_TYPE[gguf_type])
         writer.add_block_count(len(shapes))
         writer.add_context_length(context_length)

@@ -88,6 +88,13 @@ def _number(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
+def _budget(settings: dict[str, Any]) -> str:
+    """How the layers' shares were set: the uniform shape gives every layer the same one, with no allocation."""
+    if settings.get("shape") == "uniform":
+        return "shape `uniform` (every layer pruned alike; allocation and alpha do not apply)"
+    return f"allocation `{settings['allocation']}`, alpha {settings['alpha']}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     calibration = settings["calibration"]
@@ -97,7 +104,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- target ratio {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f} "
         f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
-        f"- solver `{settings['solver']}`, allocation `{settings['allocation']}`, alpha {settings['alpha']}, "
+        f"- solver `{settings['solver']}`, {_budget(settings)}, "
         f"r_max {settings['r_max']}, compensation `{settings['compensation']}`",
         f"- calibration: {calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, "
         f"seed {calibration['seed']}, {calibration['mode']} statistics",

@@ -183,6 +183,15 @@ def test_casp_prune_shape_uniform_writes_a_plain_checkpoint_and_a_llama_gguf(tmp
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
     assert config["casp"]["settings"]["shape"] == "uniform"
+    report = (out / "report.md").read_text()
+    assert "shape `uniform` (every layer pruned alike" in report and "allocation `gradient`" not in report
+    card = (out / "README.md").read_text()
+    assert 'AutoModelForCausalLM.from_pretrained("stories260K-casp-50")' in card and "trust_remote_code" not in card
+    assert "vllm serve" in card
+    reader = gguf.GGUFReader(out / export["path"])
+    name = reader.get_field("general.name")
+    # Named after the source model, not the staging directory the job wrote it in.
+    assert name.contents() == "stories260K (CASP-pruned, ratio 0.5)"
     with pytest.raises(SystemExit) as exited:
         main([*arguments[:5], "--shape", "square", "--out", str(tmp_path / "other")])
     assert exited.value.code == 2
