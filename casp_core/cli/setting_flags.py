@@ -31,6 +31,16 @@ FLAGS = {
     "efficiency.new_tokens": "--efficiency-new-tokens",
     "efficiency.repeats": "--efficiency-repeats",
     "efficiency.warmup": "--efficiency-warmup",
+    "recovery.method": "--recovery",
+    "recovery.dataset": "--recovery-dataset",
+    "recovery.lr": "--recovery-lr",
+    "recovery.batch_size": "--recovery-batch-size",
+    "recovery.max_seq_len": "--recovery-seq-len",
+    "recovery.rank": "--lora-rank",
+    "recovery.alpha": "--lora-alpha",
+    "recovery.dropout": "--lora-dropout",
+    "recovery.target_modules": "--lora-targets",
+    "recovery.seed": "--recovery-seed",
 }
 # Earlier spellings (`casp prune` said --calibration-data / --eval-data, `casp submit` said --limit): still read,
 # no longer shown.
