@@ -141,6 +141,8 @@ def recover(
     )
     fingerprint = _state_fingerprint(config, data)
     start = _resume(state_dir, fingerprint, peft_model, optimizer, schedule, result, target)
+    if start:
+        run.report(STAGE, start / steps, f"resumed from step {start} of {steps}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     peft_model.train()
     for step in range(start, steps):

@@ -101,18 +101,36 @@ def load_training_data(
     path = Path(spec).expanduser()
     if not path.is_file():
         raise DatasetNotFound(f"unknown data set {spec!r}: not one of {', '.join(data.LOCAL_FILES)} and no such file")
+    layout, content = read_training_file(path)
+    if layout == TEXT_LAYOUT:
+        return text_windows(data.join_rows(content), tokenizer, max_seq_len, where=str(path))
+    return alpaca_sequences(content, tokenizer, max_seq_len, where=str(path))
+
+
+def read_training_file(path: Path) -> tuple[str, Any]:
+    """A user's file checked in full without a tokenizer (the API checks it so at submit): `("text", rows)` or
+    `("alpaca", [(where, {"instruction", "input", "output"}), ...])`."""
     content = _read_utf8(path)
     if not content.strip():
         raise InvalidDataset(f"{path}: the file is empty")
     if path.suffix == ".txt":
-        return text_windows(data.join_rows(content.splitlines()), tokenizer, max_seq_len, where=str(path))
+        return TEXT_LAYOUT, content.splitlines()
     records = _json_records(path, content)
     first_where, first = records[0]
     if "text" in first:
-        texts = [_string_field(record, "text", where) for where, record in records]
-        return text_windows(data.join_rows(texts), tokenizer, max_seq_len, where=str(path))
+        return TEXT_LAYOUT, [_string_field(record, "text", where) for where, record in records]
     if all(name in first for name in ALPACA_FIELDS):
-        return alpaca_sequences(records, tokenizer, max_seq_len, where=str(path))
+        return ALPACA_LAYOUT, [
+            (
+                where,
+                {
+                    "instruction": _string_field(record, "instruction", where),
+                    "input": _string_field(record, "input", where, optional=True),
+                    "output": _string_field(record, "output", where),
+                },
+            )
+            for where, record in records
+        ]
     raise InvalidDataset(
         f"{first_where}: a record needs a `text` field (a corpus) or `instruction` and `output` (Alpaca), "
         f"found {', '.join(map(repr, first)) or 'no fields'}"
@@ -131,9 +149,7 @@ def _read_utf8(path: Path) -> str:
 def _json_records(path: Path, content: str) -> list[tuple[str, dict[str, Any]]]:
     """(where, record) of a .jsonl file's lines or a .json file's array; `where` names the line or the item."""
     if path.suffix == ".jsonl":
-        items = [
-            (f"{path} line {number}", line) for number, line in enumerate(content.splitlines(), 1) if line.strip()
-        ]
+        items = [(f"{path} line {number}", line) for number, line in enumerate(content.splitlines(), 1) if line.strip()]
         records = []
         for where, line in items:
             try:
@@ -175,18 +191,13 @@ def text_windows(text: str, tokenizer: PreTrainedTokenizerBase, max_seq_len: int
 
 
 def alpaca_sequences(
-    records: list[tuple[str, dict[str, Any]]], tokenizer: PreTrainedTokenizerBase, max_seq_len: int, *, where: str
+    records: list[tuple[str, dict[str, str]]], tokenizer: PreTrainedTokenizerBase, max_seq_len: int, *, where: str
 ) -> TrainingData:
     """Prompt and output tokenized apart, so that the loss starts exactly at the output's first token."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     sequences, labels, skipped = [], [], 0
-    for record_where, record in records:
-        fields = {
-            "instruction": _string_field(record, "instruction", record_where),
-            "input": _string_field(record, "input", record_where, optional=True),
-            "output": _string_field(record, "output", record_where),
-        }
+    for _, fields in records:
         prompt = bos + tokenizer(alpaca_prompt(fields), add_special_tokens=False)["input_ids"]
         output = tokenizer(fields["output"], add_special_tokens=False)["input_ids"] + eos
         if len(prompt) >= max_seq_len:
