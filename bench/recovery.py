@@ -51,14 +51,16 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     before = perplexities(pruned.model)
     settings = RecoveryConfig(
         method="lora",
-        dataset="ptb",
+        dataset=args.training_data,
         max_steps=args.steps,
         batch_size=args.batch_size,
         grad_accum=1,
         max_seq_len=SEQ_LEN,
         lr=args.lr,
     )
-    data = load_training_data("ptb", tokenizer, max_seq_len=SEQ_LEN, context=512, datasets_dir=args.datasets_dir)
+    data = load_training_data(
+        args.training_data, tokenizer, max_seq_len=SEQ_LEN, context=512, datasets_dir=args.datasets_dir
+    )
     started = time.perf_counter()
     recovered, result = recover(pruned.model, tokenizer, data, settings, device="cpu")
     return {
@@ -115,7 +117,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--steps", type=int, default=100)
@@ -124,7 +126,9 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=20)
     parser.add_argument("--models-dir", default=default_models_dir())
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
-    args = parser.parse_args()
+    parser.add_argument("--training-data", default="ptb", help="the recovery data set (PTB train)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
     machine = machine_info()
     rows = [run_model(name, args) for name in args.models]
     payload = {
@@ -136,8 +140,9 @@ def main() -> None:
         "rows": rows,
         "paper": PAPER,
     }
-    write_json(RESULTS_DIR / "recovery.json", payload)
-    (RESULTS_DIR / "recovery.md").write_text(render_markdown(payload))
+    write_json(args.out / "recovery.json", payload)
+    (args.out / "recovery.md").write_text(render_markdown(payload))
+    return payload
 
 
 if __name__ == "__main__":
