@@ -8,10 +8,11 @@ record's output).
 
 Long runs: progress is reported per optimizer step (loss, tokens/s), cancellation is checked before every forward
 pass, and with a `state_dir` the training state (adapters, optimizer, schedule, random state, curve) is written
-there every `save_every` steps; a later call with the same directory and settings resumes from the last save and
-ends with the same weights as an uninterrupted run.
+there every `save_every` steps; a later call with the same directory, settings, data and model weights resumes from
+the last save and ends with the same weights as an uninterrupted run.
 """
 
+import hashlib
 import math
 import os
 import time
@@ -82,11 +83,21 @@ def batch_indices(config: RecoveryConfig, n_sequences: int, step: int) -> list[l
     return passes
 
 
-def _state_fingerprint(config: RecoveryConfig, data: TrainingData) -> dict[str, Any]:
-    """What must match for a saved state to be resumed: every setting that changes the run, and the data's size."""
+@torch.no_grad()
+def weights_digest(model: PreTrainedModel) -> str:
+    """A digest of the weights (names, shapes, float64 sums): a retry re-prunes, and must find the same model."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}{float(tensor.double().sum()):.17g}".encode())
+    return digest.hexdigest()
+
+
+def _state_fingerprint(config: RecoveryConfig, data: TrainingData, weights: str) -> dict[str, Any]:
+    """What must match for a saved state to be resumed: every setting that changes the run, the data's size and
+    the weights the adapters were trained on."""
     settings = config.to_dict()
     settings.pop("save_every")
-    return {"settings": settings, "data": data.summary()}
+    return {"settings": settings, "data": data.summary(), "weights": weights}
 
 
 def _bf16_autocast(device: torch.device) -> bool:
@@ -109,6 +120,7 @@ def recover(
     run = run or Run()
     target = resolve_device(device)
     dtype = model.dtype
+    weights = weights_digest(model)
     autocast = _bf16_autocast(target)
     # Master weights in float32 unless bf16 autocast runs the matmuls: fp16/bf16 AdamW updates would round away.
     model.to(device=target, dtype=dtype if autocast else torch.float32)
@@ -139,7 +151,7 @@ def recover(
         trainable_parameters=sum(parameter.numel() for parameter in trainable),
         precision="bf16 autocast" if autocast else "float32",
     )
-    fingerprint = _state_fingerprint(config, data)
+    fingerprint = _state_fingerprint(config, data, weights)
     start = _resume(state_dir, fingerprint, peft_model, optimizer, schedule, result, target)
     if start:
         run.report(STAGE, start / steps, f"resumed from step {start} of {steps}")

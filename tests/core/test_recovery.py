@@ -105,19 +105,22 @@ def test_merged_checkpoint_and_adapter(stories_ptb, tmp_path):
     assert result.trainable_parameters == sum(p.numel() for name, p in adapted.named_parameters() if "lora_" in name)
 
 
+def killed_again() -> Run:
+    """Cancelled at the start of step 4 (after 3 step reports): the state saved after step 2 is what remains."""
+    reports: list[str] = []
+    return Run(
+        progress=lambda stage, fraction, message="": reports.append(message),
+        should_cancel=lambda: len(reports) >= 3,
+    )
+
+
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(stories_ptb, tmp_path):
     pruned, tokenizer, data = stories_ptb
     config = short_run(max_steps=4, save_every=2, batch_size=2)
     whole, whole_result = recover(copy.deepcopy(pruned), tokenizer, data, config)
 
-    reports: list[str] = []
-    # Cancelled at the start of step 4: the state saved after step 2 is what remains.
-    killed = Run(
-        progress=lambda stage, fraction, message="": reports.append(message),
-        should_cancel=lambda: len(reports) >= 3,
-    )
     with pytest.raises(Cancelled):
-        recover(copy.deepcopy(pruned), tokenizer, data, config, killed, state_dir=tmp_path)
+        recover(copy.deepcopy(pruned), tokenizer, data, config, killed_again(), state_dir=tmp_path)
     assert (tmp_path / STATE_FILE).is_file()
     resumed, resumed_result = recover(copy.deepcopy(pruned), tokenizer, data, config, state_dir=tmp_path)
     assert resumed_result.resumed_from_step == 2
@@ -128,6 +131,14 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(stories_ptb, tmp_pat
     other_settings = short_run(max_steps=3, save_every=2, batch_size=2)
     _, other = recover(copy.deepcopy(pruned), tokenizer, data, other_settings, state_dir=tmp_path)
     assert other.resumed_from_step is None
+    # Other weights (a retry that pruned differently): the same.
+    with pytest.raises(Cancelled):
+        recover(copy.deepcopy(pruned), tokenizer, data, config, killed_again(), state_dir=tmp_path)
+    changed = copy.deepcopy(pruned)
+    with torch.no_grad():
+        changed.model.norm.weight[0] += 1e-3
+    _, restarted = recover(changed, tokenizer, data, config, state_dir=tmp_path)
+    assert restarted.resumed_from_step is None
 
 
 def test_cancelled_before_the_next_forward_pass(stories_ptb):
