@@ -31,6 +31,9 @@ MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+RECOVERY_METHODS = ("none", "lora")
+# The linear layers LoRA may adapt: every projection of a decoder layer, whatever its width after pruning.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 # Settings the machine that runs the job decides: on the service they are the server's, never the caller's.
 SERVER_SIDE = ("datasets_dir", "device")
@@ -149,6 +152,38 @@ class EfficiencyConfig(ConfigPart):
     warmup: int = Field(2, ge=0, le=1000, description="untimed runs before them")
 
 
+class RecoveryConfig(ConfigPart):
+    """Fine-tuning after pruning (docs/recovery.md). Defaults: the paper's appendix (2 epochs, lr 1e-4, batch
+    128) and LLM-Pruner's LoRA (rank 8, alpha 16, dropout 0.05, every projection, 256-token sequences)."""
+
+    method: Literal[RECOVERY_METHODS] = Field(  # type: ignore[valid-type]
+        "none", description="none, or lora: train LoRA adapters after pruning and merge them into the weights"
+    )
+    dataset: DatasetSpec = Field(
+        "wikitext2",
+        description="training data: wikitext2, ptb or c4 (train split unless name:split), a .txt file, or a "
+        ".jsonl/.json file of text or Alpaca (instruction/input/output) records",
+    )
+    epochs: float = Field(2.0, gt=0, le=1000, description="passes over the training data")
+    max_steps: int | None = Field(None, ge=1, le=10_000_000, description="optimizer steps; when set, epochs is unused")
+    lr: float = Field(1e-4, gt=0, le=1, description="peak learning rate (AdamW, linear warm-up and decay)")
+    batch_size: int = Field(8, ge=1, le=4096, description="sequences per forward pass")
+    grad_accum: int = Field(16, ge=1, le=4096, description="forward passes per optimizer step (8 x 16 = 128)")
+    max_seq_len: int = Field(256, ge=2, le=MAX_SEQ_LEN, description="tokens per training sequence")
+    rank: int = Field(8, ge=1, le=4096, description="LoRA rank")
+    alpha: float = Field(16.0, gt=0, le=100_000, description="LoRA scaling numerator (scale = alpha / rank)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout")
+    target_modules: list[Literal[LORA_TARGETS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        max_length=len(LORA_TARGETS),
+        description="the projections that get adapters",
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="adapter initialisation, data order and dropout")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (memory)")
+    save_every: int = Field(50, ge=1, le=10_000_000, description="optimizer steps between saves of training state")
+
+
 class PruneSettings(ConfigPart):
     """What the user chooses: settable with the same name, default and range on the command line and the API."""
 
@@ -176,6 +211,7 @@ class PruneSettings(ConfigPart):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     efficiency: EfficiencyConfig = Field(default_factory=EfficiencyConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     export: list[Literal[EXPORT_FORMATS]] = Field(  # type: ignore[valid-type]
         default_factory=list,
         max_length=len(EXPORT_FORMATS),

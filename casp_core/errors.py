@@ -27,6 +27,13 @@ class DatasetNotFound(CaspError):
     code = "dataset_not_found"
 
 
+class InvalidDataset(CaspError):
+    """Training data that cannot be used as it is (missing fields, empty, not UTF-8, too long); the message
+    names the file and the line or record."""
+
+    code = "invalid_dataset"
+
+
 class DeviceUnavailable(CaspError):
     """A device this machine lacks (`cuda` without a usable GPU, `cuda:3` on a one-GPU machine)."""
 

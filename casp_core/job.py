@@ -1,31 +1,35 @@
-"""The whole job: load, evaluate the dense model, prune, save, evaluate the pruned model, report.
+"""The whole job: load, evaluate the dense model, prune, [evaluate, recover,] save, evaluate the result, report.
 
 The command line and the service call `run_job`; `STAGES` is what it reports, in order, and the worker's
-progress bar is built from it.
+progress bar is built from it; `job_stages` is the part of it one job reports.
 """
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from casp_core.budget import check_reachable
 from casp_core.calibration import calibration_windows
-from casp_core.checkpoint import save_pruned
-from casp_core.config import PruneConfig
+from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.config import PruneConfig, RecoveryConfig
 from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import export_checkpoint
 from casp_core.model import check_model_reference, load_model, resolve_device
 from casp_core.prune import prune
+from casp_core.recovery import ADAPTER_DIR, recover
+from casp_core.recovery_data import load_training_data
 from casp_core.report.build import build_report, write_report
 from casp_core.report.model_card import write_model_card
-from casp_core.report.plots import write_plots
+from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve, write_plots
 from casp_core.report.publish import base_model_of, public_name, without_local_paths
 from casp_core.run import Run
 
-# The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration and
-# evaluation); "evaluation" comes twice, for the dense and then the pruned model.
+# The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration,
+# evaluation and recovery data); "evaluation" comes for the dense model, then (with recovery) for the pruned model
+# before it is recovered, then for the model that is published.
 STAGES = (
     "load",
     "calibration",
@@ -33,10 +37,20 @@ STAGES = (
     "allocation",
     "pruning",
     "verification",
+    "evaluation",
+    "recovery",
     "checkpoint",
     "evaluation",
     "report",
 )
+RECOVERY_STAGES = (6, 7)  # the indices in STAGES of the stages only a job with recovery reports
+
+
+def job_stages(config: PruneConfig) -> tuple[str, ...]:
+    """The stages run_job reports for `config`, in order."""
+    if config.recovery.method != "none":
+        return STAGES
+    return tuple(stage for index, stage in enumerate(STAGES) if index not in RECOVERY_STAGES)
 
 
 def _prepare_output(out_dir: Path) -> Path:
@@ -50,11 +64,18 @@ def _prepare_output(out_dir: Path) -> Path:
 
 
 def run_job(
-    model: str, config: PruneConfig, out_dir: Path, run: Run | None = None, *, revision: str | None = None
+    model: str,
+    config: PruneConfig,
+    out_dir: Path,
+    run: Run | None = None,
+    *,
+    revision: str | None = None,
+    recovery_state: Path | None = None,
 ) -> dict[str, Any]:
     """The whole job; `out_dir` ends up holding the checkpoint with its model card (README.md), report.json and
     report.md, or nothing. Nothing written there names a local path other than by its last part, and the
-    report returned is the one written."""
+    report returned is the one written. `recovery_state` is where the recovery stage saves its training state and
+    resumes from (see `recover`)."""
     config.validate()
     check_model_reference(model)
     run = run or Run()
@@ -73,10 +94,35 @@ def run_job(
             run.report("calibration", 0.0, "loading calibration and evaluation text")
             windows = calibration_windows(dense, tokenizer, config)
             plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(dense))
+            training = None
+            if config.recovery.method == "lora":
+                training = load_training_data(
+                    config.recovery.dataset,
+                    tokenizer,
+                    max_seq_len=config.recovery.max_seq_len,
+                    context=dense.config.max_position_embeddings,
+                    datasets_dir=config.datasets_dir,
+                )
         with run.stage("evaluation_dense"):
             dense_figures = evaluate(dense, tokenizer, plan, run)
         result = prune(dense, tokenizer, config, run, windows=windows)
         del dense
+        recovery = None
+        if training is not None:
+            with run.stage("evaluation_pruned"):
+                pruned_figures = evaluate(result.model, tokenizer, plan, run)
+            with run.stage("recovery"):
+                run.report("recovery", 0.0, f"LoRA on {config.recovery.dataset}: {len(training):,} sequences")
+                result.model, recovery = recover(
+                    result.model,
+                    tokenizer,
+                    training,
+                    config.recovery,
+                    run,
+                    device=config.device,
+                    state_dir=recovery_state,
+                    adapter_dir=staging / ADAPTER_DIR,
+                )
         with run.stage("checkpoint"):
             run.report("checkpoint", 0.0, "writing the checkpoint")
             base_model = base_model_of(model)
@@ -92,10 +138,19 @@ def run_job(
             with run.stage("export"):
                 run.report("checkpoint", 1.0, f"exporting {', '.join(config.export)}")
                 exports = export_checkpoint(staging, config.export, config.gguf_type)
-        with run.stage("evaluation_pruned"):
-            pruned_figures = evaluate(result.model, tokenizer, plan, run)
+        if recovery is None:
+            with run.stage("evaluation_pruned"):
+                pruned_figures = evaluate(result.model, tokenizer, plan, run)
+        else:
+            with run.stage("evaluation_recovered"):
+                recovered_figures = evaluate(result.model, tokenizer, plan, run)
         run.report("report", 0.0, "writing the report")
         evaluation = side_by_side(dense_figures, pruned_figures, plan.texts)
+        if recovery is not None:
+            for name, entry in evaluation["perplexity"].items():
+                entry["recovered"] = recovered_figures.perplexity[name]
+            if "zero_shot" in evaluation:
+                evaluation["zero_shot"]["recovered"] = recovered_figures.zero_shot
         report = build_report(
             model_name=public_name(model),
             config=config,
@@ -105,6 +160,8 @@ def run_job(
             device=str(device),
             dtype=dtype,
         )
+        if recovery is not None:
+            report["recovery"] = {**recovery.summary(), "adapter": ADAPTER_DIR}
         if exports:
             report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
         report["plots"] = [str(path.relative_to(staging)) for path in write_plots(report, staging)]
@@ -116,5 +173,54 @@ def run_job(
         staging.rename(out_dir)
         run.report("report", 1.0, f"written to {out_dir}")
         return report
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def recover_checkpoint(
+    checkpoint: Path,
+    config: RecoveryConfig,
+    out_dir: Path,
+    run: Run | None = None,
+    *,
+    datasets_dir: str | None = None,
+    device: str = "auto",
+) -> dict[str, Any]:
+    """`casp recover`: a saved checkpoint recovered into a new one in `out_dir` (merged weights, `adapter/`,
+    recovery.json, the loss curve), or nothing."""
+    run = run or Run()
+    out_dir = Path(out_dir)
+    staging = _prepare_output(out_dir)
+    try:
+        run.time_on(resolve_device(device))
+        with run.stage("load"):
+            run.report("load", 0.0, f"loading {checkpoint}")
+            model, tokenizer = load_pruned(checkpoint)
+        with run.stage("calibration_data"):
+            run.report("calibration", 0.0, f"reading {config.dataset}")
+            training = load_training_data(
+                config.dataset,
+                tokenizer,
+                max_seq_len=config.max_seq_len,
+                context=model.config.max_position_embeddings,
+                datasets_dir=datasets_dir,
+            )
+        with run.stage("recovery"):
+            model, recovery = recover(
+                model, tokenizer, training, config, run, device=device, adapter_dir=staging / ADAPTER_DIR
+            )
+        with run.stage("checkpoint"):
+            run.report("checkpoint", 0.0, "writing the checkpoint")
+            model.config.casp = {**(getattr(model.config, "casp", None) or {}), "recovery": config.to_dict()}
+            save_pruned(model, tokenizer, staging)
+        summary = {"checkpoint": str(checkpoint), **recovery.summary(), "adapter": ADAPTER_DIR}
+        summary["plots"] = [str(plot_recovery_curve(recovery.curve, staging / RECOVERY_CURVE).relative_to(staging))]
+        summary["timings"] = run.timer.stages
+        (staging / "recovery.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()
+        staging.rename(out_dir)
+        run.report("checkpoint", 1.0, f"written to {out_dir}")
+        return summary
     finally:
         shutil.rmtree(staging, ignore_errors=True)

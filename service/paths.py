@@ -10,14 +10,18 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from casp_core.config import PruneConfig
-from casp_core.data import LOCAL_FILES, TextSource, calibration_source, evaluation_source, local_copy
-from casp_core.errors import CaspError, DatasetNotFound, ModelNotFound
+from casp_core.data import LOCAL_FILES, TextSource, calibration_source, evaluation_source, local_copy, parse_source
+from casp_core.errors import CaspError, DatasetNotFound, InvalidDataset, ModelNotFound
 from casp_core.model import is_local_reference
+from casp_core.recovery_data import TRAINING_SPLIT, read_training_file
 from service.settings import Settings
 
 DATASET_FILE_SUFFIXES = (".txt", ".jsonl")
+# Recovery also reads Alpaca's own .json array.
+TRAINING_FILE_SUFFIXES = (".txt", ".jsonl", ".json")
 
 Loc = tuple[str | int, ...]
+RECOVERY_DATASET: Loc = ("recovery", "dataset")
 
 # Messages quote at most this much of a caller's input (the API's error answers too).
 EXCERPT_CHARS = 64
@@ -66,7 +70,13 @@ def check_model(model: str, settings: Settings) -> str:
     return str(path)
 
 
-def check_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable[[str], TextSource]) -> str:
+def check_dataset(
+    spec: str,
+    loc: Loc,
+    settings: Settings,
+    source_of: Callable[[str], TextSource],
+    suffixes: tuple[str, ...] = DATASET_FILE_SUFFIXES,
+) -> str:
     """A named set (`name[:split]`, installed under the datasets dir when there is one) or a file under the
     allowed roots: anything else casp_core would read as a path relative to the worker's directory."""
     if spec.partition(":")[0] in LOCAL_FILES:
@@ -77,14 +87,29 @@ def check_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable[[
         except DatasetNotFound as exc:
             raise InputRefused(loc, exc.message, DatasetNotFound.code) from exc
         return spec
-    if Path(spec).suffix not in DATASET_FILE_SUFFIXES:
+    if Path(spec).suffix not in suffixes:
         known = ", ".join(LOCAL_FILES)
-        raise InputRefused(loc, f"must be one of {known} (optionally `:split`) or a .txt or .jsonl file")
+        raise InputRefused(loc, f"must be one of {known} (optionally `:split`) or a {' or '.join(suffixes)} file")
     roots = settings.model_roots() + ([settings.datasets_dir.resolve()] if settings.datasets_dir else [])
     path = _under_roots(spec, loc, roots, "CASP_ALLOWED_MODEL_ROOTS or CASP_DATASETS_DIR")
     if not path.is_file():
         raise InputRefused(loc, f"no such file: {excerpt(spec)}", DatasetNotFound.code)
     return str(path)
+
+
+def training_source(spec: str) -> TextSource:
+    return parse_source(spec, TRAINING_SPLIT)
+
+
+def check_training_data(spec: str, settings: Settings) -> str:
+    """Recovery's data set, a user's file read in full: bad records are refused at submit, naming where."""
+    checked = check_dataset(spec, RECOVERY_DATASET, settings, training_source, TRAINING_FILE_SUFFIXES)
+    if checked.partition(":")[0] not in LOCAL_FILES:
+        try:
+            read_training_file(Path(checked))
+        except InvalidDataset as exc:
+            raise InputRefused(RECOVERY_DATASET, exc.message, InvalidDataset.code) from exc
+    return checked
 
 
 def check_job_inputs(model: str, config: PruneConfig, settings: Settings) -> None:
@@ -93,3 +118,5 @@ def check_job_inputs(model: str, config: PruneConfig, settings: Settings) -> Non
     check_dataset(config.calibration.dataset, ("calibration", "dataset"), settings, calibration_source)
     for i, spec in enumerate(config.evaluation.perplexity):
         check_dataset(spec, ("evaluation", "perplexity", i), settings, evaluation_source)
+    if config.recovery.method != "none":
+        check_training_data(config.recovery.dataset, settings)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import load, quality, speed
+from bench import load, quality, recovery, speed
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -80,6 +80,21 @@ def test_quality_merge_adds_new_rows_and_reruns_stored_ones_as_a_check(tmp_path:
     other = {**first, "settings": {**first["settings"], "n_samples": 8}}
     with pytest.raises(SystemExit, match=r"--merge: the earlier result has other settings \(n_samples\)"):
         quality.merge(other, first, [])
+
+
+def test_recovery_tiny(tmp_path: Path) -> None:
+    payload = recovery.main(
+        ["--models", "stories260K", "--steps", "2", "--batch-size", "2", "--eval-windows", "2",
+         "--training-data", "ptb:validation", "--out", str(tmp_path)]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "recovery.json").read_text())
+    assert written == json.loads(json.dumps(payload))
+    (row,) = written["rows"]
+    assert set(row["perplexity"]) == {"wikitext2", "ptb"}
+    assert all(set(figures) == {"dense", "pruned", "recovered"} for figures in row["perplexity"].values())
+    assert row["recovery"]["steps"] == 2 and row["recovery"]["tokens"] == 2 * 2 * recovery.SEQ_LEN
+    assert all_finite(written)
+    assert "| stories260K | ptb |" in (tmp_path / "recovery.md").read_text()
 
 
 def test_speed_tiny(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
-from casp_core.job import STAGES, run_job
+from casp_core.job import STAGES, job_stages, run_job
 from casp_core.model import resolve_device
 from casp_core.run import Run
 from service import jobs
@@ -32,8 +32,9 @@ from service.tables import ApiKey, Job
 log = logging.getLogger(__name__)
 
 # The share of the overall 0-100 progress each stage gets, in the order run_job reports them (casp_core's
-# STAGES, where "evaluation" comes twice: dense model, then pruned), then "upload", the service's own. The e2e
-# test checks this order against the real pipeline.
+# STAGES, where "evaluation" comes for the dense, the pruned (with recovery) and the published model), then
+# "upload", the service's own. A job without recovery skips its segments. The e2e test checks this order against
+# the real pipeline.
 STAGE_WEIGHTS = {
     "load": 5,
     "calibration": 5,
@@ -41,30 +42,45 @@ STAGE_WEIGHTS = {
     "allocation": 20,
     "pruning": 35,
     "verification": 3,
+    "recovery": 30,
     "checkpoint": 5,
     "report": 2,
     "upload": 5,
 }
-SEGMENTS = tuple((stage, STAGE_WEIGHTS[stage]) for stage in (*STAGES, "upload"))
-_SEGMENT_START = [sum(weight for _, weight in SEGMENTS[:i]) for i in range(len(SEGMENTS))]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The job's stages (`job_stages`, then "upload") and where each starts on the overall 0-100 scale: the
+    weights above, scaled so that the stages this job reports add up to 100."""
+
+    stages: tuple[str, ...]
+    starts: tuple[float, ...]
+    shares: tuple[float, ...]
+
+    @classmethod
+    def of(cls, stages: tuple[str, ...]) -> "Segments":
+        stages = (*stages, "upload")
+        total = sum(STAGE_WEIGHTS[stage] for stage in stages)
+        shares = tuple(100 * STAGE_WEIGHTS[stage] / total for stage in stages)
+        return cls(stages, tuple(sum(shares[:i]) for i in range(len(stages))), shares)
+
+    def next(self, stage: str, current: int) -> int:
+        """The segment a report of `stage` belongs to: the current one or the next of that name (a stage the
+        table does not know, or one reported out of order, stays in the current segment)."""
+        for index in range(current, len(self.stages)):
+            if self.stages[index] == stage:
+                return index
+        return current
+
+    def progress(self, segment: int, fraction: float) -> float:
+        return self.starts[segment] + self.shares[segment] * min(max(fraction, 0.0), 1.0)
+
 
 # Row updates at most this often, and an event per whole percent at most: a long run writes a few hundred
 # rows, not one per callback.
 WRITE_INTERVAL_SECONDS = 1.0
 CANCEL_POLL_SECONDS = 0.25
-
-
-def next_segment(stage: str, current: int) -> int:
-    """The segment a report of `stage` belongs to: the current one or the next of that name (a stage the
-    table does not know, or one reported out of order, stays in the current segment)."""
-    for index in range(current, len(SEGMENTS)):
-        if SEGMENTS[index][0] == stage:
-            return index
-    return current
-
-
-def overall_progress(segment: int, fraction: float) -> float:
-    return _SEGMENT_START[segment] + SEGMENTS[segment][1] * min(max(fraction, 0.0), 1.0)
 
 
 def worker_name() -> str:
@@ -80,6 +96,7 @@ class Attempt:
     number: int
     deadline: float
     stop_requested: Callable[[], bool] = lambda: False  # the embedded server shutting down
+    segments: Segments = field(default_factory=lambda: Segments.of(STAGES))
     stage: str | None = None
     segment: int = 0
     progress: float = 0.0
@@ -94,8 +111,8 @@ class Attempt:
 
     def report(self, stage: str, fraction: float, message: str = "") -> None:
         now = time.monotonic()
-        self.segment = next_segment(stage, self.segment)
-        progress = max(self.progress, overall_progress(self.segment, fraction))
+        self.segment = self.segments.next(stage, self.segment)
+        progress = max(self.progress, self.segments.progress(self.segment, fraction))
         changed = stage != self.stage
         if changed:
             self._close_stage(now)
@@ -172,9 +189,20 @@ class Heartbeat(threading.Thread):
                 log.exception("heartbeat of job %s failed", self.attempt.job_id)
 
 
+# Beside the attempts' folders, so that an attempt after a killed one (the reaper queues the job again) resumes
+# the recovery stage from its last save on this machine; removed with them when an attempt ends.
+RECOVERY_STATE = "recovery-state"
+RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step")
+
+
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
     keys = ("achieved_ratio", "params", "perplexity", "zero_shot")
-    return {key: report[key] for key in keys if key in report}
+    summary = {key: report[key] for key in keys if key in report}
+    if "recovery" in report:
+        recovery = report["recovery"]
+        summary["recovery"] = {key: recovery[key] for key in RECOVERY_SUMMARY}
+        summary["recovery"]["final_loss"] = recovery["curve"][-1]["loss"] if recovery["curve"] else None
+    return summary
 
 
 def job_config(job: Job, settings: Settings) -> PruneConfig:
@@ -212,6 +240,7 @@ def execute(
             number,
             deadline=time.monotonic() + settings.job_time_limit_seconds,
             stop_requested=stop_requested,
+            segments=Segments.of(job_stages(config)),
         )
         out_dir = settings.home / "work" / job_id / f"attempt-{number}"
         shutil.rmtree(out_dir, ignore_errors=True)  # a rerun starts clean: nothing half-written is kept
@@ -246,7 +275,12 @@ def _run(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         report = run_job(
-            model, config, out_dir, Run(progress=attempt.report, should_cancel=attempt.should_cancel), revision=revision
+            model,
+            config,
+            out_dir,
+            Run(progress=attempt.report, should_cancel=attempt.should_cancel),
+            revision=revision,
+            recovery_state=out_dir.parent / RECOVERY_STATE,
         )
         if attempt.should_cancel():
             raise Cancelled("the job was cancelled")

@@ -29,14 +29,14 @@ from api.schemas import (
 )
 from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
-from casp_core.errors import CaspError, InvalidConfig
+from casp_core.errors import CaspError, InvalidConfig, InvalidDataset
 from casp_core.model import is_local_reference, load_config
 from casp_core.plain import check_plain_shape
 from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
 from service.logs import add_log_context
-from service.paths import InputRefused, Loc, check_dataset, check_model
+from service.paths import InputRefused, Loc, check_dataset, check_model, check_training_data
 from service.settings import Settings
 from service.tables import JOB_STATUSES, Job, JobEvent, utcnow
 from service.webhooks import WebhookRefused, check_webhook_url
@@ -103,6 +103,13 @@ def build_config(body: JobCreate, settings: Settings) -> PruneConfig:
         resolve_dataset(spec, ("evaluation", "perplexity", i), settings, evaluation_source)
         for i, spec in enumerate(evaluation["perplexity"])
     ]
+    if chosen["recovery"]["method"] != "none":
+        try:
+            chosen["recovery"]["dataset"] = check_training_data(chosen["recovery"]["dataset"], settings)
+        except InputRefused as exc:
+            # Bad records say so with the job's error code (invalid_dataset), as a worker's check would.
+            message = f"{exc.code}: {exc.message}" if exc.code == InvalidDataset.code else exc.message
+            raise invalid(exc.loc, message) from exc
     try:
         return PruneConfig.from_dict(
             {**chosen, "datasets_dir": str(settings.datasets_dir) if settings.datasets_dir else None}

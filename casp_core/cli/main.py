@@ -14,42 +14,23 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tqdm import tqdm
-
 from casp_core.cli.eval import add_eval_parser
 from casp_core.cli.export import add_export_parser, warn_about
+from casp_core.cli.progress import StageBars
+from casp_core.cli.recover import add_recover_parser
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.config import PruneConfig
 from casp_core.errors import CaspError
 
-BAD_INPUT_CODES = {"invalid_config", "model_not_found", "unsupported_model", "dataset_not_found", "device_unavailable"}
+BAD_INPUT_CODES = {
+    "invalid_config",
+    "model_not_found",
+    "unsupported_model",
+    "dataset_not_found",
+    "invalid_dataset",
+    "device_unavailable",
+}
 DISTRIBUTION = "casp"
-
-
-class StageBars:
-    """One tqdm bar per pipeline stage on a terminal; one line per stage in logs."""
-
-    def __init__(self) -> None:
-        self.stage: str | None = None
-        self.bar: tqdm | None = None
-        self.interactive = sys.stderr.isatty()
-
-    def __call__(self, stage: str, fraction: float, message: str = "") -> None:
-        if stage != self.stage:
-            self.close()
-            self.stage = stage
-            if not self.interactive:
-                print(f"casp: {stage}: {message}", file=sys.stderr)
-                return
-            self.bar = tqdm(total=100, desc=stage, unit="%", file=sys.stderr)
-        if self.bar is not None:
-            self.bar.n = round(100 * fraction)
-            self.bar.set_postfix_str(message, refresh=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -91,7 +72,7 @@ def run_prune(args: argparse.Namespace) -> int:
         "out": str(args.out),
         "achieved_ratio": round(report["achieved_ratio"], 4),
         "perplexity": {
-            name: {"split": v["split"], **{k: round(v[k], 3) for k in ("dense", "pruned")}}
+            name: {"split": v["split"], **{k: round(v[k], 3) for k in ("dense", "pruned", "recovered") if k in v}}
             for name, v in report["perplexity"].items()
         },
     }
@@ -145,7 +126,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 Register = Callable[[argparse._SubParsersAction], None]
-LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser, add_export_parser]
+LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser, add_export_parser, add_recover_parser]
 
 
 def build_parser(extensions: Sequence[Register] = ()) -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ from types import NoneType, UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -31,6 +31,16 @@ FLAGS = {
     "efficiency.new_tokens": "--efficiency-new-tokens",
     "efficiency.repeats": "--efficiency-repeats",
     "efficiency.warmup": "--efficiency-warmup",
+    "recovery.method": "--recovery",
+    "recovery.dataset": "--recovery-dataset",
+    "recovery.lr": "--recovery-lr",
+    "recovery.batch_size": "--recovery-batch-size",
+    "recovery.max_seq_len": "--recovery-seq-len",
+    "recovery.rank": "--lora-rank",
+    "recovery.alpha": "--lora-alpha",
+    "recovery.dropout": "--lora-dropout",
+    "recovery.target_modules": "--lora-targets",
+    "recovery.seed": "--recovery-seed",
 }
 # Earlier spellings (`casp prune` said --calibration-data / --eval-data, `casp submit` said --limit): still read,
 # no longer shown.
@@ -74,24 +84,39 @@ def _shown(default: Any) -> str:
     return ",".join(map(str, default)) if isinstance(default, list) else str(default)
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, *, required: tuple[str, ...] = ()) -> None:
-    """One flag per setting of PruneSettings; `required` names the settings the command cannot do without."""
-    for name, info in setting_fields(PruneSettings):
+def bare_flag(name: str) -> str:
+    """The flag of a setting of one part on its own (`casp recover`'s `max_steps` is `--max-steps`)."""
+    return "--" + name.replace("_", "-")
+
+
+def add_setting_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    required: tuple[str, ...] = (),
+    model: type[BaseModel] = PruneSettings,
+    flag: Callable[[str], str] = flag_of,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """One flag per setting of `model` (PruneSettings, or one part for a command of its own) but those in `skip`;
+    `required` names the settings the command cannot do without."""
+    for name, info in setting_fields(model):
+        if name in skip:
+            continue
         default = info.get_default(call_default_factory=True)
         help_text = (info.description or "") + (", comma-separated" if get_origin(info.annotation) is list else "")
         if default is not PydanticUndefined and default is not None and not isinstance(default, bool):
             help_text += f" (default: {_shown(default) or 'none'})"
         options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         if info.annotation is bool:
-            parser.add_argument(flag_of(name), action=argparse.BooleanOptionalAction, **options)
+            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, **options)
             continue
         choices = choices_of(info.annotation)
         value = value_parser(info)
         if choices and get_origin(info.annotation) is not list:
             options["choices"] = choices
-        metavar = flag_of(name).removeprefix("--").replace("-", "_").upper()
+        metavar = flag(name).removeprefix("--").replace("-", "_").upper()
         parser.add_argument(
-            flag_of(name),
+            flag(name),
             type=value,
             required=name in required,
             metavar=None if "choices" in options else metavar,
@@ -101,10 +126,10 @@ def add_setting_flags(parser: argparse.ArgumentParser, *, required: tuple[str, .
             parser.add_argument(alias, type=value, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given on the command line, nested as PruneSettings takes them (`{"calibration": {...}}`)."""
+def settings_from_args(args: argparse.Namespace, model: type[BaseModel] = PruneSettings) -> dict[str, Any]:
+    """The settings given on the command line, nested as `model` takes them (`{"calibration": {...}}`)."""
     settings: dict[str, Any] = {}
-    for name, _ in setting_fields(PruneSettings):
+    for name, _ in setting_fields(model):
         if hasattr(args, name):
             *parts, leaf = name.split(".")
             target = settings

@@ -114,6 +114,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         "",
         render_evaluation_section({"perplexity": report["perplexity"], **report["evaluation"]}),
+        *recovery_section(report),
         "## Objective z'Qz (sum over layers)",
         "",
         "| sub-layer | chosen solver | independent (diagonal) |",
@@ -156,6 +157,40 @@ def render_markdown(report: dict[str, Any]) -> str:
         memory = record.get("peak_gpu_mb", record.get("peak_rss_mb"))
         lines.append(f"| {name} | {record['seconds']:.2f} | {_number(memory, 6)} |")
     return "\n".join(lines) + "\n"
+
+
+def recovery_section(report: dict[str, Any]) -> list[str]:
+    """Dense, pruned and pruned + recovered side by side, and how the recovery ran; nothing without recovery."""
+    recovery = report.get("recovery")
+    if not recovery:
+        return []
+    settings = report["settings"]["recovery"]
+    data = recovery["data"]
+    lines = [
+        "## Recovery",
+        "",
+        f"- LoRA rank {settings['rank']}, alpha {settings['alpha']}, dropout {settings['dropout']} on "
+        f"{', '.join(settings['target_modules'])}; merged into the weights, the adapter kept in `adapter/`",
+        f"- data `{settings['dataset']}` ({data['layout']}): {data['sequences']:,} sequences of at most "
+        f"{settings['max_seq_len']} tokens, {data['loss_tokens']:,} with loss"
+        + (f", {data['skipped']} left out (prompt longer than a sequence)" if data["skipped"] else ""),
+        f"- {recovery['steps']} steps of {settings['batch_size']} x {settings['grad_accum']} sequences, lr "
+        f"{settings['lr']}, {recovery['precision']}; {recovery['tokens']:,} tokens in {recovery['seconds']:.1f} s "
+        f"({recovery['tokens_per_second']:,.0f} tokens/s)"
+        + (f"; resumed from step {recovery['resumed_from_step']}" if recovery["resumed_from_step"] else ""),
+        "",
+        "| perplexity | dense | pruned | pruned + recovered |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in report["perplexity"].items():
+        values = (entry.get(side) for side in ("dense", "pruned", "recovered"))
+        lines.append(f"| {name} | " + " | ".join(_number(value) for value in values) + " |")
+    averages = {side: figures.get("average_acc") for side, figures in report["evaluation"].get("zero_shot", {}).items()}
+    if averages:
+        values = (averages.get(side) for side in ("dense", "pruned", "recovered"))
+        lines.append("| zero-shot average acc | " + " | ".join(_number(value) for value in values) + " |")
+    lines += ["", "Measured in the same run with the same evaluation settings.", ""]
+    return lines
 
 
 def write_report(report: dict[str, Any], directory: Path) -> None:

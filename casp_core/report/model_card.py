@@ -3,13 +3,12 @@ pruned model's measured figures) and a short body (what was pruned, the settings
 load it). Written by run_job after the evaluation, from the report; the directory is then ready for
 `huggingface-cli upload` as it is.
 
-Later stages add their own sections through `extra_sections` (a heading and Markdown each; images as paths
-relative to the checkpoint directory).
+With recovery, the model-index holds the recovered model's figures, and the card shows the recovery (dense,
+pruned and recovered side by side) with its training curve.
 """
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,9 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from casp_core.data import HUB_SOURCES, evaluation_source
 from casp_core.modeling_casp_llama import CaspLlamaConfig
+from casp_core.report.build import recovery_section
 from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.plots import RECOVERY_CURVE
 from casp_core.report.publish import public_name
 
 CARD_FILE = "README.md"
@@ -26,23 +27,20 @@ PIPELINE_TAG = "text-generation"
 ZERO_SHOT_METRICS = ("acc", "acc_norm")
 
 
-@dataclass(frozen=True)
-class CardSection:
-    """A section another stage adds to the card: `## {title}` and its Markdown."""
-
-    title: str
-    markdown: str
-
-
 def card_model_name(source_name: str, target_ratio: float) -> str:
     """`stories260K` pruned by 30 % -> `stories260K-casp-30`."""
     return f"{source_name}-casp-{round(target_ratio * 100)}"
 
 
-def _perplexity_results(perplexity: dict[str, dict[str, Any]]) -> list[EvalResult]:
+def published_side(report: dict[str, Any]) -> str:
+    """Whose figures the model-index holds: the model in this folder, pruned and, when the job ran it, recovered."""
+    return "recovered" if report.get("recovery") else "pruned"
+
+
+def _perplexity_results(perplexity: dict[str, dict[str, Any]], side: str) -> list[EvalResult]:
     results = []
     for name, entry in perplexity.items():
-        if entry.get("pruned") is None:
+        if entry.get(side) is None:
             continue
         source = evaluation_source(name)
         hub = None if source.is_file else HUB_SOURCES[source.name]
@@ -55,17 +53,17 @@ def _perplexity_results(perplexity: dict[str, dict[str, Any]]) -> list[EvalResul
                 dataset_config=hub.name if hub else None,
                 dataset_split=entry.get("split"),
                 metric_type="perplexity",
-                metric_value=entry["pruned"],
+                metric_value=entry[side],
                 metric_name=f"perplexity ({entry.get('seq_len', '?')}-token windows)",
             )
         )
     return results
 
 
-def _zero_shot_results(zero_shot: dict[str, Any]) -> list[EvalResult]:
-    pruned = zero_shot.get("pruned") or {}
+def _zero_shot_results(zero_shot: dict[str, Any], side: str) -> list[EvalResult]:
+    published = zero_shot.get(side) or {}
     results = []
-    for task, figures in pruned.get("tasks", {}).items():
+    for task, figures in published.get("tasks", {}).items():
         for metric in ZERO_SHOT_METRICS:
             if figures.get(metric) is None:
                 continue
@@ -78,16 +76,18 @@ def _zero_shot_results(zero_shot: dict[str, Any]) -> list[EvalResult]:
                     dataset_split=figures.get("split"),
                     metric_type=metric,
                     metric_value=figures[metric],
-                    metric_name=f"{metric}, {pruned.get('num_fewshot', 0)}-shot",
+                    metric_name=f"{metric}, {published.get('num_fewshot', 0)}-shot",
                 )
             )
     return results
 
 
 def card_data(report: dict[str, Any], *, base_model: str | None, exported: Sequence[str]) -> ModelCardData:
-    """The front matter: the model-index holds the pruned model's figures as report.json has them."""
+    """The front matter: the model-index holds the published model's figures as report.json has them."""
     evaluation = report.get("evaluation", {})
-    results = _perplexity_results(report["perplexity"]) + _zero_shot_results(evaluation.get("zero_shot") or {})
+    side = published_side(report)
+    results = _perplexity_results(report["perplexity"], side)
+    results += _zero_shot_results(evaluation.get("zero_shot") or {}, side)
     return ModelCardData(
         base_model=base_model,
         library_name="transformers",
@@ -190,7 +190,6 @@ def render_model_card(
     model_type: str,
     base_model: str | None,
     exported: Sequence[str] = (),
-    extra_sections: Sequence[CardSection] = (),
 ) -> ModelCard:
     """The card for a checkpoint of `model_type` (config.json's), from its path-free report (see
     `casp_core.report.publish`); `exported` names the files written beside it (model-f16.gguf, ...)."""
@@ -215,8 +214,9 @@ def render_model_card(
         *_usage(model_type, data.model_name, exported),
         "",
     ]
-    for section in extra_sections:
-        body += [f"## {section.title}", "", section.markdown.rstrip(), ""]
+    recovery = recovery_section(report)
+    if recovery:
+        body += [*recovery, f"![training loss]({RECOVERY_CURVE})", ""]
     body += [
         "## More",
         "",
@@ -233,13 +233,10 @@ def write_model_card(
     *,
     base_model: str | None,
     exported: Sequence[str] = (),
-    extra_sections: Sequence[CardSection] = (),
 ) -> Path:
     """README.md in the checkpoint `directory`, for the model type its config.json holds."""
     model_type = json.loads((directory / "config.json").read_text(encoding="utf-8"))["model_type"]
-    card = render_model_card(
-        report, model_type=model_type, base_model=base_model, exported=exported, extra_sections=extra_sections
-    )
+    card = render_model_card(report, model_type=model_type, base_model=base_model, exported=exported)
     path = directory / CARD_FILE
     card.save(path)
     return path

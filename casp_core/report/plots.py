@@ -104,15 +104,36 @@ def plot_objectives(layers: list[dict[str, Any]], path: Path, solver_name: str) 
     return _save(figure, path)
 
 
+RECOVERY_CURVE = "plots/recovery_loss.png"
+
+
+def plot_recovery_curve(curve: list[dict[str, float]], path: Path) -> Path:
+    """The recovery stage's training loss per optimizer step (`report["recovery"]["curve"]`)."""
+    figure = Figure(figsize=(7, 4))
+    axes = figure.add_subplot()
+    axes.set_title("Recovery: training loss")
+    steps, losses = [point["step"] for point in curve], [point["loss"] for point in curve]
+    axes.plot(steps, losses, marker="." if len(curve) < 50 else "")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("mean next-token loss (nats)")
+    axes.grid(True, alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(figure, path)
+
+
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Writes the plots into `out_dir/plots/` and returns their paths."""
     layers = sorted(report["layers"], key=lambda layer: layer["index"])
     plots_dir = Path(out_dir) / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
     solver_name = report.get("settings", {}).get("solver", "greedy")
-    return [
+    plots = [
         plot_ratios(layers, plots_dir / "layer_ratio.png"),
         plot_sensitivity(layers, plots_dir / "layer_sensitivity.png"),
         plot_offdiag_ratio(layers, plots_dir / "offdiag_ratio.png"),
         plot_objectives(layers, plots_dir / "objective_solver_vs_diagonal.png", solver_name),
     ]
+    if report.get("recovery", {}).get("curve"):
+        plots.append(plot_recovery_curve(report["recovery"]["curve"], Path(out_dir) / RECOVERY_CURVE))
+    return plots

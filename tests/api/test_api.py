@@ -4,6 +4,7 @@ queue, which no test worker consumes, stay queued."""
 import re
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,11 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
             "evaluation.perplexity.1",
             "local paths must be absolute",
         ),
+        ({"recovery": {"rank": 0}}, "recovery.rank", "greater than or equal to 1"),
+        ({"recovery": {"method": "sft"}}, "recovery.method", "'lora'"),
+        ({"recovery": {"method": "lora", "dataset": "/etc/alpaca.json"}}, "recovery.dataset", "CASP_ALLOWED_MODEL"),
+        ({"recovery": {"method": "lora", "dataset": "/x/notes.csv"}}, "recovery.dataset", ".txt or .jsonl or .json"),
+        ({"recovery": {"method": "lora", "dataset": "ptb:dev"}}, "recovery.dataset", "no split 'dev'"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
         ({"colour": "blue"}, "colour", "Extra inputs are not permitted"),
     ],
@@ -72,6 +78,23 @@ def test_bad_input_is_422_naming_the_field(
     response = api.post("/v1/jobs", json={**PARKED, **change}, headers=keys["alice"])
     error = refusal(response)
     assert error["code"] == "invalid_request" and error["param"] == param and reason in error["message"], error
+
+
+def test_bad_recovery_data_is_422_naming_the_line(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
+    # A file the server may read (under CASP_ALLOWED_MODEL_ROOTS, the demo folder in these tests), read at submit.
+    bad = REPO / "demo" / f".alpaca-{uuid.uuid4().hex}.jsonl"
+    bad.write_text('{"instruction": "Say hi.", "output": "Hi."}\n{"instruction": "No output."}\n', encoding="utf-8")
+    try:
+        body = {**PARKED, "recovery": {"method": "lora", "dataset": str(bad)}}
+        error = refusal(api.post("/v1/jobs", json=body, headers=keys["alice"]))
+    finally:
+        bad.unlink()
+    assert error["param"] == "recovery.dataset" and error["message"] == (
+        f"recovery.dataset: invalid_dataset: {bad} line 2: missing `output`"
+    ), error
+    # Off, the data set is not read.
+    body = {**PARKED, "recovery": {"dataset": str(bad)}}
+    assert api.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
 
 
 def test_casp_config_checks_surface_as_422(api: TestClient, keys: dict[str, dict[str, str]]) -> None:

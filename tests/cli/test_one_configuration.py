@@ -21,9 +21,15 @@ from worker.runner import job_config
 
 pytestmark = pytest.mark.service
 
-PARKED = {**SMALL_JOB, "device": "cuda"}  # the cuda queue, which no test worker consumes
+# The cuda queue, which no test worker consumes; recovery data the server has, for when a test turns recovery on.
+PARKED = {**SMALL_JOB, "device": "cuda", "recovery": {"dataset": "ptb"}}
 # Free-text settings: a value the server accepts (a named data set it has) other than the default.
-TEXT_SAMPLES: dict[str, Any] = {"calibration.dataset": "ptb", "evaluation.perplexity": ["ptb"]}
+TEXT_SAMPLES: dict[str, Any] = {
+    "calibration.dataset": "ptb",
+    "evaluation.perplexity": ["ptb"],
+    "recovery.dataset": "wikitext2:validation",
+    "recovery.target_modules": ["q_proj", "v_proj"],
+}
 SETTINGS = list(setting_fields(PruneSettings))
 
 

@@ -15,11 +15,13 @@ from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from casp_core.checkpoint import load_pruned
+from casp_core.config import PruneConfig
+from casp_core.job import job_stages
 from service.dispatch import CeleryDispatcher
 from service.settings import Settings
 from service.storage import make_storage
 from tests.service_fixtures import SMALL_JOB, WorkerProcess, download, expected_parameters, finished, wait_for, wait_job
-from worker.runner import SEGMENTS
+from worker.runner import Segments
 
 pytestmark = pytest.mark.service
 
@@ -69,9 +71,10 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     assert events[0]["status"] == "queued" and events[-1]["status"] == "succeeded"
     progress = [e["progress"] for e in events if e["kind"] == "progress"]
     assert progress == sorted(progress) and progress[-1] == 100
-    # Every stage change is an event, in run_job's order (evaluation of the dense, then the pruned model).
+    # Every stage change is an event, in run_job's order (evaluation of the dense, then the pruned model), and
+    # the progress bar's segments are those stages.
     stages = [stage for stage, _ in groupby(e["stage"] for e in events if e["kind"] == "progress")]
-    assert stages == [stage for stage, _ in SEGMENTS]
+    assert stages == list(Segments.of(job_stages(PruneConfig(ratio=0.3))).stages)
 
     artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]
     names = {a["name"] for a in artifacts}

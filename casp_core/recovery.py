@@ -1,0 +1,257 @@
+"""Recovery: LoRA fine-tuning of the pruned model, merged into its weights (the paper's appendix, after LLM-Pruner).
+
+peft puts adapters on the chosen projections of every decoder layer, whatever their widths after pruning; torch's
+AdamW trains them with a linear warm-up and decay (transformers' schedule) while the pruned weights stay frozen;
+the adapters are then merged, so the model is again a plain pruned checkpoint of the same shapes. The loss is the
+mean next-token cross-entropy over the labelled tokens of an optimizer step (all of a text window, an Alpaca
+record's output).
+
+Long runs: progress is reported per optimizer step (loss, tokens/s), cancellation is checked before every forward
+pass, and with a `state_dir` the training state (adapters, optimizer, schedule, random state, curve) is written
+there every `save_every` steps; a later call with the same directory, settings, data and model weights resumes from
+the last save and ends with the same weights as an uninterrupted run.
+"""
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
+
+from casp_core.config import RecoveryConfig
+from casp_core.model import resolve_device
+from casp_core.recovery_data import IGNORED, TrainingData, collate
+from casp_core.run import Run
+
+STAGE = "recovery"
+STATE_FILE = "recovery-state.pt"
+ADAPTER_DIR = "adapter"
+# LLM-Pruner's 100 warm-up steps, but never more than a tenth of a short run.
+WARMUP_STEPS = 100
+MAX_GRAD_NORM = 1.0
+
+
+@dataclass
+class RecoveryResult:
+    """What the report shows: the training curve (one point per optimizer step) and the run's totals."""
+
+    data: dict[str, Any]
+    steps: int
+    trainable_parameters: int
+    precision: str
+    curve: list[dict[str, float]] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    resumed_from_step: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+
+
+def total_steps(config: RecoveryConfig, n_sequences: int) -> int:
+    """`max_steps`, or enough steps for `epochs` passes over the data (the last step may be partial)."""
+    if config.max_steps is not None:
+        return config.max_steps
+    per_step = config.batch_size * config.grad_accum
+    return max(1, math.ceil(config.epochs * n_sequences / per_step))
+
+
+def batch_indices(config: RecoveryConfig, n_sequences: int, step: int) -> list[list[int]]:
+    """The forward passes of optimizer step `step`: sequence order is a fresh permutation per epoch (seeded), so a
+    resumed run sees exactly the batches the uninterrupted run would have."""
+    orders: dict[int, torch.Tensor] = {}
+    passes = []
+    for micro in range(step * config.grad_accum, (step + 1) * config.grad_accum):
+        indices = []
+        for position in range(micro * config.batch_size, (micro + 1) * config.batch_size):
+            epoch, offset = divmod(position, n_sequences)
+            if epoch not in orders:
+                generator = torch.Generator().manual_seed(config.seed + epoch)
+                orders[epoch] = torch.randperm(n_sequences, generator=generator)
+            indices.append(int(orders[epoch][offset]))
+        passes.append(indices)
+    return passes
+
+
+@torch.no_grad()
+def weights_digest(model: PreTrainedModel) -> str:
+    """A digest of the weights (names, shapes, float64 sums): a retry re-prunes, and must find the same model."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}{float(tensor.double().sum()):.17g}".encode())
+    return digest.hexdigest()
+
+
+def _state_fingerprint(config: RecoveryConfig, data: TrainingData, weights: str) -> dict[str, Any]:
+    """What must match for a saved state to be resumed: every setting that changes the run, the data's size and
+    the weights the adapters were trained on."""
+    settings = config.to_dict()
+    settings.pop("save_every")
+    return {"settings": settings, "data": data.summary(), "weights": weights}
+
+
+def _bf16_autocast(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def recover(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: TrainingData,
+    config: RecoveryConfig,
+    run: Run | None = None,
+    *,
+    device: str = "auto",
+    state_dir: Path | None = None,
+    adapter_dir: Path | None = None,
+) -> tuple[PreTrainedModel, RecoveryResult]:
+    """Trains LoRA adapters on `model` (frozen) and returns it with the adapters merged, on the CPU, in its own
+    dtype; `adapter_dir` receives the adapters as peft saves them (loadable on `model` as it was given)."""
+    run = run or Run()
+    target = resolve_device(device)
+    dtype = model.dtype
+    weights = weights_digest(model)
+    autocast = _bf16_autocast(target)
+    # Master weights in float32 unless bf16 autocast runs the matmuls: fp16/bf16 AdamW updates would round away.
+    model.to(device=target, dtype=dtype if autocast else torch.float32)
+    model.config.use_cache = False
+    if config.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    torch.manual_seed(config.seed)
+    lora = LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=list(config.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, lora)
+    # The adapters train in float32 whatever the base weights are.
+    for parameter in peft_model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    trainable = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
+    steps = total_steps(config, len(data))
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    schedule = get_linear_schedule_with_warmup(optimizer, min(WARMUP_STEPS, steps // 10), steps)
+    result = RecoveryResult(
+        data=data.summary(),
+        steps=steps,
+        trainable_parameters=sum(parameter.numel() for parameter in trainable),
+        precision="bf16 autocast" if autocast else "float32",
+    )
+    fingerprint = _state_fingerprint(config, data, weights)
+    start = _resume(state_dir, fingerprint, peft_model, optimizer, schedule, result, target)
+    if start:
+        run.report(STAGE, start / steps, f"resumed from step {start} of {steps}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    peft_model.train()
+    for step in range(start, steps):
+        began = time.perf_counter()
+        passes = [collate(data, indices, pad_id) for indices in batch_indices(config, len(data), step)]
+        # Next-token targets: the label of position t + 1 is what position t predicts.
+        labelled = sum(int((batch["labels"][:, 1:] != IGNORED).sum()) for batch in passes)
+        step_loss = 0.0
+        for batch in passes:
+            run.check_cancelled()
+            batch = {name: tensor.to(target) for name, tensor in batch.items()}
+            with torch.autocast(target.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                batch["labels"][:, 1:].reshape(-1),
+                ignore_index=IGNORED,
+                reduction="sum",
+            ) / max(labelled, 1)
+            loss.backward()
+            step_loss += loss.item()
+        torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens = sum(int(batch["attention_mask"].sum()) for batch in passes)
+        result.tokens += tokens
+        seconds = time.perf_counter() - began
+        result.seconds += seconds
+        result.curve.append({"step": step + 1, "loss": step_loss, "lr": schedule.get_last_lr()[0]})
+        run.report(
+            STAGE,
+            (step + 1) / steps,
+            f"step {step + 1}/{steps} loss {step_loss:.4f} {tokens / max(seconds, 1e-9):,.0f} tokens/s",
+        )
+        if state_dir is not None and (step + 1) % config.save_every == 0 and step + 1 < steps:
+            _save_state(state_dir, fingerprint, step + 1, peft_model, optimizer, schedule, result)
+    if adapter_dir is not None:
+        peft_model.save_pretrained(adapter_dir)
+    merged = peft_model.merge_and_unload()
+    if config.gradient_checkpointing:
+        merged.activation_checkpointing_disable()
+    merged.config.use_cache = True
+    return merged.to(device="cpu", dtype=dtype).eval(), result
+
+
+def _save_state(
+    state_dir: Path,
+    fingerprint: dict[str, Any],
+    step: int,
+    model: PeftModel,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    result: RecoveryResult,
+) -> None:
+    """Written beside and renamed over the last save: a kill mid-write leaves the previous one whole."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state = {
+        "fingerprint": fingerprint,
+        "step": step,
+        "adapters": get_peft_model_state_dict(model),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "cpu_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "curve": result.curve,
+        "tokens": result.tokens,
+        "seconds": result.seconds,
+    }
+    partial = state_dir / f".{STATE_FILE}.partial"
+    torch.save(state, partial)
+    os.replace(partial, state_dir / STATE_FILE)
+
+
+def _resume(
+    state_dir: Path | None,
+    fingerprint: dict[str, Any],
+    model: PeftModel,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    result: RecoveryResult,
+    device: torch.device,
+) -> int:
+    """The step to start from: that of the saved state when there is one for the same settings and data, else 0."""
+    path = state_dir / STATE_FILE if state_dir is not None else None
+    if path is None or not path.is_file():
+        return 0
+    state = torch.load(path, map_location=device, weights_only=True)
+    if state["fingerprint"] != fingerprint:
+        return 0
+    set_peft_model_state_dict(model, state["adapters"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["cpu_rng"].cpu())
+    if state["cuda_rng"]:
+        torch.cuda.set_rng_state_all([rng.cpu() for rng in state["cuda_rng"]])
+    result.curve = list(state["curve"])
+    result.tokens, result.seconds = state["tokens"], state["seconds"]
+    result.resumed_from_step = state["step"]
+    return int(state["step"])

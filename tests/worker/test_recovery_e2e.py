@@ -1,0 +1,59 @@
+"""A job with recovery through the real service (PostgreSQL, Redis, a Celery worker process, S3): its worker is
+killed mid-training, and the retry resumes from the last saved step instead of starting the stage over."""
+
+import re
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.service_fixtures import SMALL_JOB, WorkerProcess, finished, wait_for, wait_job
+from tests.worker.test_jobs_e2e import events_of
+
+pytestmark = pytest.mark.service
+
+STEPS = 40
+RECOVERY_JOB: dict[str, Any] = {
+    **SMALL_JOB,
+    "ratio": 0.5,
+    "recovery": {
+        "method": "lora",
+        "dataset": "ptb:validation",
+        "max_steps": STEPS,
+        "batch_size": 2,
+        "grad_accum": 1,
+        "max_seq_len": 64,
+        "lr": 1e-3,
+        "save_every": 2,
+    },
+}
+STEP = re.compile(r"^step (\d+)/")
+
+
+def steps_reported(api: TestClient, job_id: str, headers: dict[str, str]) -> int:
+    found = [STEP.match(e["message"] or "") for e in events_of(api, job_id, headers)]
+    return max((int(match.group(1)) for match in found if match), default=0)
+
+
+def test_a_killed_worker_resumes_recovery_from_its_last_save(
+    api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess
+) -> None:
+    alice = keys["alice"]
+    job = api.post("/v1/jobs", json=RECOVERY_JOB, headers=alice).json()
+    wait_for(lambda: steps_reported(api, job["id"], alice) >= 5, 300, "the recovery stage to train")
+    worker.kill()  # SIGKILL to the worker and its pool child, mid-stage
+    worker.start()
+    done = wait_job(api, job["id"], alice, finished, "the job to finish after the restart")
+    assert done["status"] == "succeeded", (done, worker.log_tail())
+    assert done["attempts"] == 2
+    recovery = done["result"]["recovery"]
+    # Saved every 2 steps: the retry starts from an even step at least 4, where the first attempt had reached.
+    resumed = recovery["resumed_from_step"]
+    assert resumed is not None and resumed % 2 == 0 and resumed >= 4, recovery
+    assert recovery["steps"] == STEPS and recovery["final_loss"] > 0
+    messages = [e["message"] for e in events_of(api, job["id"], alice) if e["attempt"] == 2]
+    assert f"resumed from step {resumed} of {STEPS}" in messages
+    wikitext = done["result"]["perplexity"]["wikitext2"]
+    assert {"dense", "pruned", "recovered"} <= set(wikitext)
+    names = {a["name"] for a in api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "plots/recovery_loss.png"} <= names
