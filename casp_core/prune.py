@@ -158,12 +158,7 @@ def allocate(
     if config.allocation != "gradient":
         return [None] * len(decoder_layers(model))
     run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
-    model.to(device)
-    sensitivities = layer_sensitivities(
-        model, windows, batch_size=config.calibration.batch_size, device=device, run=run
-    )
-    model.to("cpu")
-    return sensitivities
+    return layer_sensitivities(model, windows, batch_size=config.calibration.batch_size, device=device, run=run)
 
 
 def prune(
