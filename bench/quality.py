@@ -1,5 +1,6 @@
-"""Quality bench: perplexity and objective of every solver x allocation, an alpha sweep, sequential vs dense,
-and every score with and without least-squares compensation (FLAP also with its own mean-bias compensation).
+"""Quality bench: perplexity and objective of every solver x allocation, an alpha sweep (with alpha "auto"),
+sequential vs dense, and every score with and without least-squares compensation (FLAP also with its own mean-bias
+compensation).
 
 Calibration is on `ptb:train` (in distribution for ptbwiki-7M, which was trained on PTB train + WikiText-2
 valid); perplexity is on the held-out test splits `wikitext2` (raw test) and `ptb` (test), first
@@ -46,6 +47,7 @@ from bench.common import (
 from casp_core.allocation import layer_sensitivities
 from casp_core.calibration import calibration_windows
 from casp_core.config import (
+    AUTO_ALPHA,
     COMPENSATIONS,
     DENSE_TARGET_COMPENSATION,
     MEAN_BIAS_COMPENSATION,
@@ -81,7 +83,7 @@ class Spec:
     ratio: float
     solver: str
     allocation: str
-    alpha: float
+    alpha: float | str  # or AUTO_ALPHA
     mode: str
     compensation: str = "none"
 
@@ -108,7 +110,7 @@ def plan(
     ratios: Iterable[float],
     solvers: Iterable[str],
     allocations: Iterable[str],
-    alphas: Iterable[float],
+    alphas: Iterable[float | str],
     modes: Iterable[str],
     compensation_ratios: Iterable[float] = (),
     compensation_solvers: Iterable[str] = COMPENSATION_SOLVERS,
@@ -309,7 +311,13 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         "seconds": seconds,
         "stage_seconds": {name: stage["seconds"] for name, stage in result.timings.items()},
         "studies": studies,
+        "alpha_auto": result.temperature.summary() if result.temperature else None,
     }
+
+
+def alpha_order(alpha: float | str) -> tuple[bool, float]:
+    """Rows sort by alpha with "auto" after the numbers."""
+    return (alpha == AUTO_ALPHA, 0.0 if alpha == AUTO_ALPHA else float(alpha))
 
 
 def _cost(spec: Spec) -> tuple[int, int]:
@@ -349,7 +357,8 @@ def run_all(
             )
     rows.sort(
         key=lambda r: (
-            r["model"], r["ratio"], r["solver"], r["allocation"], r["alpha"], r["calibration_mode"], r["compensation"]
+            r["model"], r["ratio"], r["solver"], r["allocation"], alpha_order(r["alpha"]), r["calibration_mode"],
+            r["compensation"],
         )
     )  # fmt: skip
     return rows, dense
@@ -458,7 +467,7 @@ def _ppl_table(rows: list[dict[str, Any]], dense: list[dict[str, Any]], solvers:
 
 
 def _section_alpha(rows: list[dict[str, Any]]) -> list[str]:
-    sweep = [r for r in rows if "alpha" in r["studies"]]
+    sweep = [r for r in rows if "alpha" in r["studies"] and r["alpha"] != AUTO_ALPHA]
     alphas = sorted({r["alpha"] for r in sweep})
     lines = [
         "### (4) The alpha trend (greedy, gradient allocation)",
@@ -485,6 +494,55 @@ def _section_alpha(rows: list[dict[str, Any]]) -> list[str]:
     )
     cases = len({(row["model"], row["ratio"]) for row in sweep})
     lines += ["", f"- alpha = 1 has the lowest summed perplexity: **{_verdict(best_one, cases)}**.", ""]
+    return lines
+
+
+def _summed(row: dict[str, Any]) -> float:
+    return sum(row["ppl"][name] for name in EVAL_SETS)
+
+
+def _section_alpha_auto(rows: list[dict[str, Any]]) -> list[str]:
+    automatic = [r for r in rows if r["alpha"] == AUTO_ALPHA]
+    if not automatic:
+        return []
+    lines = [
+        '### (4b) alpha "auto" against alpha = 1 and the best fixed alpha in hindsight',
+        "",
+        "auto holds out a quarter of the calibration windows and picks, from (0, 0.5, 1, 1.5, 2, 3), the temperature "
+        "whose pruning (from dense statistics of the other windows) has the lowest held-out loss; the pruning then "
+        "uses all windows. The best fixed alpha is the one with the lowest summed test perplexity among the fixed "
+        "alphas run here (greedy, gradient allocation, sequential, same compensation). wikitext2 / ptb perplexity:",
+        "",
+        "| model | ratio | auto: chosen | auto | alpha 1 | best fixed (alpha) | held-out loss per alpha |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    beats_one = matches_best = 0
+    for row in automatic:
+        fixed = [
+            r for r in _select(rows, model=row["model"], ratio=row["ratio"], solver=row["solver"],
+                               allocation=row["allocation"], calibration_mode=row["calibration_mode"],
+                               compensation=row["compensation"])
+            if r["alpha"] != AUTO_ALPHA
+        ]  # fmt: skip
+        one = next((r for r in fixed if r["alpha"] == DEFAULT_ALPHA), None)
+        best = min(fixed, key=_summed) if fixed else None
+        beats_one += one is not None and _summed(row) <= _summed(one)
+        matches_best += best is not None and _summed(row) <= _summed(best) * (1 + 1e-9)
+        losses = ", ".join(f"{g['alpha']:g}: {g['held_out_loss']:.4f}" for g in row["alpha_auto"]["grid"])
+        lines.append(
+            f"| {row['model']} | {row['ratio']} | {row['alpha_auto']['chosen']:g} | "
+            f"{_fmt(row['ppl']['wikitext2'])} / {_fmt(row['ppl']['ptb'])} | "
+            + (f"{_fmt(one['ppl']['wikitext2'])} / {_fmt(one['ppl']['ptb'])}" if one else "-")
+            + " | "
+            + (f"{_fmt(best['ppl']['wikitext2'])} / {_fmt(best['ppl']['ptb'])} ({best['alpha']})" if best else "-")
+            + f" | {losses} |"
+        )
+    lines += [
+        "",
+        f"- auto's summed perplexity at most alpha = 1's: **{_verdict(beats_one, len(automatic))}**; "
+        f"equal to the best fixed alpha's: {_verdict(matches_best, len(automatic))}.",
+        "",
+    ]
     return lines
 
 
@@ -648,6 +706,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"- {_wins(grid, {'allocation': 'gradient'}, {'allocation': 'uniform'}, ('model', 'ratio', 'solver'))}",
         "",
         *_section_alpha(rows),
+        *_section_alpha_auto(rows),
         *_section_modes(rows),
         *_section_compensation(rows, dense),
         "## All solvers x allocations (wikitext2 / ptb perplexity)",
@@ -676,6 +735,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- command line
 
 
+def alpha_value(text: str) -> float | str:
+    return text if text == AUTO_ALPHA else float(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
@@ -684,7 +747,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
     parser.add_argument("--allocations", nargs="+", default=list(ALLOCATIONS), choices=ALLOCATIONS)
-    parser.add_argument("--alphas", nargs="*", type=float, default=list(ALPHAS))
+    parser.add_argument(
+        "--alphas", nargs="*", type=alpha_value, default=list(ALPHAS), help=f'numbers, or "{AUTO_ALPHA}"'
+    )
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     parser.add_argument(
         "--compensation-ratios",
@@ -765,7 +830,10 @@ def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> di
         "rows_rerun": len(later["rows"]) - len(added),
         "rerun_max_relative_ppl_difference": max(rerun_differences, default=None),
     }
-    rows = sorted([*earlier["rows"], *added], key=lambda r: tuple(r[k] for k in ROW_KEY))
+    rows = sorted(
+        [*earlier["rows"], *added],
+        key=lambda r: tuple(alpha_order(r[k]) if k == "alpha" else r[k] for k in ROW_KEY),
+    )
     return {**earlier, "rows": rows, "merged_runs": [*earlier.get("merged_runs", []), record]}
 
 

@@ -105,7 +105,7 @@ def _squared_gradients_layer_by_layer(
             tokens = windows[first : first + len(hidden)].to(device)
             hidden = hidden.to(device).requires_grad_(True)
             with torch.enable_grad():
-                loss = _summed_sequence_losses(model.lm_head(base.norm(hidden)).float(), tokens)
+                loss = summed_sequence_losses(model.lm_head(base.norm(hidden)).float(), tokens)
             if not torch.isfinite(loss):
                 outputs = [batches[batch] for batches in stored[1:]] + [inputs.batches[batch]]
                 _name_first_non_finite_output(loss, outputs, first, first + len(hidden))
@@ -157,7 +157,7 @@ def _squared_gradients_in_one_graph(
     handles += [layer.register_forward_hook(keep_output) for layer in layers]
     try:
         batch = windows[start:stop].to(device)
-        loss = _summed_sequence_losses(model(batch, use_cache=False).logits.float(), batch)
+        loss = summed_sequence_losses(model(batch, use_cache=False).logits.float(), batch)
         if not torch.isfinite(loss):
             _name_first_non_finite_output(loss, outputs, start, stop)
         squared = torch.stack([g.double().pow(2).sum() for g in torch.autograd.grad(loss, outputs)]).cpu()
@@ -198,7 +198,7 @@ def on_device(module: nn.Module, device: torch.device, store: torch.device) -> I
         module.to(store)
 
 
-def _summed_sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def summed_sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Sum over sequences of each sequence's mean loss: each sequence's gradient is its own dJ/dZ."""
     return (
         torch.nn.functional.cross_entropy(

@@ -50,6 +50,7 @@ def build_report(
             for sub in ("attn", "mlp")
         },
         "compensation": compensation_summary(layers),
+        "alpha_auto": result.temperature.summary() if result.temperature else None,
         "perplexity": perplexity,
         "evaluation": evaluation or {},
         "layers": layers,
@@ -88,6 +89,15 @@ def _number(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
+def _alpha(report: dict[str, Any]) -> str:
+    """The temperature used: `auto` says which it chose, and the held-out loss of each it tried."""
+    choice = report.get("alpha_auto")
+    if not choice:
+        return str(report["settings"]["alpha"])
+    losses = ", ".join(f"{row['alpha']:g}: {row['held_out_loss']:.4f}" for row in choice["grid"])
+    return f"auto = {choice['chosen']:g} (held-out loss of {choice['held_out_windows']} windows: {losses})"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     calibration = settings["calibration"]
@@ -97,7 +107,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- target ratio {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f} "
         f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
-        f"- solver `{settings['solver']}`, allocation `{settings['allocation']}`, alpha {settings['alpha']}, "
+        f"- solver `{settings['solver']}`, allocation `{settings['allocation']}`, alpha {_alpha(report)}, "
         f"r_max {settings['r_max']}, compensation `{settings['compensation']}`",
         f"- calibration: {calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, "
         f"seed {calibration['seed']}, {calibration['mode']} statistics",

@@ -22,8 +22,8 @@ from worker.runner import job_config
 pytestmark = pytest.mark.service
 
 PARKED = {**SMALL_JOB, "device": "cuda"}  # the cuda queue, which no test worker consumes
-# Free-text settings: a value the server accepts (a named data set it has) other than the default.
-TEXT_SAMPLES: dict[str, Any] = {"calibration.dataset": "ptb", "evaluation.perplexity": ["ptb"]}
+# Free-text settings: a value the server accepts (a named data set it has) other than the default; alpha's word.
+TEXT_SAMPLES: dict[str, Any] = {"calibration.dataset": "ptb", "evaluation.perplexity": ["ptb"], "alpha": "auto"}
 SETTINGS = list(setting_fields(PruneSettings))
 
 
@@ -49,7 +49,7 @@ def sample(name: str, info: FieldInfo) -> Any:
     low, high = bounds(info)
     if info.annotation is float:
         assert low is not None and high is not None, f"{name}: add a sample value for this setting to TEXT_SAMPLES"
-        return (low + high) / 2  # ratio, alpha, r_max, compensation_damping: inside their ranges, not the default
+        return (low + high) / 2  # ratio, r_max, compensation_damping: inside their ranges, not the default
     if default is None:
         return int(low) + 5
     assert isinstance(default, int), f"{name}: add a sample value for this kind of setting to TEXT_SAMPLES"
