@@ -61,11 +61,13 @@ from casp_core.eval.zeroshot import evaluate_zero_shot
 from casp_core.model import load_model
 from casp_core.prune import prune
 from casp_core.run import Run, StageTimer
+from casp_core.temperature import ALPHA_GRID
 
 MODELS = ("stories260K", "ptbwiki-7M")
 RATIOS = (0.1, 0.2, 0.3, 0.5)
 ALLOCATIONS = ("gradient", "uniform")
-ALPHAS = (0.5, 1.0, 1.5, 2.0)
+# auto's own grid, so that the best fixed alpha in hindsight is the best of what auto chooses from; then auto.
+ALPHAS = (*ALPHA_GRID, AUTO_ALPHA)
 MODES = ("sequential", "dense")
 COMPENSATION_RATIOS = (0.2, 0.3, 0.5)
 COMPENSATION_SOLVERS = ("greedy", "diagonal", "wanda_sp", "flap", "greedy_compensated")
