@@ -60,6 +60,7 @@ DatasetSpec = Annotated[str, StringConstraints(min_length=1, max_length=1024, st
 # alpha "auto": the temperature with the lowest held-out loss among a few (casp_core.temperature).
 AUTO_ALPHA = "auto"
 MAX_ALPHA = 100
+AUTO_ALPHA_NEEDS_WINDOWS = 'alpha: "auto" holds out calibration windows to score temperatures: needs n_samples >= 2'
 
 
 def _one_alpha_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -227,6 +228,8 @@ class PruneConfig(PruneSettings):
         checked = PruneConfig.from_dict(self.model_dump())
         if not checked.ratio <= checked.r_max:
             raise InvalidConfig(f"r_max: must be in [ratio, 1], got {checked.r_max}")
+        if checked.alpha == AUTO_ALPHA and checked.calibration.n_samples < 2:
+            raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
         return self
 
 

@@ -27,7 +27,7 @@ from casp_core.calibration import (
     run_layer,
 )
 from casp_core.compensation import compensate_layer
-from casp_core.config import PruneConfig
+from casp_core.config import AUTO_ALPHA_NEEDS_WINDOWS, PruneConfig
 from casp_core.errors import InvalidConfig
 from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
 from casp_core.numerics import check_finite
@@ -61,7 +61,7 @@ def choose_alpha(
 ) -> TemperatureChoice:
     """The grid's temperature with the lowest held-out loss at `config.ratio`; `model` is left as it was."""
     if len(windows) < 2:
-        raise InvalidConfig('alpha: "auto" holds out calibration windows to score temperatures: needs n_samples >= 2')
+        raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
     n_held_out = max(1, round(len(windows) * HELD_OUT_SHARE))
     statistics_windows, held_out = windows[:-n_held_out], windows[-n_held_out:]
     batch_size = config.calibration.batch_size

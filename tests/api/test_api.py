@@ -38,6 +38,7 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
         ({"ratio": 0}, "ratio", "greater than 0"),
         ({"alpha": -1}, "alpha", 'must be a number in [0, 100] or "auto", got -1'),
         ({"alpha": "hot"}, "alpha", 'must be a number in [0, 100] or "auto", got hot'),
+        ({"alpha": "auto", "calibration": {**PARKED["calibration"], "n_samples": 1}}, "alpha", "n_samples >= 2"),
         ({"solver": "magic"}, "solver", "'greedy'"),
         ({"model": "/etc"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/../casp_core"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
