@@ -1,6 +1,7 @@
-"""Quality bench: perplexity and objective of every solver x allocation, an alpha sweep, sequential vs dense,
-every score with and without least-squares compensation (FLAP also with its own mean-bias compensation), and
-the price of the uniform shape (a plain LlamaForCausalLM) beside the per-layer result at the same ratio.
+"""Quality bench: perplexity and objective of every solver x allocation, an alpha sweep (with alpha "auto"),
+sequential vs dense, every score with and without least-squares compensation (FLAP also with its own mean-bias
+compensation), and the price of the uniform shape (a plain LlamaForCausalLM) beside the per-layer result at the
+same ratio.
 
 Calibration is on `ptb:train` (in distribution for ptbwiki-7M, which was trained on PTB train + WikiText-2
 valid); perplexity is on the held-out test splits `wikitext2` (raw test) and `ptb` (test), first
@@ -47,6 +48,7 @@ from bench.common import (
 from casp_core.allocation import layer_sensitivities
 from casp_core.calibration import calibration_windows
 from casp_core.config import (
+    AUTO_ALPHA,
     COMPENSATIONS,
     DENSE_TARGET_COMPENSATION,
     MEAN_BIAS_COMPENSATION,
@@ -60,11 +62,13 @@ from casp_core.eval.zeroshot import evaluate_zero_shot
 from casp_core.model import load_model
 from casp_core.prune import prune
 from casp_core.run import Run, StageTimer
+from casp_core.temperature import ALPHA_GRID
 
 MODELS = ("stories260K", "ptbwiki-7M")
 RATIOS = (0.1, 0.2, 0.3, 0.5)
 ALLOCATIONS = ("gradient", "uniform")
-ALPHAS = (0.5, 1.0, 1.5, 2.0)
+# auto's own grid, so that the best fixed alpha in hindsight is the best of what auto chooses from; then auto.
+ALPHAS = (*ALPHA_GRID, AUTO_ALPHA)
 MODES = ("sequential", "dense")
 COMPENSATION_RATIOS = (0.2, 0.3, 0.5)
 COMPENSATION_SOLVERS = ("greedy", "diagonal", "wanda_sp", "flap", "greedy_compensated")
@@ -85,7 +89,7 @@ class Spec:
     ratio: float
     solver: str
     allocation: str
-    alpha: float
+    alpha: float | str  # or AUTO_ALPHA
     mode: str
     compensation: str = "none"
     shape: str = "per_layer"
@@ -113,7 +117,7 @@ def plan(
     ratios: Iterable[float],
     solvers: Iterable[str],
     allocations: Iterable[str],
-    alphas: Iterable[float],
+    alphas: Iterable[float | str],
     modes: Iterable[str],
     compensation_ratios: Iterable[float] = (),
     compensation_solvers: Iterable[str] = COMPENSATION_SOLVERS,
@@ -325,6 +329,7 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         "seconds": seconds,
         "stage_seconds": {name: stage["seconds"] for name, stage in result.timings.items()},
         "studies": studies,
+        "alpha_auto": result.temperature.summary() if result.temperature else None,
     }
 
 
@@ -332,6 +337,11 @@ def layer_shape(layer: torch.nn.Module) -> tuple[int, int, int]:
     attention = layer.self_attn
     heads = attention.q_proj.out_features // attention.head_dim
     return heads, attention.k_proj.out_features // attention.head_dim, layer.mlp.down_proj.in_features
+
+
+def alpha_order(alpha: float | str) -> tuple[bool, float]:
+    """Rows sort by alpha with "auto" after the numbers."""
+    return (alpha == AUTO_ALPHA, 0.0 if alpha == AUTO_ALPHA else float(alpha))
 
 
 def _cost(spec: Spec) -> tuple[int, int]:
@@ -476,7 +486,7 @@ def _ppl_table(rows: list[dict[str, Any]], dense: list[dict[str, Any]], solvers:
 
 
 def _section_alpha(rows: list[dict[str, Any]]) -> list[str]:
-    sweep = [r for r in rows if "alpha" in r["studies"]]
+    sweep = [r for r in rows if "alpha" in r["studies"] and r["alpha"] != AUTO_ALPHA]
     alphas = sorted({r["alpha"] for r in sweep})
     lines = [
         "### (4) The alpha trend (greedy, gradient allocation)",
@@ -503,6 +513,55 @@ def _section_alpha(rows: list[dict[str, Any]]) -> list[str]:
     )
     cases = len({(row["model"], row["ratio"]) for row in sweep})
     lines += ["", f"- alpha = 1 has the lowest summed perplexity: **{_verdict(best_one, cases)}**.", ""]
+    return lines
+
+
+def _summed(row: dict[str, Any]) -> float:
+    return sum(row["ppl"][name] for name in EVAL_SETS)
+
+
+def _section_alpha_auto(rows: list[dict[str, Any]]) -> list[str]:
+    automatic = [r for r in rows if r["alpha"] == AUTO_ALPHA]
+    if not automatic:
+        return []
+    lines = [
+        '### (4b) alpha "auto" against alpha = 1 and the best fixed alpha in hindsight',
+        "",
+        "auto holds out a quarter of the calibration windows and picks, from (0, 0.5, 1, 1.5, 2, 3), the temperature "
+        "whose pruning (from dense statistics of the other windows) has the lowest held-out loss; the pruning then "
+        "uses all windows. The best fixed alpha is the one with the lowest summed test perplexity among the fixed "
+        "alphas run here (greedy, gradient allocation, sequential, same compensation). wikitext2 / ptb perplexity:",
+        "",
+        "| model | ratio | auto: chosen | auto | alpha 1 | best fixed (alpha) | held-out loss per alpha |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    beats_one = matches_best = 0
+    for row in automatic:
+        fixed = [
+            r for r in _select(rows, model=row["model"], ratio=row["ratio"], solver=row["solver"],
+                               allocation=row["allocation"], calibration_mode=row["calibration_mode"],
+                               compensation=row["compensation"])
+            if r["alpha"] != AUTO_ALPHA
+        ]  # fmt: skip
+        one = next((r for r in fixed if r["alpha"] == DEFAULT_ALPHA), None)
+        best = min(fixed, key=_summed) if fixed else None
+        beats_one += one is not None and _summed(row) <= _summed(one)
+        matches_best += best is not None and _summed(row) <= _summed(best) * (1 + 1e-9)
+        losses = ", ".join(f"{g['alpha']:g}: {g['held_out_loss']:.4f}" for g in row["alpha_auto"]["grid"])
+        lines.append(
+            f"| {row['model']} | {row['ratio']} | {row['alpha_auto']['chosen']:g} | "
+            f"{_fmt(row['ppl']['wikitext2'])} / {_fmt(row['ppl']['ptb'])} | "
+            + (f"{_fmt(one['ppl']['wikitext2'])} / {_fmt(one['ppl']['ptb'])}" if one else "-")
+            + " | "
+            + (f"{_fmt(best['ppl']['wikitext2'])} / {_fmt(best['ppl']['ptb'])} ({best['alpha']})" if best else "-")
+            + f" | {losses} |"
+        )
+    lines += [
+        "",
+        f"- auto's summed perplexity at most alpha = 1's: **{_verdict(beats_one, len(automatic))}**; "
+        f"equal to the best fixed alpha's: {_verdict(matches_best, len(automatic))}.",
+        "",
+    ]
     return lines
 
 
@@ -715,6 +774,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         *(_grid_sections(grid, rows, baseline_lines) if grid else []),
         # A run of some studies only (`--ratios` with no value, ...) shows only theirs.
         *(_section_alpha(rows) if _studied(rows, "alpha") else []),
+        *(_section_alpha_auto(rows) if _studied(rows, "alpha") else []),
         *(_section_modes(rows) if _studied(rows, "calibration") else []),
         *_section_compensation(rows, dense),
         *_section_shape(rows, dense),
@@ -745,6 +805,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- command line
 
 
+def alpha_value(text: str) -> float | str:
+    return text if text == AUTO_ALPHA else float(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
@@ -753,7 +817,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--solvers", nargs="+", default=list(SOLVERS), choices=SOLVERS)
     parser.add_argument("--allocations", nargs="+", default=list(ALLOCATIONS), choices=ALLOCATIONS)
-    parser.add_argument("--alphas", nargs="*", type=float, default=list(ALPHAS))
+    parser.add_argument(
+        "--alphas", nargs="*", type=alpha_value, default=list(ALPHAS), help=f'numbers, or "{AUTO_ALPHA}"'
+    )
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     parser.add_argument(
         "--compensation-ratios",
@@ -818,7 +884,9 @@ COMPARABLE_SETTINGS = (
 
 
 def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(row.get(k, FIELD_DEFAULTS.get(k)) for k in ROW_KEY)
+    """A row's identity, which also orders the rows (alpha "auto" after the numbers)."""
+    values = {k: row.get(k, FIELD_DEFAULTS.get(k)) for k in ROW_KEY}
+    return tuple(alpha_order(value) if k == "alpha" else value for k, value in values.items())
 
 
 def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> dict[str, Any]:

@@ -10,8 +10,18 @@ from collections.abc import Iterator
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import annotated_types
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from casp_core.errors import InvalidConfig
 
@@ -52,6 +62,28 @@ def _no_control_characters(value: str) -> str:
 Printable = AfterValidator(_no_control_characters)
 # `name` or `name:split` of a named set, or a path to a .txt / .jsonl file.
 DatasetSpec = Annotated[str, StringConstraints(min_length=1, max_length=1024, strip_whitespace=True), Printable]
+
+
+# alpha "auto": the temperature with the lowest held-out loss among a few (casp_core.temperature).
+AUTO_ALPHA = "auto"
+MAX_ALPHA = 100
+AUTO_ALPHA_NEEDS_WINDOWS = 'alpha: "auto" holds out calibration windows to score temperatures: needs n_samples >= 2'
+
+
+def _one_alpha_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    # Neither a number in range nor "auto": one reason naming both, not one per member of the union.
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "alpha", f'must be a number in [0, {MAX_ALPHA}] or "{AUTO_ALPHA}", got {{value}}', {"value": value}
+        ) from None
+
+
+Alpha = Annotated[
+    Annotated[float, Field(ge=0, le=MAX_ALPHA)] | Literal[AUTO_ALPHA],  # type: ignore[valid-type]
+    WrapValidator(_one_alpha_error),
+]
 
 
 class ConfigPart(BaseModel):
@@ -188,7 +220,9 @@ class PruneSettings(ConfigPart):
     """What the user chooses: settable with the same name, default and range on the command line and the API."""
 
     ratio: float = Field(gt=0, lt=1, description="fraction of decoder parameters to remove")
-    alpha: float = Field(1.0, ge=0, le=100, description="allocation temperature")
+    alpha: Alpha = Field(
+        1.0, description="allocation temperature, or auto: the grid's best on held-out calibration windows"
+    )
     solver: Literal[SOLVERS] = Field("greedy", description="per-layer unit selection")  # type: ignore[valid-type]
     allocation: Literal[ALLOCATIONS] = Field(  # type: ignore[valid-type]
         "gradient", description="per-layer ratios: from the sensitivities, or the same everywhere"
@@ -239,6 +273,8 @@ class PruneConfig(PruneSettings):
         checked = PruneConfig.from_dict(self.model_dump())
         if not checked.ratio <= checked.r_max:
             raise InvalidConfig(f"r_max: must be in [ratio, 1], got {checked.r_max}")
+        if checked.alpha == AUTO_ALPHA and checked.calibration.n_samples < 2:
+            raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
         return self
 
 

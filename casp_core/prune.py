@@ -11,19 +11,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_ratios
-from casp_core.budget import (
-    BudgetPlan,
-    UniformShape,
-    attention_params_removed,
-    channel_params,
-    channels_to_prune,
-    check_reachable,
-    plan_budget,
-    plan_uniform_shape,
-)
+from casp_core.budget import BudgetPlan, UniformShape, check_reachable, plan_budget, plan_uniform_shape
 from casp_core.calibration import (
     LayerInputs,
-    SecondMoment,
     calibration_windows,
     capture_first_layer_inputs,
     check_finite_moments,
@@ -33,21 +23,13 @@ from casp_core.calibration import (
     run_layer_on_stream_pair,
 )
 from casp_core.compensation import compensate_layer
-from casp_core.config import DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
-from casp_core.interaction import block_aggregate, interaction_matrix, objective, offdiag_ratio
-from casp_core.model import (
-    AttentionGeometry,
-    attention_geometry,
-    decoder_layers,
-    prunable_parameters,
-    resolve_device,
-    sublayer_parameters,
-)
-from casp_core.numerics import check_finite
-from casp_core.results import LayerReport, PruneResult, SubLayerReport
+from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
+from casp_core.model import attention_geometry, decoder_layers, prunable_parameters, resolve_device, sublayer_parameters
+from casp_core.results import LayerReport, PruneResult
 from casp_core.run import Run
-from casp_core.solvers import diagonal, select_units
-from casp_core.surgery import LayerPruning, head_columns, kept_kv_heads, mask_layer, remove_units
+from casp_core.selection import choose_units, layer_q, params_kept
+from casp_core.surgery import kept_kv_heads, mask_layer, remove_units
+from casp_core.temperature import choose_alpha
 from casp_core.verification import verify
 
 
@@ -60,80 +42,6 @@ class CalibrationStream:
     sequential: bool  # each layer sees the earlier ones pruned (else: the dense model's activations)
     device: torch.device
     store: torch.device
-
-
-def solve_sublayer(
-    solver: str, q_units: torch.Tensor, k: int, weight: torch.Tensor, moment: SecondMoment, block: int
-) -> SubLayerReport:
-    pruned, lower_bound = select_units(
-        solver, q_units, k, weight=weight, second_moment=moment.second_moment, mean=moment.mean, block=block
-    )
-    return SubLayerReport(
-        units=q_units.shape[0],
-        pruned=sorted(int(i) for i in pruned),
-        objective=objective(q_units, pruned),
-        diagonal_objective=objective(q_units, diagonal(q_units, k)),
-        offdiag_ratio=offdiag_ratio(q_units),
-        lower_bound=lower_bound,
-    )
-
-
-def solve_uniform_heads(
-    solver: str,
-    q_heads: torch.Tensor,
-    geometry: AttentionGeometry,
-    shape: UniformShape,
-    weight: torch.Tensor,
-    moment: SecondMoment,
-) -> SubLayerReport:
-    """The uniform shape's heads: `shape.kv_heads` whole key/value groups stay, each with `shape.heads_per_kv`
-    query heads, so that LLaMA's repeat_kv (one key/value head per equal contiguous group) still holds.
-
-    Two choices by the same solver on the same Q. Groups first, on the group-aggregated Q (Q̃ summed over each
-    group's query heads, as heads are Q summed over their head_dim columns): a group's cost is that of all its
-    query heads together, and its key and value rows go with it. Then, in each kept group alone, the query heads
-    to drop on that group's block of Q. The second step leaves out the interactions between heads of different
-    groups: the fixed count per group is a constraint of each group, and solving each group on its own lets every
-    solver (greedy, relaxation, wanda_sp, ...) apply unchanged. Under MHA the groups are the heads themselves.
-    """
-    groups = {kv: [q for q, k in enumerate(geometry.kv_of_query) if k == kv] for kv in range(geometry.num_kv_heads)}
-    group_size = geometry.num_heads // geometry.num_kv_heads
-    pruned: list[int] = []
-    if shape.kv_heads < geometry.num_kv_heads:
-        q_groups = block_aggregate(q_heads, group_size)
-        gone, _ = select_units(
-            solver,
-            q_groups,
-            geometry.num_kv_heads - shape.kv_heads,
-            weight=weight,
-            second_moment=moment.second_moment,
-            mean=moment.mean,
-            block=group_size * geometry.head_dim,
-        )
-        pruned += [q for kv in gone.tolist() for q in groups[kv]]
-        groups = {kv: heads for kv, heads in groups.items() if kv not in set(gone.tolist())}
-    if shape.heads_per_kv < group_size:
-        for heads in groups.values():
-            columns = head_columns(geometry, heads)
-            gone, _ = select_units(
-                solver,
-                q_heads[heads][:, heads],
-                group_size - shape.heads_per_kv,
-                weight=weight[:, columns],
-                second_moment=moment.second_moment[columns][:, columns],
-                mean=moment.mean[columns],
-                block=geometry.head_dim,
-            )
-            pruned += [heads[i] for i in gone.tolist()]
-    chosen = torch.tensor(sorted(pruned), dtype=torch.int64)
-    return SubLayerReport(
-        units=q_heads.shape[0],
-        pruned=sorted(pruned),
-        objective=objective(q_heads, chosen),
-        diagonal_objective=objective(q_heads, diagonal(q_heads, len(pruned))),
-        offdiag_ratio=offdiag_ratio(q_heads),
-        lower_bound=None,
-    )
 
 
 def prune_layer(
@@ -170,23 +78,10 @@ def prune_layer(
 
     geometry = attention_geometry(model, layer)
     with run.stage("solver"):
-        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
-        q_heads = block_aggregate(interaction_matrix(o_proj.weight, moments["attn"].second_moment), geometry.head_dim)
-        check_finite(q_heads, "interaction", "Q of the attention heads", layer.self_attn.layer_idx)
-        if isinstance(plan, UniformShape):
-            attn = solve_uniform_heads(config.solver, q_heads, geometry, plan, o_proj.weight, moments["attn"])
-        else:
-            n_heads = plan.layers[index].heads
-            attn = solve_sublayer(config.solver, q_heads, n_heads, o_proj.weight, moments["attn"], geometry.head_dim)
-        attention_removed = attention_params_removed(layer, geometry, attn.pruned)
-        if isinstance(plan, UniformShape):
-            n_channels = plan.pruned_channels
-        else:
-            n_channels = channels_to_prune(plan, index, removed_before, attention_removed)
-        q_channels = interaction_matrix(down_proj.weight, moments["mlp"].second_moment)
-        check_finite(q_channels, "interaction", "Q of the FFN channels", layer.self_attn.layer_idx)
-        mlp = solve_sublayer(config.solver, q_channels, n_channels, down_proj.weight, moments["mlp"], 1)
-    pruning = LayerPruning(tuple(attn.pruned), tuple(mlp.pruned))
+        choice = choose_units(
+            layer, geometry, layer_q(layer, geometry, moments), moments, plan, index, removed_before, config.solver
+        )
+    attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
     params_before = sum(sublayer_parameters(layer))
     if config.compensation != "none":
         with run.stage("compensation"):
@@ -194,8 +89,7 @@ def prune_layer(
                 layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
             )
     del moments, cross_moments
-    # Counted after compensation: the mean-bias kind gives o_proj/down_proj biases the dense layer did not have.
-    params_kept = sum(sublayer_parameters(layer)) - attention_removed - n_channels * channel_params(layer)
+    params_after = params_kept(layer, choice)
     kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
     mask_layer(layer, geometry, pruning)
     with run.stage("calibration_forward"):
@@ -214,7 +108,7 @@ def prune_layer(
         attn=attn,
         mlp=mlp,
         params_before=params_before,
-        params_after=params_kept,
+        params_after=params_after,
     )
 
 
@@ -225,12 +119,7 @@ def allocate(
     if config.allocation != "gradient":
         return [None] * len(decoder_layers(model))
     run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
-    model.to(device)
-    sensitivities = layer_sensitivities(
-        model, windows, batch_size=config.calibration.batch_size, device=device, run=run
-    )
-    model.to("cpu")
-    return sensitivities
+    return layer_sensitivities(model, windows, batch_size=config.calibration.batch_size, device=device, run=run)
 
 
 def prune(
@@ -263,6 +152,7 @@ def prune(
 
     uniform_shape = config.shape == UNIFORM_SHAPE
     gradient = config.allocation == "gradient" and not uniform_shape
+    temperature = None
     with run.stage("allocation"):
         plan: BudgetPlan | UniformShape
         if uniform_shape:
@@ -273,7 +163,13 @@ def prune(
             if sensitivities is None:
                 sensitivities = allocate(model, windows, config, device, run)
             if gradient:
-                ratios = allocate_ratios(sensitivities, config.ratio, config.alpha, config.r_max)
+                alpha = config.alpha
+                if alpha == AUTO_ALPHA:
+                    temperature = choose_alpha(model, windows, sensitivities, config, device, run)
+                    # A stage of its own, so that the worker keeps the choice as an event of the job.
+                    run.report("temperature", 1.0, temperature.message())
+                    alpha = temperature.alpha
+                ratios = allocate_ratios(sensitivities, config.ratio, alpha, config.r_max)
             else:
                 ratios = uniform_ratios(len(layers), config.ratio)
             plan = plan_budget(model, ratios, config)
@@ -316,4 +212,5 @@ def prune(
         verification_max_abs_diff=verification.max_abs_diff,
         verification_max_relative_diff=verification.max_relative_diff,
         timings=run.timer.stages,
+        temperature=temperature,
     )

@@ -41,6 +41,35 @@ class LayerReport:
 
 
 @dataclass
+class TemperatureChoice:
+    """alpha "auto": the temperature chosen, and the held-out loss of each one tried (in the order tried)."""
+
+    alpha: float
+    held_out_loss: dict[float, float]
+    held_out_windows: int
+    statistics_windows: int
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "chosen": self.alpha,
+            "grid": [{"alpha": alpha, "held_out_loss": loss} for alpha, loss in self.held_out_loss.items()],
+            "held_out_windows": self.held_out_windows,
+            "statistics_windows": self.statistics_windows,
+            "score": TEMPERATURE_SCORE,
+        }
+
+    def message(self) -> str:
+        losses = ", ".join(f"{alpha:g}: {loss:.4f}" for alpha, loss in self.held_out_loss.items())
+        return f"alpha auto: {self.alpha:g}, the lowest held-out loss of {losses}"
+
+
+TEMPERATURE_SCORE = (
+    "mean next-token cross-entropy on the held-out calibration windows of the model pruned (masked and compensated) "
+    "with each temperature's ratios, units chosen from dense-model statistics of the other windows"
+)
+
+
+@dataclass
 class PruneResult:
     model: PreTrainedModel  # CaspLlamaForCausalLM, or the source family's own class for the uniform shape
     layers: list[LayerReport]
@@ -49,10 +78,11 @@ class PruneResult:
     verification_max_abs_diff: float  # float64, largest over the stages `verify` compares
     verification_max_relative_diff: float  # what the rule bounds: difference / the stage's largest output
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    temperature: TemperatureChoice | None = None  # alpha "auto" only
 
     @property
     def achieved_ratio(self) -> float:
         return 1.0 - self.params_pruned / self.params_dense
 
 
-__all__ = ["LayerReport", "PruneResult", "SubLayerReport"]
+__all__ = ["LayerReport", "PruneResult", "SubLayerReport", "TemperatureChoice"]

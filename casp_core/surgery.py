@@ -66,15 +66,18 @@ def mask_layer(layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPrun
     layer.mlp.down_proj.weight[:, list(pruning.pruned_channels)] = 0
 
 
+# index_select writes the kept rows or columns straight into a new tensor: one copy of the kept weights, not two.
 def _rows(linear: nn.Linear, rows: list[int], prefix: str) -> dict[str, torch.Tensor]:
-    tensors = {f"{prefix}.weight": linear.weight[rows].clone()}
+    index = torch.tensor(rows, dtype=torch.long, device=linear.weight.device)
+    tensors = {f"{prefix}.weight": linear.weight.index_select(0, index)}
     if linear.bias is not None:
-        tensors[f"{prefix}.bias"] = linear.bias[rows].clone()
+        tensors[f"{prefix}.bias"] = linear.bias.index_select(0, index)
     return tensors
 
 
 def _columns(linear: nn.Linear, columns: list[int], prefix: str) -> dict[str, torch.Tensor]:
-    tensors = {f"{prefix}.weight": linear.weight[:, columns].clone()}
+    index = torch.tensor(columns, dtype=torch.long, device=linear.weight.device)
+    tensors = {f"{prefix}.weight": linear.weight.index_select(1, index)}
     if linear.bias is not None:
         tensors[f"{prefix}.bias"] = linear.bias.clone()
     return tensors

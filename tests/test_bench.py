@@ -23,7 +23,7 @@ ROW_FIELDS = {
 def test_quality_tiny(tmp_path: Path) -> None:
     payload = quality.main(
         ["--models", "stories260K", "--ratios", "0.3", "--solvers", "greedy", "diagonal", "--allocations",
-         "gradient", "--alphas", "--modes", "dense", "--compensation-ratios", "0.3",
+         "gradient", "--alphas", "auto", "--modes", "dense", "--compensation-ratios", "0.3",
          "--compensation-solvers", "greedy", "--shape-ratios", "0.3", "--zero-shot", "piqa", "--zero-shot-limit", "4",
          "--n-samples", "4",
          "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "32", "--jobs", "1", "--out", str(tmp_path)]
@@ -31,12 +31,12 @@ def test_quality_tiny(tmp_path: Path) -> None:
     written = json.loads((tmp_path / "quality.json").read_text())
     assert written == json.loads(json.dumps(payload))
     assert {"rows", "machine", "settings"} <= set(written)
-    # greedy and diagonal (sequential), greedy with dense calibration, and that one again with compensation;
-    # greedy with uniform allocation and with the uniform shape
-    assert len(written["rows"]) == 6
+    # greedy and diagonal (sequential), greedy with alpha auto, greedy with dense calibration, and that one again
+    # with compensation; greedy with uniform allocation and with the uniform shape
+    assert len(written["rows"]) == 7
     uniform = quality._one(written["rows"], shape="uniform")
     assert len(uniform["layer_shapes"]) == 1 and "shape" in uniform["studies"]
-    per_layer = quality._one(written["rows"], allocation="gradient", solver="greedy", compensation="none")
+    per_layer = quality._one(written["rows"], allocation="gradient", solver="greedy", compensation="none", alpha=1.0)
     assert len(per_layer["layer_shapes"]) > 1
     for row in written["rows"]:
         assert set(row) >= ROW_FIELDS
@@ -55,6 +55,10 @@ def test_quality_tiny(tmp_path: Path) -> None:
     assert "(6) Least-squares compensation" in (tmp_path / "quality.md").read_text()
     assert "Least squares has the higher mean in" in (tmp_path / "quality.md").read_text()
     assert "(7) The price of the uniform shape" in (tmp_path / "quality.md").read_text()
+    automatic = quality._one(written["rows"], alpha="auto")
+    assert automatic is not None and len(automatic["alpha_auto"]["grid"]) == 6
+    chosen = automatic["alpha_auto"]["chosen"]
+    assert f"| stories260K | 0.3 | {chosen:g} | " in (tmp_path / "quality.md").read_text()
 
 
 def test_quality_merge_adds_new_rows_and_reruns_stored_ones_as_a_check(tmp_path: Path) -> None:

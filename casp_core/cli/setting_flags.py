@@ -10,7 +10,7 @@ import argparse
 import json
 from collections.abc import Callable
 from types import NoneType, UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -55,10 +55,18 @@ def flag_of(name: str) -> str:
     return FLAGS.get(name, "--" + name.rpartition(".")[2].replace("_", "-"))
 
 
-def _without_none(annotation: Any) -> Any:
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The types of a union but None (`int | None`: int; `float | Literal["auto"]`: both); () for the others."""
     if get_origin(annotation) in (Union, UnionType):
-        return next(arg for arg in get_args(annotation) if arg is not NoneType)
-    return annotation
+        return tuple(arg for arg in get_args(annotation) if arg is not NoneType)
+    return ()
+
+
+def _without_none(annotation: Any) -> Any:
+    members = _members(annotation)
+    if not members:
+        return annotation
+    return members[0] if len(members) == 1 else Union[members]  # noqa: UP007 (a tuple of types)
 
 
 def value_parser(info: FieldInfo) -> Callable[[str], Any]:
@@ -145,6 +153,11 @@ def allowed(info: FieldInfo) -> str:
     choices = choices_of(info.annotation)
     if choices:
         return ("a list of " if is_list else "") + ", ".join(f"`{choice}`" for choice in choices)
+    words = next((member for member in _members(info.annotation) if get_origin(member) is Literal), None)
+    if words is not None:  # a number or a word (alpha: `auto`)
+        number = next(member for member in _members(info.annotation) if member is not words)
+        span = describe_range(FieldInfo.from_annotation(number))
+        return f"{span} or " + ", ".join(f"`{word}`" for word in get_args(words))
     if info.annotation is bool:
         return "true, false"
     span = describe_range(info)

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from casp_core.config import PruneConfig
 from casp_core.eval.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.eval.perplexity import EvaluationText, evaluation_text, windows_perplexity
-from casp_core.eval.zeroshot import evaluate_zero_shot
+from casp_core.eval.zeroshot import evaluate_zero_shot, harness
 from casp_core.run import Run
 
 
@@ -33,6 +33,8 @@ class EvaluationPlan:
     def for_job(cls, tokenizer: PreTrainedTokenizerBase, config: PruneConfig, seq_len: int) -> "EvaluationPlan":
         """The job's plan from its settings; `seq_len` applies where `config.evaluation` names none."""
         evaluation = config.evaluation
+        if evaluation.zero_shot:
+            harness()  # a machine without lm_eval refuses the job here, before any work
         texts = {
             name: evaluation_text(
                 tokenizer,

@@ -18,6 +18,9 @@ Output of `evaluate_zero_shot`:
                        "version": task version, "split": the split scored, "num_fewshot": 0}},
       "average_acc": mean of the tasks' acc (the paper's "Average" column), "average_over": [tasks],
     }
+
+`lm_eval` and `datasets` are imported where they are used: the job imports this module whether or not it
+evaluates zero-shot, and the pruning path must run on machines without them (the GPU workers).
 """
 
 import os
@@ -27,19 +30,19 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import datasets
-import lm_eval
 import yaml
-from lm_eval.models.huggingface import HFLM
-from lm_eval.tasks import TaskManager
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.data import POINT_ELSEWHERE
 from casp_core.errors import DatasetNotFound, InvalidConfig
 from casp_core.model import resolve_device
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 DATASETS_DIR_ENV = "CASP_DATASETS_DIR"
 METRICS = ("acc", "acc_norm")
@@ -67,6 +70,17 @@ LOCAL_TASKS: dict[str, LocalTask] = {
 }
 
 
+def harness() -> ModuleType:
+    """lm_eval, or a one-line error naming what to install where it is missing."""
+    try:
+        import lm_eval
+    except ImportError as error:
+        raise InvalidConfig(
+            "zero-shot evaluation needs lm-evaluation-harness, which this machine lacks (pip install lm_eval)"
+        ) from error
+    return lm_eval
+
+
 def resolve_datasets_dir(datasets_dir: str | None) -> str | None:
     """The explicit directory, else `CASP_DATASETS_DIR`, else None (online)."""
     return datasets_dir or os.environ.get(DATASETS_DIR_ENV) or None
@@ -81,7 +95,7 @@ def local_task_config(task: str, datasets_dir: str | Path) -> dict[str, Any]:
         if not path.is_file():
             raise DatasetNotFound(f"zero-shot task {task}: {path} does not exist; {POINT_ELSEWHERE}")
         data_files[split] = str(path)
-    harness_tasks = Path(lm_eval.__file__).parent / "tasks"
+    harness_tasks = Path(harness().__file__).parent / "tasks"
     return {
         # Absolute paths: the harness resolves relative ones against the working directory.
         "include": str(harness_tasks / spec.harness_yaml),
@@ -97,6 +111,8 @@ def local_task_config(task: str, datasets_dir: str | Path) -> dict[str, Any]:
 def _datasets_offline() -> Iterator[None]:
     """Local files need no network, but `datasets` pings the hub to count every load of its `json` builder
     unless it believes it is offline: make it believe so, for this evaluation only."""
+    import datasets  # lm_eval's own dependency: there when it is
+
     saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
     datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = True, False
     try:
@@ -105,7 +121,9 @@ def _datasets_offline() -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = saved
 
 
-def _task_manager(tasks: list[str], datasets_dir: str | None, yaml_dir: Path) -> TaskManager:
+def _task_manager(tasks: list[str], datasets_dir: str | None, yaml_dir: Path) -> "TaskManager":
+    from lm_eval.tasks import TaskManager
+
     if datasets_dir is None:
         return TaskManager()
     for task in tasks:
@@ -159,6 +177,9 @@ def evaluate_zero_shot(
     to `device` ("auto": cuda when available) in place, and put in eval mode.
     """
     _check_tasks(tasks)
+    lm_eval = harness()
+    from lm_eval.models.huggingface import HFLM
+
     datasets_dir = resolve_datasets_dir(datasets_dir)
     target = resolve_device(device)
     model.to(target)

@@ -50,6 +50,7 @@ def build_report(
             for sub in ("attn", "mlp")
         },
         "compensation": compensation_summary(layers),
+        "alpha_auto": result.temperature.summary() if result.temperature else None,
         "perplexity": perplexity,
         "evaluation": evaluation or {},
         "layers": layers,
@@ -88,11 +89,18 @@ def _number(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
-def _budget(settings: dict[str, Any]) -> str:
-    """How the layers' shares were set: the uniform shape gives every layer the same one, with no allocation."""
+def _budget(report: dict[str, Any]) -> str:
+    """How the layers' shares were set: the uniform shape gives every layer the same one, with no allocation;
+    alpha `auto` says which temperature it chose, and the held-out loss of each it tried."""
+    settings = report["settings"]
     if settings.get("shape") == "uniform":
         return "shape `uniform` (every layer pruned alike; allocation and alpha do not apply)"
-    return f"allocation `{settings['allocation']}`, alpha {settings['alpha']}"
+    choice = report.get("alpha_auto")
+    if not choice:
+        return f"allocation `{settings['allocation']}`, alpha {settings['alpha']}"
+    losses = ", ".join(f"{row['alpha']:g}: {row['held_out_loss']:.4f}" for row in choice["grid"])
+    alpha = f"auto = {choice['chosen']:g} (held-out loss of {choice['held_out_windows']} windows: {losses})"
+    return f"allocation `{settings['allocation']}`, alpha {alpha}"
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -104,7 +112,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- target ratio {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f} "
         f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
-        f"- solver `{settings['solver']}`, {_budget(settings)}, "
+        f"- solver `{settings['solver']}`, {_budget(report)}, "
         f"r_max {settings['r_max']}, compensation `{settings['compensation']}`",
         f"- calibration: {calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, "
         f"seed {calibration['seed']}, {calibration['mode']} statistics",

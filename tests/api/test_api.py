@@ -37,7 +37,9 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
     [
         ({"ratio": 1.5}, "ratio", "less than 1"),
         ({"ratio": 0}, "ratio", "greater than 0"),
-        ({"alpha": -1}, "alpha", "greater than or equal to 0"),
+        ({"alpha": -1}, "alpha", 'must be a number in [0, 100] or "auto", got -1'),
+        ({"alpha": "hot"}, "alpha", 'must be a number in [0, 100] or "auto", got hot'),
+        ({"alpha": "auto", "calibration": {**PARKED["calibration"], "n_samples": 1}}, "alpha", "n_samples >= 2"),
         ({"solver": "magic"}, "solver", "'greedy'"),
         ({"shape": "square"}, "shape", "'per_layer' or 'uniform'"),
         ({"model": "/etc"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
@@ -110,14 +112,14 @@ def test_casp_config_checks_surface_as_422(api: TestClient, keys: dict[str, dict
 def test_submit_answers_201_with_the_job_and_maps_settings(
     api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
 ) -> None:
-    body = {**PARKED, "alpha": 0.5, "solver": "diagonal", "export": ["gguf"], "metadata": {"team": "llm"}}
+    body = {**PARKED, "alpha": "auto", "solver": "diagonal", "export": ["gguf"], "metadata": {"team": "llm"}}
     body["shape"] = "uniform"
     response = api.post("/v1/jobs", json=body, headers=keys["alice"])
     assert response.status_code == 201, response.text
     job = response.json()
     assert job["status"] == "queued" and job["progress"] == 0 and job["attempts"] == 0
     assert job["device"] == "cuda" and job["metadata"] == {"team": "llm"}
-    assert job["settings"]["alpha"] == 0.5 and job["settings"]["solver"] == "diagonal"
+    assert job["settings"]["alpha"] == "auto" and job["settings"]["solver"] == "diagonal"
     assert job["settings"]["export"] == ["gguf"] and job["settings"]["gguf_type"] == "f16"
     assert job["settings"]["shape"] == "uniform"
     assert job["settings"]["calibration"] == {

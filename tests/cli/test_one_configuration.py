@@ -23,12 +23,13 @@ pytestmark = pytest.mark.service
 
 # The cuda queue, which no test worker consumes; recovery data the server has, for when a test turns recovery on.
 PARKED = {**SMALL_JOB, "device": "cuda", "recovery": {"dataset": "ptb"}}
-# Free-text settings: a value the server accepts (a named data set it has) other than the default.
+# Free-text settings: a value the server accepts (a named data set it has) other than the default; alpha's word.
 TEXT_SAMPLES: dict[str, Any] = {
     "calibration.dataset": "ptb",
     "evaluation.perplexity": ["ptb"],
     "recovery.dataset": "wikitext2:validation",
     "recovery.target_modules": ["q_proj", "v_proj"],
+    "alpha": "auto",
 }
 SETTINGS = list(setting_fields(PruneSettings))
 
@@ -55,7 +56,7 @@ def sample(name: str, info: FieldInfo) -> Any:
     low, high = bounds(info)
     if info.annotation is float:
         assert low is not None and high is not None, f"{name}: add a sample value for this setting to TEXT_SAMPLES"
-        return (low + high) / 2  # ratio, alpha, r_max, compensation_damping: inside their ranges, not the default
+        return (low + high) / 2  # ratio, r_max, compensation_damping: inside their ranges, not the default
     if default is None:
         return int(low) + 5
     assert isinstance(default, int), f"{name}: add a sample value for this kind of setting to TEXT_SAMPLES"

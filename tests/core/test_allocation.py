@@ -1,13 +1,22 @@
-"""Layer-wise allocation: budget kept exactly, cap respected, monotone in sensitivity."""
+"""Layer-wise allocation: budget kept exactly, cap respected, monotone in sensitivity; S_l the same whether the
+model runs in one graph or one layer at a time, and then never more than one decoder layer on the device."""
 
 import math
 
 import pytest
 import torch
+from torch import nn
 
-from casp_core import data
+from casp_core import allocation, data
 from casp_core.allocation import allocate_ratios, layer_sensitivities
+from casp_core.model import decoder_layers, load_model
 from casp_core.run import Run
+from tests.conftest import PTBWIKI
+from tests.core.test_surgery import tiny_llama
+
+# Any device other than the CPU the model is stored on takes the layer-by-layer path; on a machine without an
+# accelerator, the CPU under another name stands in for one (tensors sent there stay ordinary CPU tensors).
+OTHER_DEVICE = torch.device("cpu", 0)
 
 SENSITIVITIES = [3e-1, 1.2e-1, 4e-2, 9e-3, 2e-3, 2.5e-3, 7e-4, 1e-4]
 
@@ -62,3 +71,78 @@ def test_sensitivities_of_the_real_model_fall_with_depth(stories, datasets_dir):
     assert all(math.isfinite(s) and s > 0 for s in sensitivities)
     assert sensitivities[0] > sensitivities[-1]  # the paper's observation holds on this model too
     assert all(p.requires_grad for p in model.parameters())  # the model is left as it was
+
+
+def calibration(tokenizer, n_windows: int, seq_len: int) -> torch.Tensor:
+    text = data.load_text(data.parse_source("wikitext2:validation", "train"), str(PTBWIKI.parents[1] / "data"))
+    tokens = data.tokenize(text[:20_000], tokenizer, add_bos=False)  # enough for the few windows, quick to tokenize
+    return data.sample_windows(tokens, n_windows, seq_len, seed=0)
+
+
+def both_ways(model, windows, batch_size: int) -> tuple[list[float], list[float]]:
+    cpu, other = torch.device("cpu"), OTHER_DEVICE
+    one_graph = layer_sensitivities(model, windows, batch_size=batch_size, device=cpu, run=Run())
+    layer_by_layer = layer_sensitivities(model, windows, batch_size=batch_size, device=other, run=Run())
+    return one_graph, layer_by_layer
+
+
+@pytest.mark.parametrize("fixture", ["stories260K", "ptbwiki-7M"])
+def test_layer_by_layer_gives_the_sensitivities_of_one_graph(fixture, stories):
+    model, tokenizer = stories if fixture == "stories260K" else load_model(str(PTBWIKI))
+    one_graph, layer_by_layer = both_ways(model, calibration(tokenizer, 10, 64), batch_size=4)  # last batch of 2
+    assert layer_by_layer == pytest.approx(one_graph, rel=1e-5)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_random_model_in_chunks_gives_the_same_sensitivities(monkeypatch):
+    """GQA, untied head, the windows in several chunks of layer inputs (a tiny host share forces one batch each)."""
+    model = tiny_llama(heads=6, kv_heads=2, layers=4, seed=1)
+    model.config.tie_word_embeddings = False
+    windows = torch.randint(0, 97, (7, 24), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(allocation, "STORED_INPUTS_SHARE", 1e-9)
+    assert allocation.windows_per_chunk(model, windows, 3) == 3
+    one_graph, layer_by_layer = both_ways(model, windows, batch_size=3)
+    assert layer_by_layer == pytest.approx(one_graph, rel=1e-5)
+    assert len(set(layer_by_layer)) == 4  # each layer its own
+
+
+class DevicePlacement:
+    """Which decoder layers `Module.to` has sent to the device, checked as each layer runs."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.layers, self.device = list(decoder_layers(model)), device
+        self.on_device: set[int] = set()
+        self.runs: list[int] = []
+        for index, layer in enumerate(self.layers):
+            # After the layer has run: the first layer's input is captured by a hook that stops it before it runs.
+            layer.register_forward_hook(lambda _module, _args, _output, index=index: self.check(index))
+
+    def moved(self, module: nn.Module, target: torch.device | None) -> None:
+        if target is None:  # a change of dtype only
+            return
+        for index, layer in enumerate(self.layers):
+            if any(part is layer for part in module.modules()):
+                (self.on_device.add if target == self.device else self.on_device.discard)(index)
+
+    def check(self, index: int) -> None:
+        self.runs.append(index)
+        assert self.on_device == {index}, f"layer {index} runs with layers {sorted(self.on_device)} on the device"
+
+
+def test_layer_by_layer_keeps_one_decoder_layer_on_the_device(stories, monkeypatch):
+    model, tokenizer = stories
+    placement = DevicePlacement(model, OTHER_DEVICE)
+    move = nn.Module.to
+
+    def recorded_move(module: nn.Module, *args, **kwargs) -> nn.Module:
+        target = torch._C._nn._parse_to(*args, **kwargs)[0]
+        placement.moved(module, None if target is None else torch.device(target))
+        return move(module, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "to", recorded_move)
+    layer_sensitivities(model, calibration(tokenizer, 8, 32), batch_size=4, device=OTHER_DEVICE, run=Run())
+    # Forward through all five layers, then back down recomputing layers 4 to 1, for each chunk of windows: here
+    # each batch is one (the layer inputs of all windows would take more than the host share of this tiny model).
+    assert allocation.windows_per_chunk(model, calibration(tokenizer, 8, 32), 4) == 4
+    assert placement.runs == [0, 1, 2, 3, 4, 4, 3, 2, 1] * 2
+    assert placement.on_device == set()  # every layer back on the host

@@ -37,15 +37,21 @@ def test_nan_in_a_weight_stops_at_q(stories):
     assert message.startswith("interaction: NaN in Q of the FFN channels of decoder layer 3. ")
 
 
-def test_non_finite_calibration_loss_names_the_first_layer(stories):
+# The CPU under another name takes the allocation's layer-by-layer path (tests/core/test_allocation.py).
+ALLOCATION_PATHS = pytest.mark.parametrize("device", ["cpu", "cpu:0"], ids=["one-graph", "layer-by-layer"])
+
+
+@ALLOCATION_PATHS
+def test_non_finite_calibration_loss_names_the_first_layer(stories, device):
     model, tokenizer = stories
     plant(model, 1, "self_attn.v_proj", float("inf"))
-    message = prune_expecting_numerical_error(model, tokenizer)  # gradient allocation runs first
+    message = prune_expecting_numerical_error(model, tokenizer, device=device)  # gradient allocation runs first
     assert message.startswith("allocation: NaN in the calibration loss of sequences 0-7, first in the output of ")
     assert "of decoder layer 1. " in message
 
 
-def test_non_finite_gradient_names_the_layer_where_it_started(stories):
+@ALLOCATION_PATHS
+def test_non_finite_gradient_names_the_layer_where_it_started(stories, device):
     """A finite loss whose gradient overflows on its way down (as float16 backward passes can)."""
     model, tokenizer = stories
 
@@ -56,7 +62,7 @@ def test_non_finite_gradient_names_the_layer_where_it_started(stories):
     # The gradient overflows in layer 3's backward pass: S_3, taken at its output, is still finite, and every
     # layer below gets the NaN; the first to hold it is named, not layer 0.
     model.model.layers[3].register_forward_hook(overflow_gradient)
-    message = prune_expecting_numerical_error(model, tokenizer)
+    message = prune_expecting_numerical_error(model, tokenizer, device=device)
     assert message.startswith(
         "allocation: NaN in S_l, the squared gradient of the loss at the output of decoder layer 2. "
     )

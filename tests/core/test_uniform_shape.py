@@ -23,7 +23,8 @@ from casp_core.errors import InvalidConfig
 from casp_core.export.gguf import export_gguf
 from casp_core.interaction import block_aggregate, interaction_matrix
 from casp_core.model import attention_geometry, decoder_layers, load_model
-from casp_core.prune import prune, solve_uniform_heads
+from casp_core.prune import prune
+from casp_core.selection import solve_uniform_heads
 from casp_core.solvers import greedy
 from tests.conftest import DATASETS_DIR, PTBWIKI, STORIES, small_config
 from tests.core.test_gguf import CALIBRATION, EXACT, compare, evaluation_text

@@ -17,6 +17,7 @@ from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig
 from casp_core.eval.perplexity import BOS_POLICY
 from casp_core.model import resolve_device
+from casp_core.temperature import ALPHA_GRID
 from tests.conftest import DATASETS_DIR, REPO, STORIES
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
@@ -48,7 +49,7 @@ def casp(*args: str) -> subprocess.CompletedProcess:
 
 def test_prune_end_to_end(tmp_path):
     out = tmp_path / "pruned"
-    completed = casp("prune", "--model", str(STORIES), "--ratio", "0.3", "--alpha", "1.5", "--out", str(out), *SMALL)
+    completed = casp("prune", "--model", str(STORIES), "--ratio", "0.3", "--alpha", "auto", "--out", str(out), *SMALL)
     assert completed.returncode == 0, completed.stderr
     summary = json.loads(completed.stdout)
     assert abs(summary["achieved_ratio"] - 0.3) <= 0.01
@@ -56,7 +57,10 @@ def test_prune_end_to_end(tmp_path):
     assert summary["perplexity"]["ptb"]["split"] == "validation"  # LLM-Pruner's PTB split, named in the result
     assert "casp: pruning:" in completed.stderr  # stage progress, one line per stage in a log
     report = json.loads((out / "report.json").read_text())
-    assert report["settings"]["alpha"] == 1.5 and report["settings"]["calibration"]["n_samples"] == 8
+    assert report["settings"]["alpha"] == "auto" and report["settings"]["calibration"]["n_samples"] == 8
+    chosen = report["alpha_auto"]["chosen"]
+    assert [row["alpha"] for row in report["alpha_auto"]["grid"]] == list(ALPHA_GRID) and chosen in ALPHA_GRID
+    assert f"casp: temperature: alpha auto: {chosen:g}, the lowest held-out loss of 0: " in completed.stderr
     assert report["perplexity"]["ptb"]["n_windows"] == 10
     assert {key: report["perplexity"]["ptb"][key] for key in ("split", "seq_len", "bos")} == {
         "split": "validation",
@@ -79,7 +83,11 @@ def test_prune_end_to_end(tmp_path):
         (["--model", str(STORIES), "--ratio", "0"], "argument --ratio: must be in (0, 1), got 0.0"),
         (
             ["--model", str(STORIES), "--ratio", "0.3", "--alpha", "-1"],
-            "argument --alpha: must be in [0, 100], got -1.0",
+            'argument --alpha: must be a number in [0, 100] or "auto", got -1',
+        ),
+        (
+            ["--model", str(STORIES), "--ratio", "0.3", "--alpha", "hot"],
+            'argument --alpha: must be a number in [0, 100] or "auto", got hot',
         ),
         pytest.param(
             ["--model", str(STORIES), "--ratio", "0.3", "--device", "cuda"],
@@ -185,7 +193,12 @@ def help_of(command: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["keys", "create"], ["--name NAME"]),
         (
             ["submit"],
-            ["(default: http://127.0.0.1:8000)", "--alpha ALPHA allocation temperature (default: 1.0)", "(default: 3)"],
+            [
+                "(default: http://127.0.0.1:8000)",
+                "--alpha ALPHA allocation temperature, or auto: the grid's best on held-out calibration windows "
+                "(default: 1.0)",
+                "(default: 3)",
+            ],
         ),
         (["status"], ["(default: http://127.0.0.1:8000)", "(default: 3)"]),
         (["wait"], ["(default: http://127.0.0.1:8000)"]),
