@@ -6,6 +6,7 @@ progress bar is built from it; `job_stages` is the part of it one job reports.
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,12 @@ def run_job(
     *,
     revision: str | None = None,
     recovery_state: Path | None = None,
+    on_recovery_state_saved: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """The whole job; `out_dir` ends up holding the checkpoint with its model card (README.md), report.json and
     report.md, or nothing. Nothing written there names a local path other than by its last part, and the
     report returned is the one written. `recovery_state` is where the recovery stage saves its training state and
-    resumes from (see `recover`)."""
+    resumes from, and `on_recovery_state_saved` is called with each save (see `recover`)."""
     config.validate()
     check_model_reference(model)
     run = run or Run()
@@ -121,6 +123,7 @@ def run_job(
                     run,
                     device=config.device,
                     state_dir=recovery_state,
+                    on_state_saved=on_recovery_state_saved,
                     adapter_dir=staging / ADAPTER_DIR,
                 )
         with run.stage("checkpoint"):

@@ -16,6 +16,7 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,10 +114,12 @@ def recover(
     *,
     device: str = "auto",
     state_dir: Path | None = None,
+    on_state_saved: Callable[[Path], None] | None = None,
     adapter_dir: Path | None = None,
 ) -> tuple[PreTrainedModel, RecoveryResult]:
     """Trains LoRA adapters on `model` (frozen) and returns it with the adapters merged, on the CPU, in its own
-    dtype; `adapter_dir` receives the adapters as peft saves them (loadable on `model` as it was given)."""
+    dtype; `adapter_dir` receives the adapters as peft saves them (loadable on `model` as it was given).
+    `on_state_saved` gets the state file after each save (the service copies it where a retry elsewhere finds it)."""
     run = run or Run()
     target = resolve_device(device)
     dtype = model.dtype
@@ -191,7 +194,9 @@ def recover(
             f"step {step + 1}/{steps} loss {step_loss:.4f} {tokens / max(seconds, 1e-9):,.0f} tokens/s",
         )
         if state_dir is not None and (step + 1) % config.save_every == 0 and step + 1 < steps:
-            _save_state(state_dir, fingerprint, step + 1, peft_model, optimizer, schedule, result)
+            saved = _save_state(state_dir, fingerprint, step + 1, peft_model, optimizer, schedule, result)
+            if on_state_saved is not None:
+                on_state_saved(saved)
     if adapter_dir is not None:
         peft_model.save_pretrained(adapter_dir)
     merged = peft_model.merge_and_unload()
@@ -209,7 +214,7 @@ def _save_state(
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
     result: RecoveryResult,
-) -> None:
+) -> Path:
     """Written beside and renamed over the last save: a kill mid-write leaves the previous one whole."""
     state_dir.mkdir(parents=True, exist_ok=True)
     state = {
@@ -227,6 +232,7 @@ def _save_state(
     partial = state_dir / f".{STATE_FILE}.partial"
     torch.save(state, partial)
     os.replace(partial, state_dir / STATE_FILE)
+    return state_dir / STATE_FILE
 
 
 def _resume(

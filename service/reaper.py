@@ -118,7 +118,10 @@ class Reaper(threading.Thread):
         while not self.stopped.wait(self.settings.reaper_interval_seconds):
             # Each on its own: a broker outage must not hold back the retention sweep, nor the reverse.
             try:
-                reap_once(self.settings, self.dispatcher)
+                reaped = reap_once(self.settings, self.dispatcher)
+                # A job failed for good keeps no work in progress (a job ended by its attempt drops its own).
+                for job_id in reaped.ended:
+                    self.storage.delete_work(job_id)
             except Exception as exc:  # the database or the broker may be briefly away; try again next round
                 log.warning("reaper round failed: %s: %s", type(exc).__name__, exc)
             try:

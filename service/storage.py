@@ -1,4 +1,8 @@
-"""Where artifacts live: a local folder (`file://...`) or an S3-compatible bucket (`s3://bucket/prefix`)."""
+"""Where artifacts live: a local folder (`file://...`) or an S3-compatible bucket (`s3://bucket/prefix`).
+
+Beside a job's artifacts (`jobs/<job id>/`) the storage keeps its work in progress (`work/<job id>/`: the
+recovery stage's training state), so that a retry on another machine resumes it; that is never listed as an
+artifact, and goes when the job ends or its artifacts are deleted."""
 
 import hashlib
 import shutil
@@ -10,6 +14,7 @@ from urllib.parse import quote, urlparse
 
 import boto3
 from botocore.config import Config
+from botocore.exceptions import ClientError
 
 from service.security import sign_download
 from service.settings import Settings
@@ -31,6 +36,13 @@ def files_of(directory: Path) -> list[tuple[str, Path]]:
     return sorted((p.relative_to(directory).as_posix(), p) for p in directory.rglob("*") if p.is_file())
 
 
+def copy_whole(source: Path, target: Path) -> None:
+    """Copy then rename: a reader never sees a half-written file."""
+    partial = target.with_name(target.name + ".partial")
+    shutil.copyfile(source, partial)
+    partial.replace(target)
+
+
 class Storage(Protocol):
     def upload_dir(self, job_id: str, directory: Path) -> list[StoredFile]:
         """Uploads every file; uploading the same job again overwrites, so a rerun is safe."""
@@ -38,7 +50,16 @@ class Storage(Protocol):
     def url(self, job_id: str, name: str, ttl_seconds: int, base_url: str) -> str:
         """A URL that downloads one artifact without credentials until it expires."""
 
-    def delete(self, job_id: str) -> None: ...
+    def delete(self, job_id: str) -> None:
+        """Removes the job's artifacts and its work in progress."""
+
+    def put_work(self, job_id: str, source: Path) -> None:
+        """Stores one file of the job's work in progress under its name, replacing the one stored before."""
+
+    def get_work(self, job_id: str, name: str, target: Path) -> bool:
+        """Writes the stored work file `name` to `target` (whole or not at all); False when there is none."""
+
+    def delete_work(self, job_id: str) -> None: ...
 
     def check_writable(self, min_free_bytes: int) -> None:
         """Raises unless a file can be written, and (where the storage has a size) at least `min_free_bytes`
@@ -62,10 +83,7 @@ class LocalStorage:
         for name, source in files_of(directory):
             target = self.path(job_id, name)
             target.parent.mkdir(parents=True, exist_ok=True)
-            # Copy then rename: a reader never sees a half-written file.
-            partial = target.with_name(target.name + ".partial")
-            shutil.copyfile(source, partial)
-            partial.replace(target)
+            copy_whole(source, target)
             stored.append(StoredFile(name, target.stat().st_size, sha256_of(target)))
         return stored
 
@@ -75,6 +93,25 @@ class LocalStorage:
 
     def delete(self, job_id: str) -> None:
         shutil.rmtree(self.root / "jobs" / job_id, ignore_errors=True)
+        self.delete_work(job_id)
+
+    def work_path(self, job_id: str, name: str) -> Path:
+        return self.root / "work" / job_id / name
+
+    def put_work(self, job_id: str, source: Path) -> None:
+        target = self.work_path(job_id, source.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        copy_whole(source, target)
+
+    def get_work(self, job_id: str, name: str, target: Path) -> bool:
+        source = self.work_path(job_id, name)
+        if not source.is_file():
+            return False
+        copy_whole(source, target)
+        return True
+
+    def delete_work(self, job_id: str) -> None:
+        shutil.rmtree(self.root / "work" / job_id, ignore_errors=True)
 
     def check_writable(self, min_free_bytes: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -106,8 +143,8 @@ class S3Storage:
             config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
         )
 
-    def key(self, job_id: str, name: str = "") -> str:
-        return "/".join(part for part in (self.prefix, "jobs", job_id, name) if part)
+    def key(self, job_id: str, name: str = "", folder: str = "jobs") -> str:
+        return "/".join(part for part in (self.prefix, folder, job_id, name) if part)
 
     def upload_dir(self, job_id: str, directory: Path) -> list[StoredFile]:
         stored = []
@@ -123,8 +160,30 @@ class S3Storage:
         )
 
     def delete(self, job_id: str) -> None:
+        self._delete_under(self.key(job_id) + "/")
+        self.delete_work(job_id)
+
+    def put_work(self, job_id: str, source: Path) -> None:
+        # An object upload replaces the old one whole: a reader gets the previous state or this one.
+        self.client.upload_file(str(source), self.bucket, self.key(job_id, source.name, "work"))
+
+    def get_work(self, job_id: str, name: str, target: Path) -> bool:
+        partial = target.with_name(target.name + ".partial")
+        try:
+            self.client.download_file(self.bucket, self.key(job_id, name, "work"), str(partial))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                return False
+            raise
+        partial.replace(target)
+        return True
+
+    def delete_work(self, job_id: str) -> None:
+        self._delete_under(self.key(job_id, folder="work") + "/")
+
+    def _delete_under(self, prefix: str) -> None:
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(job_id) + "/"):
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
             objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
             if objects:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})

@@ -20,6 +20,7 @@ from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
 from casp_core.job import STAGES, job_stages, run_job
 from casp_core.model import resolve_device
+from casp_core.recovery import STATE_FILE
 from casp_core.run import Run
 from service import jobs
 from service.db import session_scope
@@ -189,8 +190,9 @@ class Heartbeat(threading.Thread):
                 log.exception("heartbeat of job %s failed", self.attempt.job_id)
 
 
-# Beside the attempts' folders, so that an attempt after a killed one (the reaper queues the job again) resumes
-# the recovery stage from its last save on this machine; removed with them when an attempt ends.
+# Beside the attempts' folders and removed with them when an attempt ends. Each save is copied to the job's
+# storage too, and an attempt starts from the stored copy: a retry after a killed attempt (the reaper queues the
+# job again) resumes the recovery stage from its last save on whichever machine it runs.
 RECOVERY_STATE = "recovery-state"
 RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step")
 
@@ -247,12 +249,16 @@ def execute(
         out_dir.mkdir(parents=True)
         heartbeat = Heartbeat(attempt)
         heartbeat.start()
+        status = None
         try:
-            return _run(attempt, model, revision, config, out_dir, storage)
+            status = _run(attempt, model, revision, config, out_dir, storage)
+            return status
         finally:
             heartbeat.done.set()
             heartbeat.join()
             shutil.rmtree(out_dir.parent, ignore_errors=True)
+            if status is not None:  # the job has ended: no retry needs its work in progress
+                _drop_work(storage, job_id)
 
 
 def peak_gpu_memory(device: torch.device) -> dict[str, int]:
@@ -274,13 +280,17 @@ def _run(
         device = resolve_device(config.device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        state_dir = out_dir.parent / RECOVERY_STATE
+        if "recovery" in attempt.segments.stages:
+            _restore_recovery_state(storage, attempt.job_id, state_dir)
         report = run_job(
             model,
             config,
             out_dir,
             Run(progress=attempt.report, should_cancel=attempt.should_cancel),
             revision=revision,
-            recovery_state=out_dir.parent / RECOVERY_STATE,
+            recovery_state=state_dir,
+            on_recovery_state_saved=lambda path: _keep_recovery_state(storage, attempt.job_id, path),
         )
         if attempt.should_cancel():
             raise Cancelled("the job was cancelled")
@@ -326,6 +336,31 @@ def _drop_upload(storage: Storage, job_id: str) -> None:
         storage.delete(job_id)
     except Exception:  # the storage is failing: what remains is overwritten by a rerun, or deleted with the job
         log.exception("could not remove the partial upload of job %s", job_id)
+
+
+def _restore_recovery_state(storage: Storage, job_id: str, state_dir: Path) -> None:
+    """Puts the stored training state, the latest save of any attempt, in `state_dir` (where an earlier attempt
+    on this machine may have left an older one)."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        if storage.get_work(job_id, STATE_FILE, state_dir / STATE_FILE):
+            log.info("job %s: training state restored from storage", job_id)
+    except Exception:  # the storage is failing: the stage resumes from a local save, if any, or starts over
+        log.exception("could not restore the training state of job %s", job_id)
+
+
+def _keep_recovery_state(storage: Storage, job_id: str, path: Path) -> None:
+    try:
+        storage.put_work(job_id, path)
+    except Exception:  # the training goes on; only a retry elsewhere loses this save
+        log.exception("could not store the training state of job %s", job_id)
+
+
+def _drop_work(storage: Storage, job_id: str) -> None:
+    try:
+        storage.delete_work(job_id)
+    except Exception:  # the storage is failing: the work stays until the job's artifacts are deleted
+        log.exception("could not remove the work in progress of job %s", job_id)
 
 
 def _release(attempt: Attempt) -> None:

@@ -119,8 +119,11 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(stories_ptb, tmp_pat
     config = short_run(max_steps=4, save_every=2, batch_size=2)
     whole, whole_result = recover(copy.deepcopy(pruned), tokenizer, data, config)
 
+    saved: list[Path] = []
     with pytest.raises(Cancelled):
-        recover(copy.deepcopy(pruned), tokenizer, data, config, killed_again(), state_dir=tmp_path)
+        run = killed_again()
+        recover(copy.deepcopy(pruned), tokenizer, data, config, run, state_dir=tmp_path, on_state_saved=saved.append)
+    assert saved == [tmp_path / STATE_FILE]  # after step 2, whole: the service copies it to the job's storage
     assert (tmp_path / STATE_FILE).is_file()
     resumed, resumed_result = recover(copy.deepcopy(pruned), tokenizer, data, config, state_dir=tmp_path)
     assert resumed_result.resumed_from_step == 2

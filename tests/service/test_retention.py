@@ -15,6 +15,7 @@ from service import jobs
 from service.db import session_scope
 from service.migrate import upgrade
 from service.settings import Settings
+from service.storage import make_storage
 from tests.service_fixtures import (
     FIXTURE_DATA,
     REPO,
@@ -56,8 +57,18 @@ def assert_gone(api: TestClient, done: dict[str, Any], headers: dict[str, str], 
         assert f"expired at {expired_at}" in response.json()["error"]["message"]
 
 
+def work_file(folder: Path) -> Path:
+    path = folder / "recovery-state.pt"
+    path.write_bytes(b"training state")
+    return path
+
+
 def test_expired_artifacts_are_deleted_from_s3(
-    api: TestClient, worker: WorkerProcess, distributed_settings: Settings, s3_server: dict[str, str]
+    api: TestClient,
+    worker: WorkerProcess,
+    distributed_settings: Settings,
+    s3_server: dict[str, str],
+    tmp_path: Path,
 ) -> None:
     with session_scope(distributed_settings.database) as session:
         _, key = jobs.create_api_key(session, "keeper")
@@ -66,6 +77,8 @@ def test_expired_artifacts_are_deleted_from_s3(
     artifacts = api.get(f"/v1/jobs/{done['id']}/artifacts", headers=headers).json()["data"]
     assert download(artifacts[0]["url"]).status_code == 200
     assert api.get("/v1/usage", headers=headers).json()["storage_bytes"] == sum(a["size"] for a in artifacts) > 0
+    # Work in progress a job left behind (its worker could not remove it) goes with the artifacts.
+    make_storage(distributed_settings).put_work(done["id"], work_file(tmp_path))
 
     # The API's reaper (every second here) sweeps it once its time has come.
     wait_for(lambda: swept(api, done["id"], headers), 30, "the artifacts to expire")
@@ -79,8 +92,9 @@ def test_expired_artifacts_are_deleted_from_s3(
         aws_secret_access_key=S3_SECRET,
         region_name="us-east-1",
     )
-    listed = s3.list_objects_v2(Bucket=s3_server["bucket"], Prefix=f"artifacts/jobs/{done['id']}/")
-    assert listed.get("KeyCount", 0) == 0
+    for folder in ("jobs", "work"):
+        listed = s3.list_objects_v2(Bucket=s3_server["bucket"], Prefix=f"artifacts/{folder}/{done['id']}/")
+        assert listed.get("KeyCount", 0) == 0, folder
     assert download(artifacts[0]["url"]).status_code == 404  # S3 answers for its own presigned URLs
     response = api.get(f"/v1/jobs/{done['id']}/artifacts", headers=headers)
     assert response.status_code == 410 and response.json()["error"]["code"] == "artifacts_expired"
@@ -111,9 +125,12 @@ def test_expired_artifacts_are_deleted_from_local_storage(embedded: Settings, tm
         assert api.get(url).status_code == 200
         folder = tmp_path / "artifacts" / "jobs" / done["id"]
         assert any(folder.iterdir())
+        make_storage(embedded).put_work(done["id"], work_file(tmp_path))
+        work = tmp_path / "artifacts" / "work" / done["id"]
+        assert (work / "recovery-state.pt").read_bytes() == b"training state"
 
         wait_for(lambda: swept(api, done["id"], {}), 30, "the artifacts to expire")
-        assert not folder.exists()
+        assert not folder.exists() and not work.exists()
         assert_gone(api, done, {}, url)
         # Swept once: a later round finds nothing left to do.
         events = api.get(f"/v1/jobs/{done['id']}/events").json()["data"]

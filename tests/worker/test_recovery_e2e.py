@@ -1,12 +1,17 @@
 """A job with recovery through the real service (PostgreSQL, Redis, a Celery worker process, S3): its worker is
-killed mid-training, and the retry resumes from the last saved step instead of starting the stage over."""
+killed mid-training, its local work folder is removed (the retry might run on another machine), and the retry
+resumes from the last save kept in the job's storage instead of starting the stage over."""
 
 import re
+import shutil
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from casp_core.recovery import STATE_FILE
+from service.settings import Settings
+from service.storage import S3Storage, make_storage
 from tests.service_fixtures import SMALL_JOB, WorkerProcess, finished, wait_for, wait_job
 from tests.worker.test_jobs_e2e import events_of
 
@@ -35,13 +40,25 @@ def steps_reported(api: TestClient, job_id: str, headers: dict[str, str]) -> int
     return max((int(match.group(1)) for match in found if match), default=0)
 
 
+def work_keys(storage: S3Storage, job_id: str) -> list[str]:
+    listed = storage.client.list_objects_v2(Bucket=storage.bucket, Prefix=storage.key(job_id, folder="work") + "/")
+    return [item["Key"] for item in listed.get("Contents", [])]
+
+
 def test_a_killed_worker_resumes_recovery_from_its_last_save(
-    api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess
+    api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, distributed_settings: Settings
 ) -> None:
     alice = keys["alice"]
+    storage = make_storage(distributed_settings)
+    assert isinstance(storage, S3Storage)
     job = api.post("/v1/jobs", json=RECOVERY_JOB, headers=alice).json()
     wait_for(lambda: steps_reported(api, job["id"], alice) >= 5, 300, "the recovery stage to train")
     worker.kill()  # SIGKILL to the worker and its pool child, mid-stage
+    assert work_keys(storage, job["id"]) == [storage.key(job["id"], STATE_FILE, "work")]
+    # The retry finds nothing on this disk, as on another machine: only the stored state can resume it.
+    local_work = distributed_settings.home / "work" / job["id"]
+    assert local_work.is_dir()
+    shutil.rmtree(local_work)
     worker.start()
     done = wait_job(api, job["id"], alice, finished, "the job to finish after the restart")
     assert done["status"] == "succeeded", (done, worker.log_tail())
@@ -57,3 +74,5 @@ def test_a_killed_worker_resumes_recovery_from_its_last_save(
     assert {"dense", "pruned", "recovered"} <= set(wikitext)
     names = {a["name"] for a in api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "plots/recovery_loss.png"} <= names
+    assert not any(name.startswith("recovery-state") for name in names)
+    assert work_keys(storage, job["id"]) == []  # the job has ended: its work in progress is gone
