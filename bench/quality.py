@@ -56,8 +56,9 @@ from casp_core.config import (
 )
 from casp_core.eval.perplexity import perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot
-from casp_core.model import load_model
+from casp_core.model import decoder_layers, load_config, load_model
 from casp_core.prune import prune
+from casp_core.rounding import auto_round_to, round_to_for
 from casp_core.run import Run, StageTimer
 
 MODELS = ("stories260K", "ptbwiki-7M")
@@ -67,6 +68,11 @@ ALPHAS = (0.5, 1.0, 1.5, 2.0)
 MODES = ("sequential", "dense")
 COMPENSATION_RATIOS = (0.2, 0.3, 0.5)
 COMPENSATION_SOLVERS = ("greedy", "diagonal", "wanda_sp", "flap", "greedy_compensated")
+ROUNDING_RATIOS = (0.3, 0.5)
+ROUNDINGS = (1, 8, 16)  # with auto's own multiple for each model's width (stories260K 1, ptbwiki-7M 8)
+# Studies (1)-(6) keep every count exact (round_to 1, the default they were measured under); study (7) is the
+# price of rounding.
+EXACT_COUNTS = 1
 # Label in the results -> the source measured. PTB test, not the convention's default validation split: the
 # bench's claim is about held-out text, and ptbwiki-7M's provenance names the PTB test split as held out.
 EVAL_SETS = {"wikitext2": "wikitext2", "ptb": "ptb:test"}
@@ -84,6 +90,7 @@ class Spec:
     alpha: float
     mode: str
     compensation: str = "none"
+    round_to: int | str = EXACT_COUNTS
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,9 @@ def plan(
     compensation_ratios: Iterable[float] = (),
     compensation_solvers: Iterable[str] = COMPENSATION_SOLVERS,
     compensations: Iterable[str] = COMPENSATIONS,
+    rounding_ratios: Iterable[float] = (),
+    roundings: Iterable[int] = ROUNDINGS,
+    ffn_widths: dict[str, int] | None = None,
 ) -> dict[Spec, list[str]]:
     """Each distinct run once, tagged with the studies that read it (the grid's greedy row is also alpha=1)."""
     runs: dict[Spec, list[str]] = {}
@@ -140,6 +150,14 @@ def plan(
                             continue  # one stream: the same fit as least_squares
                         spec = Spec(model, ratio, solver, "gradient", DEFAULT_ALPHA, mode, compensation)
                         runs.setdefault(spec, []).append("compensation")
+        # The job's defaults (greedy, gradient, sequential, least squares) at each multiple; the one auto picks
+        # for this model's width is run as `auto`.
+        auto = auto_round_to((ffn_widths or {}).get(model, 1))
+        for ratio in rounding_ratios:
+            for multiple in dict.fromkeys([*roundings, auto]):
+                round_to = "auto" if multiple == auto else multiple
+                spec = Spec(model, ratio, "greedy", "gradient", DEFAULT_ALPHA, "sequential", "least_squares", round_to)
+                runs.setdefault(spec, []).append("rounding")
     return runs
 
 
@@ -259,6 +277,7 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         solver=spec.solver,
         allocation=spec.allocation,
         compensation=spec.compensation,
+        round_to=spec.round_to,
         calibration=CalibrationConfig(
             dataset=CALIBRATION_SET,
             n_samples=settings.n_samples,
@@ -288,6 +307,10 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         "alpha": spec.alpha,
         "calibration_mode": spec.mode,
         "compensation": spec.compensation,
+        "round_to": spec.round_to,
+        # The multiple every layer kept (auto's is the width's; the fixtures' layers all have one width).
+        "ffn_multiple": round_to_for(model.config.intermediate_size, spec.round_to),
+        "ffn_widths": [layer.mlp.down_proj.in_features for layer in decoder_layers(result.model)],
         "calibration_set": CALIBRATION_SET,
         "n_samples": settings.n_samples,
         "seq_len": settings.seq_len,
@@ -345,13 +368,10 @@ def run_all(
             rows.append(row)
             log(
                 f"{row['model']} r={row['ratio']} {row['solver']}/{row['allocation']} a={row['alpha']} "
-                f"{row['calibration_mode']} {row['compensation']}: ppl {row['ppl']} in {row['seconds']:.1f}s"
+                f"{row['calibration_mode']} {row['compensation']} round_to {row['round_to']}: ppl {row['ppl']} "
+                f"in {row['seconds']:.1f}s"
             )
-    rows.sort(
-        key=lambda r: (
-            r["model"], r["ratio"], r["solver"], r["allocation"], r["alpha"], r["calibration_mode"], r["compensation"]
-        )
-    )  # fmt: skip
+    rows.sort(key=row_key)
     return rows, dense
 
 
@@ -565,6 +585,30 @@ def _section_compensation(rows: list[dict[str, Any]], dense: list[dict[str, Any]
     return [*lines, *_zero_shot_table(study, dense), ""]
 
 
+def _section_rounding(rows: list[dict[str, Any]], dense: list[dict[str, Any]]) -> list[str]:
+    study = [r for r in rows if "rounding" in r["studies"]]
+    if not study:
+        return []
+    lines = [
+        "### (7) The price of rounding kept FFN widths (`round_to`; greedy, gradient, sequential, least squares)",
+        "",
+        "Kept FFN channels rounded to a multiple, against exact counts (round_to 1, the default before `auto`). "
+        "`auto` is the default's multiple for the model's width (casp_core/rounding.py); the speed it buys is "
+        "in engines.md. Perplexity wikitext2 / ptb, and its change against round_to 1.",
+        "",
+        "| model | ratio | round_to | multiple | achieved ratio | perplexity | change |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(study, key=lambda r: (r["model"], r["ratio"], r["ffn_multiple"])):
+        exact = _one(study, model=r["model"], ratio=r["ratio"], ffn_multiple=1)
+        change = " / ".join(f"{100 * (r['ppl'][n] / exact['ppl'][n] - 1):+.1f}%" for n in r["ppl"]) if exact else "-"
+        lines.append(
+            f"| {r['model']} | {r['ratio']} | {r['round_to']} | {r['ffn_multiple']} | {r['achieved_ratio']:.4f} | "
+            f"{' / '.join(_fmt(v) for v in r['ppl'].values())} | {change} |"
+        )
+    return [*lines, ""]
+
+
 def _zero_shot_table(study: list[dict[str, Any]], dense: list[dict[str, Any]]) -> list[str]:
     measured = [r for r in study if r.get("zero_shot")]
     if not measured:
@@ -650,6 +694,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         *_section_alpha(rows),
         *_section_modes(rows),
         *_section_compensation(rows, dense),
+        *_section_rounding(rows, dense),
         "## All solvers x allocations (wikitext2 / ptb perplexity)",
         "",
         *_ppl_table(grid, dense, solvers),
@@ -702,6 +747,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the compensations of that study (bias runs with flap only)",
     )
     parser.add_argument(
+        "--rounding-ratios",
+        nargs="*",
+        type=float,
+        default=list(ROUNDING_RATIOS),
+        help="ratios of the round_to study (none: skip it)",
+    )
+    parser.add_argument("--roundings", nargs="+", type=int, default=list(ROUNDINGS), help="round_to values (and auto)")
+    parser.add_argument(
         "--zero-shot",
         nargs="*",
         default=[],
@@ -734,7 +787,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _main(args, argv)
 
 
-ROW_KEY = ("model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "compensation")
+ROW_KEY = ("model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "compensation", "round_to")
+
+
+def row_key(row: dict[str, Any]) -> tuple[str, ...]:
+    """Rows written before round_to was recorded ran with exact counts (round_to 1, then the default)."""
+    return tuple(str(row.get(key, EXACT_COUNTS)) for key in ROW_KEY)
+
+
 # Settings two runs must share for their rows to sit in one table (jobs, threads and timings may differ).
 COMPARABLE_SETTINGS = (
     "calibration_set", "n_samples", "seq_len", "seed", "batch_size", "eval_sets", "eval_seq_len", "eval_windows",
@@ -748,11 +808,11 @@ def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> di
     differing = [k for k in COMPARABLE_SETTINGS if earlier["settings"].get(k) != later["settings"][k]]
     if differing:
         raise SystemExit(f"--merge: the earlier result has other settings ({', '.join(differing)}); not merged")
-    stored = {tuple(row[k] for k in ROW_KEY): row for row in earlier["rows"]}
+    stored = {row_key(row): row for row in earlier["rows"]}
     run_index = len(earlier.get("merged_runs", []))
     added, rerun_differences = [], []
     for row in later["rows"]:
-        previous = stored.get(tuple(row[k] for k in ROW_KEY))
+        previous = stored.get(row_key(row))
         if previous is None:
             added.append({**row, "merged_run": run_index})
         else:
@@ -765,7 +825,7 @@ def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> di
         "rows_rerun": len(later["rows"]) - len(added),
         "rerun_max_relative_ppl_difference": max(rerun_differences, default=None),
     }
-    rows = sorted([*earlier["rows"], *added], key=lambda r: tuple(r[k] for k in ROW_KEY))
+    rows = sorted([*earlier["rows"], *added], key=row_key)
     return {**earlier, "rows": rows, "merged_runs": [*earlier.get("merged_runs", []), record]}
 
 
@@ -792,6 +852,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         args.compensation_ratios,
         args.compensation_solvers,
         args.compensations,
+        args.rounding_ratios,
+        args.roundings,
+        {model: load_config(settings.model_path(model)).intermediate_size for model in args.models},
     )
     start = time.perf_counter()
     rows, dense = run_all(runs, settings, args.jobs, args.threads, lambda message: print(message, flush=True))

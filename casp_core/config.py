@@ -7,11 +7,22 @@ what the user chooses; `PruneConfig` adds what the machine that runs the job dec
 
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from casp_core.errors import InvalidConfig
 
@@ -32,6 +43,7 @@ ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_
 SERVER_SIDE = ("datasets_dir", "device")
 MAX_SEED = 2**32 - 1
 MAX_SEQ_LEN = 1_000_000
+MAX_ROUND_TO = 65_536
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -45,6 +57,23 @@ def _no_control_characters(value: str) -> str:
 Printable = AfterValidator(_no_control_characters)
 # `name` or `name:split` of a named set, or a path to a .txt / .jsonl file.
 DatasetSpec = Annotated[str, StringConstraints(min_length=1, max_length=1024, strip_whitespace=True), Printable]
+
+
+def _one_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    # A union reports one error per member (`round_to.constrained-int: ...; round_to.literal['auto']: ...`);
+    # the user needs one line that names the setting and everything it takes.
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "keyword_or_number", f"must be auto or an integer in [1, {MAX_ROUND_TO}], got {{value}}", {"value": value}
+        ) from None
+
+
+# `auto` (casp_core.rounding chooses per layer width) or an explicit multiple.
+RoundTo = Annotated[
+    Annotated[int, annotated_types.Ge(1), annotated_types.Le(MAX_ROUND_TO)] | Literal["auto"], WrapValidator(_one_error)
+]
 
 
 class ConfigPart(BaseModel):
@@ -66,10 +95,19 @@ class ConfigPart(BaseModel):
         return self.model_dump(mode="json")
 
 
+def _number_rules(info: FieldInfo) -> list[Any]:
+    """The setting's own rules, and those of the number in a union such as `int | "auto"`."""
+    members = get_args(info.annotation) if get_origin(info.annotation) in (Union, UnionType) else ()
+    return [
+        *info.metadata,
+        *(rule for member in members if get_origin(member) is Annotated for rule in member.__metadata__),
+    ]
+
+
 def describe_range(info: FieldInfo) -> str:
     """A number setting's bounds as people write them: `in (0, 1)`, `in [1, 100000]`, `>= 0`; '' without any."""
     low = high = None
-    for rule in info.metadata:
+    for rule in _number_rules(info):
         if isinstance(rule, annotated_types.Gt | annotated_types.Ge):
             low = ("(" if isinstance(rule, annotated_types.Gt) else "[", getattr(rule, "gt", getattr(rule, "ge", 0)))
         elif isinstance(rule, annotated_types.Lt | annotated_types.Le):
@@ -155,7 +193,11 @@ class PruneSettings(ConfigPart):
         "gradient", description="per-layer ratios: from the sensitivities, or the same everywhere"
     )
     r_max: float = Field(0.9, gt=0, le=1, description="no layer loses more than this fraction (at least ratio)")
-    round_to: int = Field(1, ge=1, le=65_536, description="kept FFN channels rounded to a multiple (8, 64: kernels)")
+    round_to: RoundTo = Field(
+        "auto",
+        description="kept FFN channels rounded to a multiple; auto: per layer the largest power of two <= 64 and "
+        "<= width / 64, 1 where that is below 8 (widths fast kernels need: bench/results/engines.md)",
+    )
     compensation: Literal[COMPENSATIONS] = Field(  # type: ignore[valid-type]
         "least_squares",  # the default from bench/results/compensation.md
         description="least_squares: refit the kept units of o_proj/down_proj from the statistics; "

@@ -109,6 +109,11 @@ class Attempt:
                 job = session.get_one(Job, self.job_id)
                 jobs.add_event(session, job, kind="progress", message=message)
 
+    def warn(self, message: str) -> None:
+        """A warning from the pipeline: an event at once (the job's `result.warnings` has it at the end)."""
+        with session_scope(self.settings.database) as session:
+            jobs.add_event(session, session.get_one(Job, self.job_id), kind="warning", message=message)
+
     def _close_stage(self, now: float) -> None:
         if self.stage is not None:
             self.timings[self.stage] = self.timings.get(self.stage, 0.0) + now - self._stage_started
@@ -157,7 +162,7 @@ class Heartbeat(threading.Thread):
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
-    keys = ("achieved_ratio", "params", "perplexity", "zero_shot")
+    keys = ("achieved_ratio", "params", "perplexity", "zero_shot", "warnings")
     return {key: report[key] for key in keys if key in report}
 
 
@@ -213,7 +218,11 @@ def _run(
         # Checked again here: the row may have been written past the API, or the roots changed since.
         check_job_inputs(model, config, attempt.settings)
         report = run_job(
-            model, config, out_dir, Run(progress=attempt.report, should_cancel=attempt.should_cancel), revision=revision
+            model,
+            config,
+            out_dir,
+            Run(progress=attempt.report, should_cancel=attempt.should_cancel, on_warning=attempt.warn),
+            revision=revision,
         )
         if attempt.should_cancel():
             raise Cancelled("the job was cancelled")

@@ -46,9 +46,10 @@ def flag_of(name: str) -> str:
 
 
 def _without_none(annotation: Any) -> Any:
-    if get_origin(annotation) in (Union, UnionType):
-        return next(arg for arg in get_args(annotation) if arg is not NoneType)
-    return annotation
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+    if NoneType in members:
+        return next(arg for arg in members if arg is not NoneType)
+    return annotation  # `int | "auto"` stays a union: the flag takes either
 
 
 def value_parser(info: FieldInfo) -> Callable[[str], Any]:
@@ -123,8 +124,10 @@ def allowed(info: FieldInfo) -> str:
     if info.annotation is bool:
         return "true, false"
     span = describe_range(info)
+    members = get_args(info.annotation) if get_origin(info.annotation) in (Union, UnionType) else ()
+    keywords = [f"`{word}`" for member in members for word in choices_of(member) or ()]
     if span:
-        return span + (" or null" if get_origin(info.annotation) in (Union, UnionType) else "")
+        return " or ".join([*keywords, span]) + (" or null" if NoneType in members else "")
     # The free-text settings are data sets: `name[:split]` or a file.
     longest = next((rule.max_length for rule in info.metadata if isinstance(rule, annotated_types.MaxLen)), None)
     return f"at most {longest} data sets" if is_list else "a data set"

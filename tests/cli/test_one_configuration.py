@@ -22,8 +22,8 @@ from worker.runner import job_config
 pytestmark = pytest.mark.service
 
 PARKED = {**SMALL_JOB, "device": "cuda"}  # the cuda queue, which no test worker consumes
-# Free-text settings: a value the server accepts (a named data set it has) other than the default.
-TEXT_SAMPLES: dict[str, Any] = {"calibration.dataset": "ptb", "evaluation.perplexity": ["ptb"]}
+# Settings the walk cannot make a value for: free text (a named data set the server has) and keyword-or-number.
+TEXT_SAMPLES: dict[str, Any] = {"calibration.dataset": "ptb", "evaluation.perplexity": ["ptb"], "round_to": 64}
 SETTINGS = list(setting_fields(PruneSettings))
 
 
