@@ -9,11 +9,13 @@ parameters / pruned decoder parameters). Writes bench/results/engines.json and e
 """
 
 import argparse
+import contextlib
+import json
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,7 @@ class Variant:
     kv_repeated_layers: list[int]
     prune_seconds: float | None = None
     achieved_ratio: float | None = None
+    reused: bool = False  # pruned by an earlier run into --work
 
 
 def random_dense(args: argparse.Namespace, vocab: int) -> LlamaForCausalLM:
@@ -92,18 +95,39 @@ def shapes_of(model: PreTrainedModel) -> dict[str, list[int]]:
     }
 
 
+VARIANT_FILE = "variant.json"
+
+
+def save_variant(variant: Variant) -> Variant:
+    description = {**asdict(variant), "checkpoint": variant.checkpoint.name, "gguf": variant.gguf.name}
+    (variant.checkpoint / VARIANT_FILE).write_text(json.dumps(description, indent=1) + "\n")
+    return variant
+
+
+def saved_variant(directory: Path) -> Variant | None:
+    """A variant an earlier run of the same settings pruned into `--work` (None when there is none)."""
+    if not (directory / VARIANT_FILE).is_file():
+        return None
+    description = json.loads((directory / VARIANT_FILE).read_text())
+    return Variant(**{**description, "checkpoint": directory, "gguf": directory / description["gguf"], "reused": True})
+
+
 def prune_variants(args: argparse.Namespace, work: Path) -> list[Variant]:
-    """The dense checkpoint and one pruned checkpoint per ratio and rounding, each with its GGUF file."""
+    """The dense checkpoint and one pruned checkpoint per ratio and rounding, each with its GGUF file; those an
+    earlier run left in `work` are reused (pruning is most of the run on a busy 2-core machine)."""
     tokenizer = load_tokenizer(str(Path(args.models_dir) / args.tokenizer_model))
-    dense = random_dense(args, len(tokenizer))
     dense_dir = work / "dense"
-    dense.save_pretrained(dense_dir, safe_serialization=True)
-    tokenizer.save_pretrained(dense_dir)
-    exported = export_gguf(dense_dir, dense_dir / "model-f16.gguf", "f16")
-    variants = [
-        Variant("dense", None, None, dense_dir, exported.path, prunable_parameters(dense), **shapes_of(dense),
-                kv_repeated_layers=[])
-    ]  # fmt: skip
+    dense_variant = saved_variant(dense_dir)
+    if dense_variant is None:
+        dense = random_dense(args, len(tokenizer))
+        dense.save_pretrained(dense_dir, safe_serialization=True)
+        tokenizer.save_pretrained(dense_dir)
+        exported = export_gguf(dense_dir, dense_dir / "model-f16.gguf", "f16")
+        dense_variant = save_variant(
+            Variant("dense", None, None, dense_dir, exported.path, prunable_parameters(dense), **shapes_of(dense),
+                    kv_repeated_layers=[])
+        )  # fmt: skip
+    variants = [dense_variant]
     calibration = CalibrationConfig(
         dataset=args.calibration_dataset, n_samples=args.n_samples, seq_len=args.seq_len, batch_size=args.n_samples
     )
@@ -111,23 +135,32 @@ def prune_variants(args: argparse.Namespace, work: Path) -> list[Variant]:
         ratio=0.5, solver=args.solver, compensation=args.compensation, calibration=calibration,
         datasets_dir=args.datasets_dir, device="cpu",
     )  # fmt: skip
-    windows = calibration_windows(dense, tokenizer, base)
-    sensitivities = allocate(dense, windows, base, CPU, Run())  # the same dense model and windows for every run
+    windows: torch.Tensor | None = None
+    sensitivities: list[float | None] = []
     for ratio in args.ratios:
         for rounding in args.roundings:
+            name = f"{ratio} round_to {rounding}"
+            directory = work / name.replace(" ", "_")
+            reused = saved_variant(directory)
+            if reused is not None:
+                variants.append(reused)
+                continue
             model = LlamaForCausalLM.from_pretrained(dense_dir).eval()
+            if windows is None:  # the same dense model and windows for every run
+                windows = calibration_windows(model, tokenizer, base)
+                sensitivities = allocate(model, windows, base, CPU, Run())
             config = base.model_copy(update={"ratio": ratio, "round_to": rounding})
             start = time.perf_counter()
             result = prune(model, tokenizer, config, windows=windows, sensitivities=sensitivities)
             seconds = time.perf_counter() - start
-            name = f"{ratio} round_to {rounding}"
-            directory = work / name.replace(" ", "_")
             save_pruned(result.model, tokenizer, directory)
             exported = export_gguf(directory, directory / "model-f16.gguf", "f16")
             variants.append(
-                Variant(name, ratio, rounding, directory, exported.path, result.params_pruned,
-                        **shapes_of(result.model), kv_repeated_layers=list(exported.kv_repeated_layers),
-                        prune_seconds=seconds, achieved_ratio=1 - result.params_pruned / result.params_dense)
+                save_variant(
+                    Variant(name, ratio, rounding, directory, exported.path, result.params_pruned,
+                            **shapes_of(result.model), kv_repeated_layers=list(exported.kv_repeated_layers),
+                            prune_seconds=seconds, achieved_ratio=1 - result.params_pruned / result.params_dense)
+                )
             )  # fmt: skip
             print(f"{name}: pruned in {seconds:.1f}s, FFN widths {sorted(set(variants[-1].ffn_widths))}")
     return variants
@@ -332,6 +365,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--models-dir", default=default_models_dir())
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--work",
+        type=Path,
+        help="keep the checkpoints here (default: a temporary folder); those already there, "
+        "from an earlier run with the same model settings, are timed again, not pruned again",
+    )
     argv = list(argv if argv is not None else __import__("sys").argv[1:])
     if "--quick" in argv:
         argv = QUICK + argv  # later flags win
@@ -345,8 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     machine = machine_info()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="casp-engines-") as work:
-        variants = prune_variants(args, Path(work))
+    with contextlib.ExitStack() as stack:
+        work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="casp-engines-")))
+        variants = prune_variants(args, work)
         seconds = measure(args, variants)
     rows = summarise(args, variants, seconds)
     payload = {
@@ -370,7 +410,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gpu": {"measured": False, "reason": "No GPU was lent to this task: transformers ran on the CPU only."},
         "machine": finish_machine_info(machine),
         "settings": {
-            **{key: value for key, value in vars(args).items() if key not in ("out", "quick")},
+            **{key: value for key, value in vars(args).items() if key not in ("out", "quick", "work")},
+            "reused_checkpoints": [variant.name for variant in variants if variant.reused],
             "vocab": len(load_tokenizer(str(Path(args.models_dir) / args.tokenizer_model))),
             "head_dim": args.hidden // args.heads,
             "llama_cpp_python": llama_cpp.__version__,

@@ -101,7 +101,7 @@ def test_speed_tiny(tmp_path: Path) -> None:
 
 
 def test_engines_quick(tmp_path: Path) -> None:
-    payload = engines.main(["--quick", "--out", str(tmp_path)])
+    payload = engines.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path)])
     written = json.loads((tmp_path / "engines.json").read_text())
     assert written == json.loads(json.dumps(payload))
     assert {"rows", "variants", "gpu", "machine", "settings"} <= set(written)
@@ -129,6 +129,11 @@ def test_engines_quick(tmp_path: Path) -> None:
     assert all_finite(written)
     markdown = (tmp_path / "engines.md").read_text()
     assert "| llama.cpp | 0.5 round_to auto |" in markdown and "No GPU was lent" in markdown
+    assert written["settings"]["reused_checkpoints"] == []
+    # Timed again from the same --work: nothing pruned again, the same models.
+    again = engines.main(["--quick", "--work", str(tmp_path / "work"), "--repeats", "2", "--out", str(tmp_path / "b")])
+    assert again["settings"]["reused_checkpoints"] == ["dense", "0.5 round_to 1", "0.5 round_to auto"]
+    assert again["variants"] == written["variants"] and len(again["rows"][0]["decode"]["seconds"]) == 2
 
 
 def test_load_tiny(tmp_path: Path) -> None:
