@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -299,6 +300,19 @@ def _cell(phase: dict[str, Any], goal: float | None) -> str:
     return f"{phase['tokens_per_second']:.1f} ({phase['speedup']:.2f}x, {verdict})"
 
 
+def _reuse_note(payload: dict[str, Any]) -> list[str]:
+    reused = payload["settings"].get("reused_checkpoints")
+    if not reused:
+        return []
+    seconds = sum(v["prune_seconds"] or 0.0 for v in payload["variants"] if v["name"] in reused)
+    return [
+        "",
+        f"The checkpoints were pruned by an earlier run into `--work` ({seconds:.0f} s of pruning for "
+        f"{len(reused) - 1} pruned variants, `variants[].prune_seconds`) and timed again by this one "
+        f"(`{' '.join(payload['settings'].get('command', []))}`).",
+    ]
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     settings, machine = payload["settings"], payload["machine"]
     lines = [
@@ -317,6 +331,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "exported to GGUF f16; transformers runs float32. Prefill: one "
         f"{settings['prompt_tokens']}-token prompt; decode: {settings['decode_tokens']} tokens one at a time after "
         f"{DECODE_CONTEXT} prompt tokens. Median of {settings['repeats']} repeats, variants interleaved.",
+        *_reuse_note(payload),
         "",
         f"Goal: speedup >= {GOAL_FRACTION} x (dense decoder parameters / pruned decoder parameters). Cells: tokens/s "
         "(speedup over dense, goal met).",
@@ -371,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep the checkpoints here (default: a temporary folder); those already there, "
         "from an earlier run with the same model settings, are timed again, not pruned again",
     )
-    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    argv = list(argv if argv is not None else sys.argv[1:])
     if "--quick" in argv:
         argv = QUICK + argv  # later flags win
     args = parser.parse_args(argv)
@@ -419,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "transformers_dtype": "float32",
             "decode_context": DECODE_CONTEXT,
             "total_seconds": time.perf_counter() - start,
+            "command": ["python", "-m", "bench.engines", *(argv if argv is not None else sys.argv[1:])],
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
