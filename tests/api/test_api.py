@@ -38,6 +38,8 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
         ({"ratio": 0}, "ratio", "greater than 0"),
         ({"alpha": -1}, "alpha", "greater than or equal to 0"),
         ({"solver": "magic"}, "solver", "'greedy'"),
+        ({"round_to": 0}, "round_to", "round_to: must be auto or an integer in [1, 65536], got 0"),
+        ({"round_to": "fast"}, "round_to", "round_to: must be auto or an integer in [1, 65536], got fast"),
         ({"model": "/etc"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/../casp_core"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/missing"}, "model", "no such model folder"),
