@@ -104,7 +104,7 @@ class JobList(BaseModel):
 class EventOut(BaseModel):
     id: int
     attempt: int
-    kind: str
+    kind: str = Field(description="status, progress or warning (settings that forfeit the speedup)")
     status: str
     stage: str | None
     progress: float

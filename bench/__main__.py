@@ -1,6 +1,7 @@
-"""`python -m bench`: the CPU benchmarks, quality then speed, with their default settings."""
+"""`python -m bench`: the CPU benchmarks, quality, speed, then serving speed, with their default settings."""
 
-from bench import quality, speed
+from bench import engines, quality, speed
 
 quality.main([])
 speed.main([])
+engines.main([])

@@ -59,8 +59,9 @@ from casp_core.config import (
 )
 from casp_core.eval.perplexity import perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot
-from casp_core.model import load_model
+from casp_core.model import decoder_layers, load_config, load_model
 from casp_core.prune import prune
+from casp_core.rounding import auto_round_to, round_to_for
 from casp_core.run import Run, StageTimer
 from casp_core.temperature import ALPHA_GRID
 
@@ -73,8 +74,14 @@ MODES = ("sequential", "dense")
 COMPENSATION_RATIOS = (0.2, 0.3, 0.5)
 COMPENSATION_SOLVERS = ("greedy", "diagonal", "wanda_sp", "flap", "greedy_compensated")
 SHAPE_RATIOS = (0.3, 0.5)
-# Rows written before the shape study have no `shape`: they are per_layer.
-FIELD_DEFAULTS = {"shape": "per_layer"}
+ROUNDING_RATIOS = (0.3, 0.5)
+ROUNDINGS = (1, 8, 16)  # with auto's own multiple for each model's width (stories260K 1, ptbwiki-7M 8)
+# Studies (1)-(6) keep every count exact (round_to 1, the default they were measured under); study (8) is the
+# price of rounding.
+EXACT_COUNTS = 1
+# Rows written before the shape and rounding studies have no `shape` / `round_to`: they are per_layer, with exact
+# counts (round_to 1, then the default).
+FIELD_DEFAULTS = {"shape": "per_layer", "round_to": EXACT_COUNTS}
 # Label in the results -> the source measured. PTB test, not the convention's default validation split: the
 # bench's claim is about held-out text, and ptbwiki-7M's provenance names the PTB test split as held out.
 EVAL_SETS = {"wikitext2": "wikitext2", "ptb": "ptb:test"}
@@ -92,6 +99,7 @@ class Spec:
     alpha: float | str  # or AUTO_ALPHA
     mode: str
     compensation: str = "none"
+    round_to: int | str = EXACT_COUNTS
     shape: str = "per_layer"
 
 
@@ -123,6 +131,9 @@ def plan(
     compensation_solvers: Iterable[str] = COMPENSATION_SOLVERS,
     compensations: Iterable[str] = COMPENSATIONS,
     shape_ratios: Iterable[float] = (),
+    rounding_ratios: Iterable[float] = (),
+    roundings: Iterable[int] = ROUNDINGS,
+    ffn_widths: dict[str, int] | None = None,
 ) -> dict[Spec, list[str]]:
     """Each distinct run once, tagged with the studies that read it (the grid's greedy row is also alpha=1)."""
     runs: dict[Spec, list[str]] = {}
@@ -155,6 +166,14 @@ def plan(
             for allocation, shape in (("gradient", "per_layer"), ("uniform", "per_layer"), ("uniform", "uniform")):
                 spec = Spec(model, ratio, "greedy", allocation, DEFAULT_ALPHA, "sequential", shape=shape)
                 runs.setdefault(spec, []).append("shape")
+        # The job's defaults (greedy, gradient, sequential, least squares) at each multiple; the one auto picks
+        # for this model's width is run as `auto`.
+        auto = auto_round_to((ffn_widths or {}).get(model, 1))
+        for ratio in rounding_ratios:
+            for multiple in dict.fromkeys([*roundings, auto]):
+                round_to = "auto" if multiple == auto else multiple
+                spec = Spec(model, ratio, "greedy", "gradient", DEFAULT_ALPHA, "sequential", "least_squares", round_to)
+                runs.setdefault(spec, []).append("rounding")
     return runs
 
 
@@ -275,6 +294,7 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         allocation=spec.allocation,
         compensation=spec.compensation,
         shape=spec.shape,
+        round_to=spec.round_to,
         calibration=CalibrationConfig(
             dataset=CALIBRATION_SET,
             n_samples=settings.n_samples,
@@ -308,6 +328,10 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
         "shape": spec.shape,
         # Per layer (one entry per distinct layer shape): query heads, key/value heads, FFN channels kept.
         "layer_shapes": sorted({layer_shape(layer) for layer in result.model.model.layers}),
+        "round_to": spec.round_to,
+        # The multiple every layer kept (auto's is the width's; the fixtures' layers all have one width).
+        "ffn_multiple": round_to_for(model.config.intermediate_size, spec.round_to),
+        "ffn_widths": [layer.mlp.down_proj.in_features for layer in decoder_layers(result.model)],
         "calibration_set": CALIBRATION_SET,
         "n_samples": settings.n_samples,
         "seq_len": settings.seq_len,
@@ -377,7 +401,8 @@ def run_all(
             rows.append(row)
             log(
                 f"{row['model']} r={row['ratio']} {row['solver']}/{row['allocation']} a={row['alpha']} "
-                f"{row['calibration_mode']} {row['compensation']}: ppl {row['ppl']} in {row['seconds']:.1f}s"
+                f"{row['calibration_mode']} {row['compensation']} round_to {row['round_to']}: ppl {row['ppl']} "
+                f"in {row['seconds']:.1f}s"
             )
     rows.sort(key=row_key)
     return rows, dense
@@ -642,6 +667,30 @@ def _section_compensation(rows: list[dict[str, Any]], dense: list[dict[str, Any]
     return [*lines, *_zero_shot_table(study, dense), ""]
 
 
+def _section_rounding(rows: list[dict[str, Any]], dense: list[dict[str, Any]]) -> list[str]:
+    study = [r for r in rows if "rounding" in r["studies"]]
+    if not study:
+        return []
+    lines = [
+        "### (8) The price of rounding kept FFN widths (`round_to`; greedy, gradient, sequential, least squares)",
+        "",
+        "Kept FFN channels rounded to a multiple, against exact counts (round_to 1, the default before `auto`). "
+        "`auto` is the default's multiple for the model's width (casp_core/rounding.py); the speed it buys is "
+        "in engines.md. Perplexity wikitext2 / ptb, and its change against round_to 1.",
+        "",
+        "| model | ratio | round_to | multiple | achieved ratio | perplexity | change |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(study, key=lambda r: (r["model"], r["ratio"], r["ffn_multiple"])):
+        exact = _one(study, model=r["model"], ratio=r["ratio"], ffn_multiple=1)
+        change = " / ".join(f"{100 * (r['ppl'][n] / exact['ppl'][n] - 1):+.1f}%" for n in r["ppl"]) if exact else "-"
+        lines.append(
+            f"| {r['model']} | {r['ratio']} | {r['round_to']} | {r['ffn_multiple']} | {r['achieved_ratio']:.4f} | "
+            f"{' / '.join(_fmt(v) for v in r['ppl'].values())} | {change} |"
+        )
+    return [*lines, ""]
+
+
 def _zero_shot_table(study: list[dict[str, Any]], dense: list[dict[str, Any]]) -> list[str]:
     measured = [r for r in study if r.get("zero_shot")]
     if not measured:
@@ -778,6 +827,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         *(_section_modes(rows) if _studied(rows, "calibration") else []),
         *_section_compensation(rows, dense),
         *_section_shape(rows, dense),
+        *_section_rounding(rows, dense),
         *(
             ["## All solvers x allocations (wikitext2 / ptb perplexity)", "", *_ppl_table(grid, dense, solvers), ""]
             if grid
@@ -844,6 +894,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ratios of the uniform shape's price (per layer vs uniform shape; none: skip it)",
     )
     parser.add_argument(
+        "--rounding-ratios",
+        nargs="*",
+        type=float,
+        default=list(ROUNDING_RATIOS),
+        help="ratios of the round_to study (none: skip it)",
+    )
+    parser.add_argument("--roundings", nargs="+", type=int, default=list(ROUNDINGS), help="round_to values (and auto)")
+    parser.add_argument(
         "--zero-shot",
         nargs="*",
         default=[],
@@ -876,7 +934,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _main(args, argv)
 
 
-ROW_KEY = ("model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "compensation", "shape")
+ROW_KEY = ("model", "ratio", "solver", "allocation", "alpha", "calibration_mode", "compensation", "shape", "round_to")
 # Settings two runs must share for their rows to sit in one table (jobs, threads and timings may differ).
 COMPARABLE_SETTINGS = (
     "calibration_set", "n_samples", "seq_len", "seed", "batch_size", "eval_sets", "eval_seq_len", "eval_windows",
@@ -884,9 +942,12 @@ COMPARABLE_SETTINGS = (
 
 
 def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    """A row's identity, which also orders the rows (alpha "auto" after the numbers)."""
+    """A row's identity, which also orders the rows (alpha "auto" after the numbers; round_to, a number or "auto",
+    as text)."""
     values = {k: row.get(k, FIELD_DEFAULTS.get(k)) for k in ROW_KEY}
-    return tuple(alpha_order(value) if k == "alpha" else value for k, value in values.items())
+    return tuple(
+        alpha_order(value) if k == "alpha" else str(value) if k == "round_to" else value for k, value in values.items()
+    )
 
 
 def merge(earlier: dict[str, Any], later: dict[str, Any], argv: list[str]) -> dict[str, Any]:
@@ -941,6 +1002,9 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         args.compensation_solvers,
         args.compensations,
         args.shape_ratios,
+        args.rounding_ratios,
+        args.roundings,
+        {model: load_config(settings.model_path(model)).intermediate_size for model in args.models},
     )
     start = time.perf_counter()
     rows, dense = run_all(runs, settings, args.jobs, args.threads, lambda message: print(message, flush=True))

@@ -9,4 +9,5 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 start=$SECONDS
 "$PYTHON" -m bench.quality
 "$PYTHON" -m bench.speed
+"$PYTHON" -m bench.engines
 echo "CPU benchmarks done in $((SECONDS - start)) s; results in bench/results/"

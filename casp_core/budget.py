@@ -17,6 +17,7 @@ from casp_core.model import (
     sublayer_parameters,
 )
 from casp_core.plain import allows_head_count, check_plain_shape
+from casp_core.rounding import round_to_for
 from casp_core.surgery import kept_kv_heads
 
 # The budget is planned from the ratios and the shapes alone, before any statistics: in sequential mode layer l
@@ -61,8 +62,10 @@ def heads_emptying_groups_last(geometry: AttentionGeometry) -> list[int]:
     return sorted(range(geometry.num_heads), key=lambda head: (rank[head], head))
 
 
-def channel_counts(width: int, r_max: float, round_to: int) -> tuple[int, ...]:
-    """The FFN channel counts a layer may prune: at most r_max of them, keeping a positive multiple of round_to."""
+def channel_counts(width: int, r_max: float, round_to_setting: int | str) -> tuple[int, ...]:
+    """The FFN channel counts a layer may prune: at most r_max of them, keeping a positive multiple of round_to
+    (the setting's, or auto's for this width)."""
+    round_to = round_to_for(width, round_to_setting)
     most = int(r_max * width + 1e-9)
     counts = tuple(c for c in range(most + 1) if (width - c) % round_to == 0 and width - c >= round_to)
     if not counts:
@@ -123,7 +126,7 @@ def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
         most += layer_plan(model, layer, cap, counts, config.r_max).most_removed
     reachable = most / prunable_parameters(model)
     if config.ratio > reachable + 1e-9:
-        rounding = f" and round_to = {config.round_to}" if config.round_to > 1 else ""
+        rounding = f" and round_to = {config.round_to}" if config.round_to != 1 else ""
         raise InvalidConfig(
             f"ratio: {config.ratio} cannot be reached on this model: whole heads and FFN channels, at most "
             f"r_max = {config.r_max} of each layer's{rounding}, remove at most {math.floor(reachable * 1e4) / 1e4} "
@@ -224,7 +227,7 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
     counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to)
     per_channel = channel_params(layer)
     share = config.ratio * prunable_parameters(model) / len(layers)
-    half_unit = config.round_to * per_channel / 2
+    half_unit = round_to_for(layer.mlp.down_proj.in_features, config.round_to) * per_channel / 2
     for kv, per in choices:
         rest = share - attention_params_removed(layer, geometry, representative_heads(geometry, kv, per))
         # The nearest head count first; a further one only where the channels cannot close the gap with it.

@@ -7,7 +7,8 @@ what the user chooses; `PruneConfig` adds what the machine that runs the job dec
 
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import (
@@ -49,6 +50,7 @@ ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_
 SERVER_SIDE = ("datasets_dir", "device")
 MAX_SEED = 2**32 - 1
 MAX_SEQ_LEN = 1_000_000
+MAX_ROUND_TO = 65_536
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -70,19 +72,27 @@ MAX_ALPHA = 100
 AUTO_ALPHA_NEEDS_WINDOWS = 'alpha: "auto" holds out calibration windows to score temperatures: needs n_samples >= 2'
 
 
-def _one_alpha_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    # Neither a number in range nor "auto": one reason naming both, not one per member of the union.
-    try:
-        return handler(value)
-    except ValidationError:
-        raise PydanticCustomError(
-            "alpha", f'must be a number in [0, {MAX_ALPHA}] or "{AUTO_ALPHA}", got {{value}}', {"value": value}
-        ) from None
+def _one_reason(reason: str) -> WrapValidator:
+    """A union reports one error per member (`round_to.constrained-int: ...; round_to.literal['auto']: ...`);
+    the user needs one line that names the setting and everything it takes."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("keyword_or_number", f"{reason}, got {{value}}", {"value": value}) from None
+
+    return WrapValidator(validate)
 
 
 Alpha = Annotated[
     Annotated[float, Field(ge=0, le=MAX_ALPHA)] | Literal[AUTO_ALPHA],  # type: ignore[valid-type]
-    WrapValidator(_one_alpha_error),
+    _one_reason(f'must be a number in [0, {MAX_ALPHA}] or "{AUTO_ALPHA}"'),
+]
+# `auto` (casp_core.rounding chooses per layer width) or an explicit multiple.
+RoundTo = Annotated[
+    Annotated[int, annotated_types.Ge(1), annotated_types.Le(MAX_ROUND_TO)] | Literal["auto"],
+    _one_reason(f"must be auto or an integer in [1, {MAX_ROUND_TO}]"),
 ]
 
 
@@ -105,10 +115,19 @@ class ConfigPart(BaseModel):
         return self.model_dump(mode="json")
 
 
+def _number_rules(info: FieldInfo) -> list[Any]:
+    """The setting's own rules, and those of the number in a union such as `int | "auto"`."""
+    members = get_args(info.annotation) if get_origin(info.annotation) in (Union, UnionType) else ()
+    return [
+        *info.metadata,
+        *(rule for member in members if get_origin(member) is Annotated for rule in member.__metadata__),
+    ]
+
+
 def describe_range(info: FieldInfo) -> str:
     """A number setting's bounds as people write them: `in (0, 1)`, `in [1, 100000]`, `>= 0`; '' without any."""
     low = high = None
-    for rule in info.metadata:
+    for rule in _number_rules(info):
         if isinstance(rule, annotated_types.Gt | annotated_types.Ge):
             low = ("(" if isinstance(rule, annotated_types.Gt) else "[", getattr(rule, "gt", getattr(rule, "ge", 0)))
         elif isinstance(rule, annotated_types.Lt | annotated_types.Le):
@@ -233,7 +252,11 @@ class PruneSettings(ConfigPart):
         "layer, a plain checkpoint of the source family's class (vLLM, TGI); allocation does not apply",
     )
     r_max: float = Field(0.9, gt=0, le=1, description="no layer loses more than this fraction (at least ratio)")
-    round_to: int = Field(1, ge=1, le=65_536, description="kept FFN channels rounded to a multiple (8, 64: kernels)")
+    round_to: RoundTo = Field(
+        "auto",
+        description="kept FFN channels rounded to a multiple; auto: per layer the largest power of two <= 64 and "
+        "<= width / 64, 1 where that is below 8 (widths fast kernels need: bench/results/engines.md)",
+    )
     compensation: Literal[COMPENSATIONS] = Field(  # type: ignore[valid-type]
         "least_squares",  # the default from bench/results/compensation.md
         description="least_squares: refit the kept units of o_proj/down_proj from the statistics; "

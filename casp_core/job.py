@@ -18,7 +18,7 @@ from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import export_checkpoint
-from casp_core.model import check_model_reference, load_model, resolve_device
+from casp_core.model import check_model_reference, decoder_layers, load_model, resolve_device
 from casp_core.prune import prune
 from casp_core.recovery import ADAPTER_DIR, recover
 from casp_core.recovery_data import load_training_data
@@ -26,6 +26,7 @@ from casp_core.report.build import build_report, write_report
 from casp_core.report.model_card import write_model_card
 from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve, write_plots
 from casp_core.report.publish import base_model_of, public_name, without_local_paths
+from casp_core.rounding import speed_warning
 from casp_core.run import Run
 
 # The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration,
@@ -90,6 +91,11 @@ def run_job(
             run.report("load", 0.0, f"loading {model}")
             dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype)
             check_reachable(dense, config)
+            warning = speed_warning(
+                [layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to
+            )
+            if warning:
+                run.warn(warning)
             dtype = str(dense.dtype).removeprefix("torch.")
         with run.stage("calibration_data"):
             # Every input is read before the long work starts, so a missing file fails the job at once.
@@ -165,6 +171,7 @@ def run_job(
         )
         if recovery is not None:
             report["recovery"] = {**recovery.summary(), "adapter": ADAPTER_DIR}
+        report["warnings"] = list(run.warnings)
         if exports:
             report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
         report["plots"] = [str(path.relative_to(staging)) for path in write_plots(report, staging)]

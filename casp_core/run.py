@@ -21,10 +21,15 @@ class ProgressFn(Protocol):
 
 
 CancelCheck = Callable[[], bool]
+WarningFn = Callable[[str], None]
 
 
 def no_progress(stage: str, fraction: float, message: str = "") -> None:
     """The default: report nowhere."""
+
+
+def no_warning(message: str) -> None:
+    """The default: the warning is only kept in `Run.warnings`."""
 
 
 def never_cancelled() -> bool:
@@ -75,9 +80,16 @@ class Run:
     progress: ProgressFn = no_progress
     should_cancel: CancelCheck = never_cancelled
     timer: StageTimer = field(default_factory=StageTimer)
+    on_warning: WarningFn = no_warning  # the command line prints it, the worker adds a job event
+    warnings: list[str] = field(default_factory=list)  # for the report
 
     def report(self, stage: str, fraction: float, message: str = "") -> None:
         self.progress(stage, fraction, message)
+
+    def warn(self, message: str) -> None:
+        """Settings that run, but forfeit something the user likely wants (the speedup of the pruned model)."""
+        self.warnings.append(message)
+        self.on_warning(message)
 
     def check_cancelled(self) -> None:
         check_cancelled(self.should_cancel)

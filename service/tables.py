@@ -94,7 +94,7 @@ class JobEvent(Base):
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     attempt: Mapped[int] = mapped_column(Integer)
-    kind: Mapped[str] = mapped_column(String(16))  # "status" or "progress"
+    kind: Mapped[str] = mapped_column(String(16))  # "status", "progress" or "warning"
     status: Mapped[str] = mapped_column(String(16))
     stage: Mapped[str | None] = mapped_column(String(32))
     progress: Mapped[float] = mapped_column(Float)

@@ -231,6 +231,19 @@ def distributed_settings(
     )
 
 
+def embedded_settings(home: Path, **changes: Any) -> Settings:
+    """The embedded mode (SQLite, local storage, no auth) with no worker threads: a test runs jobs by hand."""
+    defaults: dict[str, Any] = {
+        "auth": "none",
+        "allowed_model_roots": [REPO / "demo"],
+        "datasets_dir": FIXTURE_DATA,
+        "embedded_workers": 0,
+    }
+    settings = Settings(home=home, **{**defaults, **changes})
+    upgrade(settings.database)
+    return settings
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The same settings as CASP_* variables, for processes started from the tests."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}

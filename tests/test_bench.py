@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import load, quality, recovery, speed
+from bench import engines, load, quality, recovery, speed
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -24,22 +24,28 @@ def test_quality_tiny(tmp_path: Path) -> None:
     payload = quality.main(
         ["--models", "stories260K", "--ratios", "0.3", "--solvers", "greedy", "diagonal", "--allocations",
          "gradient", "--alphas", "auto", "--modes", "dense", "--compensation-ratios", "0.3",
-         "--compensation-solvers", "greedy", "--shape-ratios", "0.3", "--zero-shot", "piqa", "--zero-shot-limit", "4",
-         "--n-samples", "4",
+         "--compensation-solvers", "greedy", "--shape-ratios", "0.3", "--rounding-ratios", "0.3", "--roundings", "8",
+         "--zero-shot", "piqa", "--zero-shot-limit", "4", "--n-samples", "4",
          "--seq-len", "32", "--eval-windows", "2", "--eval-seq-len", "32", "--jobs", "1", "--out", str(tmp_path)]
     )  # fmt: skip
     written = json.loads((tmp_path / "quality.json").read_text())
     assert written == json.loads(json.dumps(payload))
     assert {"rows", "machine", "settings"} <= set(written)
     # greedy and diagonal (sequential), greedy with alpha auto, greedy with dense calibration, and that one again
-    # with compensation; greedy with uniform allocation and with the uniform shape
-    assert len(written["rows"]) == 7
+    # with compensation; greedy with uniform allocation and with the uniform shape; the rounding study's greedy with
+    # compensation (sequential) at auto's multiple (1 for 172 channels) and 8
+    assert len(written["rows"]) == 9
     uniform = quality._one(written["rows"], shape="uniform")
     assert len(uniform["layer_shapes"]) == 1 and "shape" in uniform["studies"]
     per_layer = quality._one(written["rows"], allocation="gradient", solver="greedy", compensation="none", alpha=1.0)
     assert len(per_layer["layer_shapes"]) > 1
+    rounding = [row for row in written["rows"] if "rounding" in row["studies"]]
+    assert sorted((row["ffn_multiple"], row["round_to"]) for row in rounding) == [(1, "auto"), (8, 8)]
+    # a layer the allocation spares keeps its 172 channels; the others keep multiples of 8
+    assert all(width % 8 == 0 or width == 172 for width in quality._one(rounding, round_to=8)["ffn_widths"])
+    assert "(8) The price of rounding" in (tmp_path / "quality.md").read_text()
     for row in written["rows"]:
-        assert set(row) >= ROW_FIELDS
+        assert set(row) >= ROW_FIELDS | {"round_to", "ffn_multiple", "ffn_widths"}
         assert set(row["ppl"]) == {"wikitext2", "ptb"}
         assert abs(row["achieved_ratio"] - 0.3) <= 0.01
     greedy = quality._one(written["rows"], solver="greedy", calibration_mode="sequential")
@@ -65,7 +71,7 @@ def test_quality_merge_adds_new_rows_and_reruns_stored_ones_as_a_check(tmp_path:
     """Only FLAP's rows of the compensation study, then its bias rows merged into that result."""
     tiny = ["--models", "stories260K", "--ratios", "--alphas", "--modes", "dense", "--compensation-ratios", "0.3",
             "--compensation-solvers", "flap", "--n-samples", "4", "--seq-len", "32", "--eval-windows", "2",
-            "--eval-seq-len", "32", "--shape-ratios", "--jobs", "1"]  # fmt: skip
+            "--eval-seq-len", "32", "--shape-ratios", "--rounding-ratios", "--jobs", "1"]  # fmt: skip
     first = quality.main([*tiny, "--compensations", "none", "--out", str(tmp_path / "first")])
     assert [row["compensation"] for row in first["rows"]] == ["none"]
     merged = quality.main(
@@ -117,6 +123,42 @@ def test_speed_tiny(tmp_path: Path) -> None:
     assert written["greedy_at_scale"]["d"] == 256
     assert all_finite(written) and payload["settings"]["n_samples"] == 2
     assert "not measured" in (tmp_path / "speed.md").read_text()
+
+
+def test_engines_quick(tmp_path: Path) -> None:
+    payload = engines.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "engines.json").read_text())
+    assert written == json.loads(json.dumps(payload))
+    assert {"rows", "variants", "gpu", "machine", "settings"} <= set(written)
+    assert written["gpu"]["measured"] is False and "No GPU" in written["gpu"]["reason"]
+    assert {"loadavg_start", "loadavg_end", "cpu_model", "git_commit", "date", "nproc"} <= set(written["machine"])
+    assert written["settings"]["threads"] >= 1 and written["settings"]["prompt_tokens"] == 32
+    # dense and 0.5 under round_to 1 and auto, each timed in both engines
+    assert [(row["engine"], row["variant"]) for row in written["rows"]] == [
+        (engine, variant) for engine in engines.ENGINES for variant in ("dense", "0.5 round_to 1", "0.5 round_to auto")
+    ]
+    dense = written["variants"][0]
+    for variant in written["variants"][1:]:
+        assert abs(variant["achieved_ratio"] - 0.5) <= 0.05
+        assert variant["decoder_parameters"] < dense["decoder_parameters"]
+        assert max(variant["ffn_widths"]) <= 256 and len(variant["ffn_widths"]) == 2
+    for row in written["rows"]:
+        for phase in engines.PHASES:
+            figures = row[phase]
+            assert figures["tokens_per_second"] > 0 and len(figures["seconds"]) == 1
+        if row["variant"] == "dense":
+            assert row["goal_speedup"] is None and row["prefill"]["meets_goal"] is None
+        else:
+            assert row["goal_speedup"] == pytest.approx(0.9 * row["parameter_ratio"])
+            assert row["decode"]["meets_goal"] == (row["decode"]["speedup"] >= row["goal_speedup"])
+    assert all_finite(written)
+    markdown = (tmp_path / "engines.md").read_text()
+    assert "| llama.cpp | 0.5 round_to auto |" in markdown and "No GPU was lent" in markdown
+    assert written["settings"]["reused_checkpoints"] == []
+    # Timed again from the same --work: nothing pruned again, the same models.
+    again = engines.main(["--quick", "--work", str(tmp_path / "work"), "--repeats", "2", "--out", str(tmp_path / "b")])
+    assert again["settings"]["reused_checkpoints"] == ["dense", "0.5 round_to 1", "0.5 round_to auto"]
+    assert again["variants"] == written["variants"] and len(again["rows"][0]["decode"]["seconds"]) == 2
 
 
 def test_load_tiny(tmp_path: Path) -> None:

@@ -134,6 +134,11 @@ class Attempt:
                 job = session.get_one(Job, self.job_id)
                 jobs.add_event(session, job, kind="progress", message=message)
 
+    def warn(self, message: str) -> None:
+        """A warning from the pipeline: an event at once (the job's `result.warnings` has it at the end)."""
+        with session_scope(self.settings.database) as session:
+            jobs.add_event(session, session.get_one(Job, self.job_id), kind="warning", message=message)
+
     def _close_stage(self, now: float) -> None:
         if self.stage is not None:
             self.timings[self.stage] = self.timings.get(self.stage, 0.0) + now - self._stage_started
@@ -198,7 +203,7 @@ RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resume
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
-    keys = ("achieved_ratio", "params", "perplexity", "zero_shot")
+    keys = ("achieved_ratio", "params", "perplexity", "zero_shot", "warnings")
     summary = {key: report[key] for key in keys if key in report}
     if "recovery" in report:
         recovery = report["recovery"]
@@ -287,7 +292,7 @@ def _run(
             model,
             config,
             out_dir,
-            Run(progress=attempt.report, should_cancel=attempt.should_cancel),
+            Run(progress=attempt.report, should_cancel=attempt.should_cancel, on_warning=attempt.warn),
             revision=revision,
             recovery_state=state_dir,
             on_recovery_state_saved=lambda path: _keep_recovery_state(storage, attempt.job_id, path),

@@ -65,7 +65,8 @@ def run_prune(args: argparse.Namespace) -> int:
     config = prune_config(args)
     bars = StageBars()
     try:
-        report = run_job(args.model, config, args.out, Run(progress=bars), revision=args.revision)
+        run = Run(progress=bars, on_warning=lambda message: print(f"casp: warning: {message}", file=sys.stderr))
+        report = run_job(args.model, config, args.out, run, revision=args.revision)
     finally:
         bars.close()
     summary = {

@@ -120,6 +120,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"({verification['max_abs_diff']:.3g} absolute); rule: {verification['rule']}",
         f"- device {report['device']}, dtype {report['dtype']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        *(f"- warning: {warning}" for warning in report.get("warnings", [])),
         "",
         render_evaluation_section({"perplexity": report["perplexity"], **report["evaluation"]}),
         *recovery_section(report),

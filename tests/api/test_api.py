@@ -42,6 +42,8 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
         ({"alpha": "auto", "calibration": {**PARKED["calibration"], "n_samples": 1}}, "alpha", "n_samples >= 2"),
         ({"solver": "magic"}, "solver", "'greedy'"),
         ({"shape": "square"}, "shape", "'per_layer' or 'uniform'"),
+        ({"round_to": 0}, "round_to", "round_to: must be auto or an integer in [1, 65536], got 0"),
+        ({"round_to": "fast"}, "round_to", "round_to: must be auto or an integer in [1, 65536], got fast"),
         ({"model": "/etc"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/../casp_core"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/missing"}, "model", "no such model folder"),

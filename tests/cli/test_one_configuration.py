@@ -23,13 +23,15 @@ pytestmark = pytest.mark.service
 
 # The cuda queue, which no test worker consumes; recovery data the server has, for when a test turns recovery on.
 PARKED = {**SMALL_JOB, "device": "cuda", "recovery": {"dataset": "ptb"}}
-# Free-text settings: a value the server accepts (a named data set it has) other than the default; alpha's word.
+# Settings the walk cannot make a value for: free text (a named data set the server has, other than the default)
+# and keyword-or-number (alpha's word, round_to's number).
 TEXT_SAMPLES: dict[str, Any] = {
     "calibration.dataset": "ptb",
     "evaluation.perplexity": ["ptb"],
     "recovery.dataset": "wikitext2:validation",
     "recovery.target_modules": ["q_proj", "v_proj"],
     "alpha": "auto",
+    "round_to": 64,
 }
 SETTINGS = list(setting_fields(PruneSettings))
 

@@ -11,11 +11,10 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from service.db import session_scope
-from service.migrate import upgrade
 from service.settings import Settings
 from service.storage import make_storage
 from service.tables import Job
-from tests.service_fixtures import FIXTURE_DATA, REPO, SMALL_JOB, settings_env
+from tests.service_fixtures import REPO, SMALL_JOB, embedded_settings, settings_env
 from worker.runner import execute
 
 pytestmark = [
@@ -24,19 +23,6 @@ pytestmark = [
 ]
 
 ANY_DEVICE_JOB = {key: value for key, value in SMALL_JOB.items() if key != "device"}
-
-
-def embedded_settings(home: Path, **changes: object) -> Settings:
-    settings = Settings(
-        home=home,
-        auth="none",
-        allowed_model_roots=[REPO / "demo"],
-        datasets_dir=FIXTURE_DATA,
-        embedded_workers=0,
-        **changes,
-    )
-    upgrade(settings.database)
-    return settings
 
 
 def test_the_default_device_is_auto_and_the_embedded_service_resolves_it(tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig
 from casp_core.eval.perplexity import BOS_POLICY
 from casp_core.model import resolve_device
+from casp_core.rounding import speed_warning
 from casp_core.temperature import ALPHA_GRID
-from tests.conftest import DATASETS_DIR, REPO, STORIES
+from tests.conftest import DATASETS_DIR, PTBWIKI, REPO, STORIES
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 
@@ -72,6 +73,24 @@ def test_prune_end_to_end(tmp_path):
     assert generated.shape[1] > 5
 
 
+def test_a_round_to_that_forfeits_the_speedup_is_one_warning_line_and_in_the_report(tmp_path, capsys):
+    """ptbwiki-7M's 704 FFN channels: auto rounds to 8, an explicit 1 leaves widths the kernels run slowly."""
+    out = tmp_path / "pruned"
+    tiny = ["--datasets-dir", str(DATASETS_DIR), "--calibration-dataset", "wikitext2:validation", "--n-samples", "2",
+            "--seq-len", "32", "--perplexity", "", "--solver", "diagonal", "--allocation", "uniform"]  # fmt: skip
+    assert (
+        cli.main(["prune", "--model", str(PTBWIKI), "--ratio", "0.3", "--round-to", "1", "--out", str(out), *tiny]) == 0
+    )
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("casp: warning:")]
+    assert warnings == [f"casp: warning: {speed_warning([704], 1)}"]
+    assert json.loads((out / "report.json").read_text())["warnings"] == [speed_warning([704], 1)]
+    assert f"- warning: {speed_warning([704], 1)}" in (out / "report.md").read_text()
+    # The default (auto) keeps the speedup: nothing to warn about.
+    assert cli.main(["prune", "--model", str(PTBWIKI), "--ratio", "0.3", "--out", str(tmp_path / "auto"), *tiny]) == 0
+    assert "casp: warning:" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "auto" / "report.json").read_text())["warnings"] == []
+
+
 @pytest.mark.parametrize(
     ("arguments", "expected"),
     [
@@ -93,6 +112,10 @@ def test_prune_end_to_end(tmp_path):
             ["--model", str(STORIES), "--ratio", "0.3", "--device", "cuda"],
             "device_unavailable: device 'cuda': ",
             marks=NO_CUDA,
+        ),
+        (
+            ["--model", str(STORIES), "--ratio", "0.3", "--round-to", "0"],
+            "argument --round-to: must be auto or an integer in [1, 65536], got 0",
         ),
         (
             ["--model", str(STORIES), "--ratio", "0.3", "--device", "gpu0"],
