@@ -75,7 +75,7 @@ def run_job(
             plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(dense))
         with run.stage("evaluation_dense"):
             dense_figures = evaluate(dense, tokenizer, plan, run)
-        result = prune(dense, tokenizer, config, run, windows=windows)
+        result = prune(dense, tokenizer, config, run, windows=windows, release_dense=True)
         del dense
         with run.stage("checkpoint"):
             run.report("checkpoint", 0.0, "writing the checkpoint")
