@@ -193,6 +193,7 @@ def prune_layer(
         q_channels = interaction_matrix(down_proj.weight, moments["mlp"].second_moment)
         check_finite(q_channels, "interaction", "Q of the FFN channels", layer.self_attn.layer_idx)
         mlp = solve_sublayer(config.solver, q_channels, n_channels, down_proj.weight, moments["mlp"], 1)
+    del q_heads, q_channels  # not beside the compensation's float64 blocks: each is the FFN width squared
     pruning = LayerPruning(tuple(attn.pruned), tuple(mlp.pruned))
     params_before = sum(sublayer_parameters(layer))
     if config.compensation != "none":
