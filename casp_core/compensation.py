@@ -75,26 +75,33 @@ def fit_kept_columns(
 
     `cross_moment` is M = E[y_d yᵀ] for the dense target; without it M = C and the numerator is W_p C_pk.
     """
-    weight = weight.detach().double()
-    moment = second_moment.double()
-    c_kk = moment[kept_columns][:, kept_columns]
+    # Each block is cut from C before it is widened to float64: a float64 copy of the whole C (and an identity
+    # beside C_kk) would be the largest thing this layer allocates, the size of a layer's weights at 7B.
+    c_kk = second_moment[kept_columns][:, kept_columns].double()
     scale = float(c_kk.diagonal().mean().clamp(min=torch.finfo(torch.float64).tiny))
-    identity = torch.eye(len(kept_columns), dtype=torch.float64, device=c_kk.device)
     for growth in range(MAX_DAMPING_GROWTH + 1):
         used = damping * 10**growth
-        factor, info = torch.linalg.cholesky_ex(c_kk + used * scale * identity)
+        damped = c_kk.clone()
+        damped.diagonal().add_(used * scale)
+        factor, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             break
         logger.warning("C_kk is not positive definite with damping %.3g; retrying with %.3g", used, used * 10)
     else:
         raise torch.linalg.LinAlgError(f"C_kk stays singular up to damping {used:.3g}")
     # The numerator as weights @ momentsᵀ, so that D = weights @ ((C_kk + λI)^-1 moments)ᵀ (C_kk is symmetric).
+    weight = weight.detach()
     if cross_moment is None:
-        weights, moments = weight[:, pruned], moment[kept_columns][:, pruned]  # W_p, C_kp
+        del c_kk
+        weights = weight[:, pruned].double()  # W_p
+        moments = second_moment[kept_columns][:, pruned].double()  # C_kp
     else:
-        weights = torch.cat([weight, weight[:, kept_columns]], dim=1)  # [W, W_k]
-        moments = torch.cat([cross_moment.double()[:, kept_columns].T, -c_kk], dim=1)  # [M_:kᵀ, -C_kk]
+        weights = torch.cat([weight, weight[:, kept_columns]], dim=1).double()  # [W, W_k]
+        moments = torch.cat([cross_moment[:, kept_columns].T.double(), -c_kk], dim=1)  # [M_:kᵀ, -C_kk]
+        del c_kk
     solved = torch.cholesky_solve(moments, factor)
+    del moments, factor
     return LeastSquaresFit(update=weights @ solved.T, damping=used)
 
 
@@ -112,12 +119,11 @@ def removal_error(
     + tr(D C_kk Dᵀ). Against the dense model (`dense` given), with W' = W_k + D:
     E||W y_d - W' y_k||² = tr(W C_d Wᵀ) - 2 tr(W' M_:kᵀ Wᵀ) + tr(W' C_kk W'ᵀ).
     """
-    moment = second_moment.double()
-    c_kk = moment[kept_columns][:, kept_columns]
+    c_kk = second_moment[kept_columns][:, kept_columns].double()  # cut before widening, as in fit_kept_columns
     if dense is None:
         w_pruned = weight.detach()[:, pruned].double()
-        c_pp = moment[pruned][:, pruned]
-        c_kp = moment[kept_columns][:, pruned]
+        c_pp = second_moment[pruned][:, pruned].double()
+        c_kp = second_moment[kept_columns][:, pruned].double()
         error = (w_pruned @ c_pp * w_pruned).sum()
         error -= 2 * (update @ c_kp * w_pruned).sum()
         error += (update @ c_kk * update).sum()

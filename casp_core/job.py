@@ -113,7 +113,7 @@ def run_job(
                 )
         with run.stage("evaluation_dense"):
             dense_figures = evaluate(dense, tokenizer, plan, run)
-        result = prune(dense, tokenizer, config, run, windows=windows)
+        result = prune(dense, tokenizer, config, run, windows=windows, release_dense=True)
         del dense
         recovery = None
         if training is not None:

@@ -7,6 +7,9 @@ Supported families: Llama 1/2/3/3.x (any rope scaling transformers computes), Mi
 with `unsupported_model` before any work, from the config alone.
 """
 
+import ctypes
+import mmap
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,3 +260,25 @@ def sublayer_parameters(layer: nn.Module) -> tuple[int, int]:
 
 def prunable_parameters(model: nn.Module) -> int:
     return sum(sum(sublayer_parameters(layer)) for layer in decoder_layers(model))
+
+
+_MADV_DONTNEED = 4  # Linux: the pages leave the process; a file mapping reads them again from the file if touched
+
+
+def release_weights(module: nn.Module) -> None:
+    """Free `module`'s parameters now, leaving them on the meta device.
+
+    Weights loaded from safetensors are views of a memory-mapped file that stays mapped while any of its tensors
+    lives (the embeddings, shared with the pruned model): dropping a tensor alone leaves its pages resident,
+    and the masked or compensated ones are private copies. The whole pages inside each tensor are handed back
+    to the kernel first, so resident memory falls as each layer is released."""
+    if sys.platform == "linux":
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        for tensor in module.parameters():
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                continue
+            start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    module.to_empty(device="meta")

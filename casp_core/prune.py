@@ -28,7 +28,7 @@ from casp_core.model import attention_geometry, decoder_layers, prunable_paramet
 from casp_core.results import LayerReport, PruneResult
 from casp_core.run import Run
 from casp_core.selection import choose_units, layer_q, params_kept
-from casp_core.surgery import kept_kv_heads, mask_layer, remove_units
+from casp_core.surgery import fill_pruned_layer, kept_kv_heads, mask_layer, pruned_skeleton
 from casp_core.temperature import choose_alpha
 from casp_core.verification import verify
 
@@ -130,12 +130,14 @@ def prune(
     *,
     windows: torch.Tensor | None = None,
     sensitivities: list[float] | None = None,
+    release_dense: bool = False,
 ) -> PruneResult:
     """Prune `model` (masked in place along the way) and return the physically smaller model.
 
     `windows` are the calibration tokens, read from `config.calibration` when not given; `sensitivities` are
     the gradient allocation's S_l, measured on `model` and `windows` when not given (a bench that prunes one
-    dense model many times measures them once).
+    dense model many times measures them once). With `release_dense`, `model`'s decoder layers lose their
+    weights as the pruned ones are built and verified (a job, which has no use for the masked model after).
     """
     config.validate()
     check_reachable(model, config)
@@ -199,11 +201,21 @@ def prune(
     run.report("pruning", 1.0, "all layers pruned")
     del stream, inputs, dense_inputs
 
+    prunings = [report.pruning for report in reports]
     with run.stage("surgery"):
-        pruned = remove_units(model, [report.pruning for report in reports], plain=uniform_shape)
+        pruned = pruned_skeleton(model, prunings, plain=uniform_shape)
     with run.stage("verification"):
+        # Each pruned layer is built just before it is compared, and with `release_dense` the masked layer is freed
+        # right after: host memory holds about one copy of the model, not the masked and the pruned side by side.
         run.report("verification", 0.0, "pruned model against the masked model")
-        verification = verify(model, pruned, windows[:2, : min(windows.shape[1], 128)], device)
+        verification = verify(
+            model,
+            pruned,
+            windows[:2, : min(windows.shape[1], 128)],
+            device,
+            fill_layer=lambda index: fill_pruned_layer(pruned, model, index, prunings[index]),
+            release_masked=release_dense,
+        )
     return PruneResult(
         model=pruned,
         layers=reports,

@@ -84,29 +84,28 @@ def _columns(linear: nn.Linear, columns: list[int], prefix: str) -> dict[str, to
 
 
 def _pruned_layer_tensors(
-    layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning, prefix: str
-) -> tuple[dict[str, torch.Tensor], list[int], int]:
+    layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning
+) -> dict[str, torch.Tensor]:
+    """The kept rows and columns of one dense layer's weights, named as in the layer."""
     attention, mlp = layer.self_attn, layer.mlp
     heads = kept(geometry.num_heads, pruning.pruned_heads)
     kv_heads = kept_kv_heads(geometry, pruning.pruned_heads)
-    kv_position = {kv: i for i, kv in enumerate(kv_heads)}
     channels = kept(mlp.down_proj.in_features, pruning.pruned_channels)
     tensors = {
-        **_rows(attention.q_proj, head_columns(geometry, heads), f"{prefix}.self_attn.q_proj"),
-        **_rows(attention.k_proj, head_columns(geometry, kv_heads), f"{prefix}.self_attn.k_proj"),
-        **_rows(attention.v_proj, head_columns(geometry, kv_heads), f"{prefix}.self_attn.v_proj"),
-        **_columns(attention.o_proj, head_columns(geometry, heads), f"{prefix}.self_attn.o_proj"),
-        **_rows(mlp.gate_proj, channels, f"{prefix}.mlp.gate_proj"),
-        **_rows(mlp.up_proj, channels, f"{prefix}.mlp.up_proj"),
-        **_columns(mlp.down_proj, channels, f"{prefix}.mlp.down_proj"),
+        **_rows(attention.q_proj, head_columns(geometry, heads), "self_attn.q_proj"),
+        **_rows(attention.k_proj, head_columns(geometry, kv_heads), "self_attn.k_proj"),
+        **_rows(attention.v_proj, head_columns(geometry, kv_heads), "self_attn.v_proj"),
+        **_columns(attention.o_proj, head_columns(geometry, heads), "self_attn.o_proj"),
+        **_rows(mlp.gate_proj, channels, "mlp.gate_proj"),
+        **_rows(mlp.up_proj, channels, "mlp.up_proj"),
+        **_columns(mlp.down_proj, channels, "mlp.down_proj"),
     }
     for norm in ("input_layernorm", "post_attention_layernorm"):
-        tensors[f"{prefix}.{norm}.weight"] = getattr(layer, norm).weight.detach().clone()
+        tensors[f"{norm}.weight"] = getattr(layer, norm).weight.detach().clone()
     for norm in ("q_norm", "k_norm"):  # Qwen3: over head_dim, shared by all heads, so kept whole
         if hasattr(attention, norm):
-            tensors[f"{prefix}.self_attn.{norm}.weight"] = getattr(attention, norm).weight.detach().clone()
-    kv_of_query = [kv_position[geometry.kv_of_query[q]] for q in heads]
-    return tensors, kv_of_query, len(channels)
+            tensors[f"self_attn.{norm}.weight"] = getattr(attention, norm).weight.detach().clone()
+    return tensors
 
 
 def _casp_config(model: PreTrainedModel, kv_maps: list[list[int]], widths: list[int], head_dim: int) -> CaspLlamaConfig:
@@ -154,37 +153,37 @@ def _plain_config(
     )
 
 
-@torch.no_grad()
-def remove_units(model: PreTrainedModel, prunings: list[LayerPruning], *, plain: bool = False) -> PreTrainedModel:
-    """Build the physically smaller model. `model` may be the dense or the masked model: same result.
+def _layer_shape(model: PreTrainedModel, layer: nn.Module, pruning: LayerPruning) -> tuple[list[int], int]:
+    """What a pruned layer keeps, from the pruning alone: its query heads' key/value map and its FFN width."""
+    geometry = attention_geometry(model, layer)
+    kv_position = {kv: i for i, kv in enumerate(kept_kv_heads(geometry, pruning.pruned_heads))}
+    heads = kept(geometry.num_heads, pruning.pruned_heads)
+    width = layer.mlp.down_proj.in_features - len(set(pruning.pruned_channels))
+    return [kv_position[geometry.kv_of_query[q]] for q in heads], width
 
-    A `CaspLlamaForCausalLM`, or with `plain` (the uniform shape) the source model's own class, where a bias
-    the class has and the source had not (Llama's q/k/v beside a compensated o_proj) is zero."""
+
+@torch.no_grad()
+def pruned_skeleton(model: PreTrainedModel, prunings: list[LayerPruning], *, plain: bool = False) -> PreTrainedModel:
+    """The smaller model with the dense model's embeddings, final norm and head (shared, not copied) and its
+    decoder layers still without weights: `fill_pruned_layer` gives each one its weights.
+
+    A `CaspLlamaForCausalLM`, or with `plain` (the uniform shape) the source model's own class."""
     layers = decoder_layers(model)
-    state: dict[str, torch.Tensor] = {
-        name: tensor for name, tensor in model.state_dict().items() if not name.startswith("model.layers.")
-    }
     kv_maps, widths = [], []
-    for index, (layer, pruning) in enumerate(zip(layers, prunings, strict=True)):
-        geometry = attention_geometry(model, layer)
-        tensors, kv_of_query, width = _pruned_layer_tensors(layer, geometry, pruning, f"model.layers.{index}")
-        state.update(tensors)
+    for layer, pruning in zip(layers, prunings, strict=True):
+        kv_of_query, width = _layer_shape(model, layer, pruning)
         kv_maps.append(kv_of_query)
         widths.append(width)
-
+    head_dim = attention_geometry(model, layers[0]).head_dim
     if plain:
-        config, model_class = _plain_config(model, kv_maps, widths, geometry.head_dim), type(model)
+        config, model_class = _plain_config(model, kv_maps, widths, head_dim), type(model)
     else:
-        config, model_class = _casp_config(model, kv_maps, widths, geometry.head_dim), CaspLlamaForCausalLM
+        config, model_class = _casp_config(model, kv_maps, widths, head_dim), CaspLlamaForCausalLM
     with torch.device("meta"):
         pruned = model_class(config)
+    state = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("model.layers.")}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    if plain:
-        dtype = model.model.embed_tokens.weight.dtype
-        for name, parameter in pruned.named_parameters():
-            if name.endswith(".bias") and name not in state:
-                state[name] = torch.zeros(parameter.shape, dtype=dtype)
     unused = pruned.load_state_dict(state, assign=True, strict=False).unexpected_keys
     if unused:
         raise VerificationFailed(f"surgery found no place for dense weights: {', '.join(unused[:5])}")
@@ -198,7 +197,36 @@ def remove_units(model: PreTrainedModel, prunings: list[LayerPruning], *, plain:
     for name, buffer in model.model.rotary_emb.named_buffers():
         setattr(rotary, name, buffer.detach().clone())
     pruned.model.rotary_emb = rotary
-    missing = [name for name, p in pruned.named_parameters() if p.is_meta]
-    if missing:
-        raise VerificationFailed(f"surgery left parameters without weights: {', '.join(missing[:5])}")
     return pruned.eval()
+
+
+@torch.no_grad()
+def fill_pruned_layer(pruned: PreTrainedModel, model: PreTrainedModel, index: int, pruning: LayerPruning) -> None:
+    """Layer `index` of `pruned_skeleton`'s model gets the kept rows and columns of the dense layer's weights.
+
+    Where the class has a bias the source had not (Llama's q/k/v beside a compensated o_proj, in the source
+    family's own class), it is zero."""
+    layer, target = decoder_layers(model)[index], decoder_layers(pruned)[index]
+    state = _pruned_layer_tensors(layer, attention_geometry(model, layer), pruning)
+    if not isinstance(pruned, CaspLlamaForCausalLM):
+        dtype = layer.self_attn.o_proj.weight.dtype
+        for name, parameter in target.named_parameters():
+            if name.endswith(".bias") and name not in state:
+                state[name] = torch.zeros(parameter.shape, dtype=dtype)
+    unused = target.load_state_dict(state, assign=True, strict=False).unexpected_keys
+    if unused:
+        raise VerificationFailed(f"surgery found no place for dense weights: {', '.join(unused[:5])}")
+    missing = [name for name, p in target.named_parameters() if p.is_meta]
+    if missing:
+        raise VerificationFailed(f"surgery left parameters without weights in layer {index}: {', '.join(missing[:5])}")
+
+
+def remove_units(model: PreTrainedModel, prunings: list[LayerPruning], *, plain: bool = False) -> PreTrainedModel:
+    """Build the physically smaller model. `model` may be the dense or the masked model: same result.
+
+    A `CaspLlamaForCausalLM`, or with `plain` (the uniform shape) the source model's own class, where a bias
+    the class has and the source had not (Llama's q/k/v beside a compensated o_proj) is zero."""
+    pruned = pruned_skeleton(model, prunings, plain=plain)
+    for index, pruning in enumerate(prunings):
+        fill_pruned_layer(pruned, model, index, pruning)
+    return pruned

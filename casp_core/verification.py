@@ -4,6 +4,7 @@
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,7 @@ from transformers import PreTrainedModel
 
 from casp_core.calibration import LayerInputs, capture_first_layer_inputs
 from casp_core.errors import VerificationFailed
-from casp_core.model import decoder_layers
+from casp_core.model import decoder_layers, release_weights
 
 # Masked and pruned stages, both in float64, differ only in the order their sums are rounded (the masked model
 # adds the removed units as exact zeros): measured at 3e-16 to 7e-15 of a stage's largest output, so 1e-10
@@ -96,7 +97,13 @@ def float64_forward(module: nn.Module, device: torch.device, *args: Any, **kwarg
 
 @torch.no_grad()
 def verify(
-    masked: PreTrainedModel, pruned: PreTrainedModel, tokens: torch.Tensor, device: torch.device
+    masked: PreTrainedModel,
+    pruned: PreTrainedModel,
+    tokens: torch.Tensor,
+    device: torch.device,
+    *,
+    fill_layer: Callable[[int], None] | None = None,
+    release_masked: bool = False,
 ) -> Verification:
     """Removing units must compute what masking them computes; nothing is published otherwise.
 
@@ -107,6 +114,10 @@ def verify(
     1e-10 x max |masked output|, else `VerificationFailed` names the stage. Float32 or float16 rounding, which
     differs between the two models' shapes, never enters: even the float32 casts inside transformers' RMSNorm
     stay float64 here. Returns the largest differences found.
+
+    Host memory need not hold both models: `fill_layer(i)`, when given, gives the pruned model's layer i its
+    weights just before it is compared, and with `release_masked` the masked layer's weights are freed once it
+    is (the masked model is then left without decoder weights).
     """
     device = device if device.type != "mps" else torch.device("cpu")  # MPS has no float64
     tokens = tokens.to(device)
@@ -118,8 +129,12 @@ def verify(
     for index, (masked_layer, pruned_layer) in enumerate(
         zip(decoder_layers(masked), decoder_layers(pruned), strict=True)
     ):
+        if fill_layer is not None:
+            fill_layer(index)
         expected = float64_forward(masked_layer, device, stream, **masked_kwargs)
         actual = float64_forward(pruned_layer, device, stream, **pruned_kwargs)
+        if release_masked:
+            release_weights(masked_layer)
         verification.check(
             f"decoder layer {index}", float((expected - actual).abs().max()), float(expected.abs().max())
         )

@@ -1,0 +1,189 @@
+"""Memory bench: the peak host RSS of a whole pruning job on a random LLaMA-shaped model of about 1B parameters
+in bfloat16, against the size of its weights.
+
+The model is written once with `save_pretrained` (safetensors) beside the ptbwiki-7M tokenizer; the job
+(`run_job`, CPU, a short calibration) runs in a fresh Python process, which reports its `ru_maxrss` and the
+peak reached by the end of each stage. Against issue 15's goal, peak RSS <= 1.3 x the checkpoint's size plus a
+fixed margin: `RSS_MARGIN_MIB` is what today's job needs above 1.3 x (not met with a small margin; see
+bench/README.md). Writes bench/results/memory.json and memory.md.
+"""
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from bench.common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    default_datasets_dir,
+    default_models_dir,
+    finish_machine_info,
+    machine_info,
+    machine_line,
+    write_json,
+)
+from bench.shapes import llama_config
+from casp_core.run import Run
+
+# Not proportional to the weights: Python, torch and transformers (about 450 MiB before any weight is read),
+# tokenising the calibration text (about 700 MiB more, transient) and one layer's working memory (Q, the second
+# moments and the least-squares blocks, a few FFN-width-squared matrices: about 0.9 GiB at FFN 5632). Measured
+# peaks: 3246 MiB for 1798 MiB of weights (1B), 2290 MiB for 956 MiB (0.5B).
+RSS_MARGIN_MIB = 1200
+RSS_FACTOR = 1.3
+
+# About 1B parameters (0.94 B): Llama-3.2-1B's layer (hidden 2048, 32 heads over 8 key/value heads), a
+# 5632-wide FFN, 18 layers and a 32000-token vocabulary (the tokenizer uses the first 4096).
+ONE_B = {"hidden": 2048, "layers": 18, "ffn": 5632, "heads": 32, "kv_heads": 8, "vocab": 32000}
+# About 0.5B (0.50 B, 956 MiB), the test's: the same kind of layer, narrower and fewer.
+HALF_B = {"hidden": 1536, "layers": 16, "ffn": 4096, "heads": 24, "kv_heads": 8, "vocab": 32000}
+
+
+def job_settings(datasets_dir: str) -> dict[str, Any]:
+    """Ratio 0.3, 4 windows of 64 tokens of PTB train, no evaluation: the job's own work, not its figures."""
+    return {
+        "ratio": 0.3,
+        "solver": "diagonal",
+        "allocation": "uniform",
+        "device": "cpu",
+        "datasets_dir": datasets_dir,
+        "calibration": {"dataset": "ptb:train", "n_samples": 4, "seq_len": 64, "batch_size": 4},
+        "evaluation": {"perplexity": []},
+    }
+
+
+def write_model(directory: Path, shape: dict[str, int], models_dir: str) -> int:
+    """A random bfloat16 LLaMA of `shape` written with `save_pretrained`; returns the bytes of its weights."""
+    torch.manual_seed(0)
+    config = llama_config(**shape)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    AutoTokenizer.from_pretrained(Path(models_dir) / "ptbwiki-7M").save_pretrained(directory)
+    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+
+
+def measure(model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Runs the job in a fresh process: its peak RSS (MiB) and the peak reached by the end of each stage."""
+    with tempfile.TemporaryDirectory() as out:
+        completed = subprocess.run(
+            [sys.executable, "-m", "bench.memory", "--job", str(model_dir), json.dumps(settings), str(Path(out) / "o")],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if completed.returncode != 0:
+        raise RuntimeError(f"the job failed:\n{completed.stderr[-4000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+class SampledRun(Run):
+    """A run whose resident memory is read every `SAMPLE_SECONDS` and charged to the stage running then (the
+    stage timer's ru_maxrss is the process's peak so far, which cannot say which stage reached it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = "load"
+        self.peaks: dict[str, float] = {}
+        self.done = threading.Event()
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+
+    def stage(self, name: str) -> AbstractContextManager[None]:
+        self.current = name
+        return super().stage(name)
+
+    def _sample(self) -> None:
+        while not self.done.wait(SAMPLE_SECONDS):
+            status = Path("/proc/self/status").read_text()
+            rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), rss)
+
+
+SAMPLE_SECONDS = 0.02
+
+
+def run_job_here(model_dir: str, settings: str, out: str) -> None:
+    from casp_core.config import PruneConfig
+    from casp_core.job import run_job
+
+    start = time.perf_counter()
+    run = SampledRun()
+    run_job(model_dir, PruneConfig(**json.loads(settings)), Path(out), run)
+    run.done.set()
+    print(
+        json.dumps(
+            {
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "seconds": time.perf_counter() - start,
+                "stage_peak_rss_mib": run.peaks,
+            }
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--job", nargs=3, metavar=("MODEL", "SETTINGS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--shape", choices=("1b", "0.5b"), default="1b")
+    parser.add_argument("--datasets-dir", default=default_datasets_dir())
+    parser.add_argument("--models-dir", default=default_models_dir())
+    args = parser.parse_args(argv)
+    if args.job:
+        run_job_here(*args.job)
+        return
+    machine = machine_info()
+    shape = ONE_B if args.shape == "1b" else HALF_B
+    settings = job_settings(args.datasets_dir)
+    model_dir = Path(tempfile.mkdtemp(prefix="casp-memory-"))
+    try:
+        size = write_model(model_dir, shape, args.models_dir)
+        figures = measure(model_dir, settings)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    size_mib = size / 2**20
+    bound = RSS_FACTOR * size_mib + RSS_MARGIN_MIB
+    result = {
+        "machine": finish_machine_info(machine),
+        "shape": shape,
+        "settings": {k: v for k, v in settings.items() if k != "datasets_dir"},
+        "weights_mib": size_mib,
+        "bound_mib": bound,
+        "bound": f"{RSS_FACTOR} x weights + {RSS_MARGIN_MIB} MiB",
+        **figures,
+        "peak_over_weights": figures["peak_rss_mib"] / size_mib,
+    }
+    write_json(RESULTS_DIR / "memory.json", result)
+    lines = [
+        "# Peak host memory of a pruning job",
+        "",
+        machine_line(result["machine"]),
+        "",
+        f"Random LLaMA {shape}, bfloat16, {size_mib:.0f} MiB of safetensors; `run_job` on the CPU, ratio 0.3, "
+        "diagonal solver, uniform allocation, 4 x 64 calibration tokens, no evaluation; in a fresh process.",
+        "",
+        f"- peak RSS: **{figures['peak_rss_mib']:.0f} MiB** = {result['peak_over_weights']:.2f} x the weights "
+        f"(bound {result['bound']} = {bound:.0f} MiB), {figures['seconds']:.0f} s",
+        "",
+        "| stage | peak RSS sampled during it (MiB) |",
+        "|---|---|",
+        *(f"| {name} | {peak:.0f} |" for name, peak in figures["stage_peak_rss_mib"].items()),
+    ]
+    (RESULTS_DIR / "memory.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
