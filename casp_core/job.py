@@ -20,9 +20,10 @@ from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import export_checkpoint
 from casp_core.model import check_model_reference, decoder_layers, load_model, resolve_device
 from casp_core.prune import prune
+from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot, snapshot_fingerprint
 from casp_core.recovery import ADAPTER_DIR, recover
 from casp_core.recovery_data import load_training_data
-from casp_core.report.build import build_report, write_report
+from casp_core.report.build import build_report, pruning_section, write_report
 from casp_core.report.model_card import write_model_card
 from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve, write_plots
 from casp_core.report.publish import base_model_of, public_name, without_local_paths
@@ -77,8 +78,9 @@ def run_job(
 ) -> dict[str, Any]:
     """The whole job; `out_dir` ends up holding the checkpoint with its model card (README.md), report.json and
     report.md, or nothing. Nothing written there names a local path other than by its last part, and the
-    report returned is the one written. `recovery_state` is where the recovery stage saves its training state and
-    resumes from, and `on_recovery_state_saved` is called with each save (see `recover`)."""
+    report returned is the one written. `recovery_state` is where a job with recovery saves its pruned model (a
+    `pruned_snapshot`, after the pruned model's evaluation) and the recovery stage its training state, and where a
+    retry resumes from both; `on_recovery_state_saved` is called with the path of each save (see `recover`)."""
     config.validate()
     check_model_reference(model)
     run = run or Run()
@@ -87,42 +89,70 @@ def run_job(
     try:
         device = resolve_device(config.device)
         run.time_on(device)
+        # A job with recovery saves its pruned model before recovering it, and a retry resumes from that.
+        snapshot_dir = recovery_state if config.recovery.method != "none" else None
+        fingerprint = snapshot_fingerprint(model, revision, config)
         with run.stage("load"):
-            run.report("load", 0.0, f"loading {model}")
-            dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype)
-            check_reachable(dense, config)
-            warning = speed_warning(
-                [layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to
-            )
-            if warning:
-                run.warn(warning)
-            dtype = str(dense.dtype).removeprefix("torch.")
+            snapshot = load_snapshot(snapshot_dir, fingerprint) if snapshot_dir is not None else None
+            if snapshot is None:
+                run.report("load", 0.0, f"loading {model}")
+                dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype)
+                check_reachable(dense, config)
+                warning = speed_warning(
+                    [layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to
+                )
+                if warning:
+                    run.warn(warning)
+                dtype = str(dense.dtype).removeprefix("torch.")
+                loaded = dense
+            else:
+                run.report("load", 1.0, f"resumed after pruning (snapshot saved {snapshot.saved_at})")
+                for warning in snapshot.warnings:
+                    run.warn(warning)
+                loaded, tokenizer, dtype = snapshot.model, snapshot.tokenizer, snapshot.dtype
         with run.stage("calibration_data"):
             # Every input is read before the long work starts, so a missing file fails the job at once.
             run.report("calibration", 0.0, "loading calibration and evaluation text")
-            windows = calibration_windows(dense, tokenizer, config)
-            plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(dense))
+            if snapshot is None:
+                windows = calibration_windows(dense, tokenizer, config)
+            plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(loaded))
             training = None
             if config.recovery.method == "lora":
                 training = load_training_data(
                     config.recovery.dataset,
                     tokenizer,
                     max_seq_len=config.recovery.max_seq_len,
-                    context=dense.config.max_position_embeddings,
+                    context=loaded.config.max_position_embeddings,
                     datasets_dir=config.datasets_dir,
                 )
-        with run.stage("evaluation_dense"):
-            dense_figures = evaluate(dense, tokenizer, plan, run)
-        result = prune(dense, tokenizer, config, run, windows=windows, release_dense=True)
-        del dense
+        del loaded
+        if snapshot is None:
+            with run.stage("evaluation_dense"):
+                dense_figures = evaluate(dense, tokenizer, plan, run)
+            result = prune(dense, tokenizer, config, run, windows=windows, release_dense=True)
+            del dense
+            pruned, pruning, pruned_figures = result.model, pruning_section(result), None
+            del result
+        else:
+            pruned, pruning = snapshot.model, snapshot.pruning
+            dense_figures, pruned_figures = snapshot.dense_figures, snapshot.pruned_figures
+            del snapshot
         recovery = None
         if training is not None:
-            with run.stage("evaluation_pruned"):
-                pruned_figures = evaluate(result.model, tokenizer, plan, run)
+            if pruned_figures is None:
+                with run.stage("evaluation_pruned"):
+                    pruned_figures = evaluate(pruned, tokenizer, plan, run)
+                if snapshot_dir is not None:
+                    saved = PrunedSnapshot(
+                        pruned, tokenizer, dense_figures, pruned_figures, pruning, dtype, list(run.warnings)
+                    )
+                    path = save_snapshot(snapshot_dir, fingerprint, saved)
+                    if on_recovery_state_saved is not None:
+                        on_recovery_state_saved(path)
             with run.stage("recovery"):
                 run.report("recovery", 0.0, f"LoRA on {config.recovery.dataset}: {len(training):,} sequences")
-                result.model, recovery = recover(
-                    result.model,
+                pruned, recovery = recover(
+                    pruned,
                     tokenizer,
                     training,
                     config.recovery,
@@ -135,13 +165,13 @@ def run_job(
         with run.stage("checkpoint"):
             run.report("checkpoint", 0.0, "writing the checkpoint")
             base_model = base_model_of(model)
-            result.model.config.casp = {
+            pruned.config.casp = {
                 "source_model": public_name(model),
                 "base_model": base_model,
                 "revision": revision,
                 "settings": without_local_paths(config.to_dict()),
             }
-            save_pruned(result.model, tokenizer, staging)
+            save_pruned(pruned, tokenizer, staging)
         exports = []
         if config.export:
             with run.stage("export"):
@@ -149,10 +179,10 @@ def run_job(
                 exports = export_checkpoint(staging, config.export, config.gguf_type)
         if recovery is None:
             with run.stage("evaluation_pruned"):
-                pruned_figures = evaluate(result.model, tokenizer, plan, run)
+                pruned_figures = evaluate(pruned, tokenizer, plan, run)
         else:
             with run.stage("evaluation_recovered"):
-                recovered_figures = evaluate(result.model, tokenizer, plan, run)
+                recovered_figures = evaluate(pruned, tokenizer, plan, run)
         run.report("report", 0.0, "writing the report")
         evaluation = side_by_side(dense_figures, pruned_figures, plan.texts)
         if recovery is not None:
@@ -163,7 +193,8 @@ def run_job(
         report = build_report(
             model_name=public_name(model),
             config=config,
-            result=result,
+            # The stages this attempt ran, over those of the attempt that saved the snapshot it resumed from (if any).
+            pruning={**pruning, "timings": {**pruning["timings"], **run.timer.stages}},
             perplexity=evaluation.pop("perplexity"),
             evaluation=evaluation,
             device=str(device),

@@ -20,6 +20,7 @@ from casp_core.config import PruneConfig
 from casp_core.errors import Cancelled, CaspError
 from casp_core.job import STAGES, job_stages, run_job
 from casp_core.model import resolve_device
+from casp_core.pruned_snapshot import SNAPSHOT_FILE
 from casp_core.recovery import STATE_FILE
 from casp_core.run import Run
 from service import jobs
@@ -197,7 +198,7 @@ class Heartbeat(threading.Thread):
 
 # Beside the attempts' folders and removed with them when an attempt ends. Each save is copied to the job's
 # storage too, and an attempt starts from the stored copy: a retry after a killed attempt (the reaper queues the
-# job again) resumes the recovery stage from its last save on whichever machine it runs.
+# job again) resumes after pruning, and the recovery stage from its last save, on whichever machine it runs.
 RECOVERY_STATE = "recovery-state"
 RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step")
 
@@ -344,21 +345,22 @@ def _drop_upload(storage: Storage, job_id: str) -> None:
 
 
 def _restore_recovery_state(storage: Storage, job_id: str, state_dir: Path) -> None:
-    """Puts the stored training state, the latest save of any attempt, in `state_dir` (where an earlier attempt
-    on this machine may have left an older one)."""
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        if storage.get_work(job_id, STATE_FILE, state_dir / STATE_FILE):
-            log.info("job %s: training state restored from storage", job_id)
-    except Exception:  # the storage is failing: the stage resumes from a local save, if any, or starts over
-        log.exception("could not restore the training state of job %s", job_id)
+    """Puts the stored pruned model and training state, the latest saves of any attempt, in `state_dir` (where an
+    earlier attempt on this machine may have left older ones)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    for name in (SNAPSHOT_FILE, STATE_FILE):
+        try:
+            if storage.get_work(job_id, name, state_dir / name):
+                log.info("job %s: %s restored from storage", job_id, name)
+        except Exception:  # the storage is failing: the job resumes from a local save, if any, or starts over
+            log.exception("could not restore %s of job %s", name, job_id)
 
 
 def _keep_recovery_state(storage: Storage, job_id: str, path: Path) -> None:
     try:
         storage.put_work(job_id, path)
-    except Exception:  # the training goes on; only a retry elsewhere loses this save
-        log.exception("could not store the training state of job %s", job_id)
+    except Exception:  # the job goes on; only a retry elsewhere loses this save
+        log.exception("could not store %s of job %s", path.name, job_id)
 
 
 def _drop_work(storage: Storage, job_id: str) -> None:

@@ -26,20 +26,11 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def build_report(
-    *,
-    model_name: str,
-    config: PruneConfig,
-    result: PruneResult,
-    perplexity: dict[str, dict[str, Any]],
-    device: str,
-    dtype: str,
-    evaluation: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def pruning_section(result: PruneResult) -> dict[str, Any]:
+    """The part of the report that comes from pruning, as plain JSON: what a retry resumed after pruning reads back
+    instead of pruning again (see `casp_core.pruned_snapshot`)."""
     layers = [asdict(layer) for layer in result.layers]
     return {
-        "model": model_name,
-        "target_ratio": config.ratio,
         "achieved_ratio": result.achieved_ratio,
         "params": {"dense": result.params_dense, "pruned": result.params_pruned, "counted": "decoder attention + MLP"},
         "objective": {
@@ -51,8 +42,6 @@ def build_report(
         },
         "compensation": compensation_summary(layers),
         "alpha_auto": result.temperature.summary() if result.temperature else None,
-        "perplexity": perplexity,
-        "evaluation": evaluation or {},
         "layers": layers,
         "verification": {
             "rule": VERIFY_RULE,
@@ -61,6 +50,27 @@ def build_report(
             "max_relative_diff": result.verification_max_relative_diff,
         },
         "timings": result.timings,
+    }
+
+
+def build_report(
+    *,
+    model_name: str,
+    config: PruneConfig,
+    pruning: dict[str, Any],
+    perplexity: dict[str, dict[str, Any]],
+    device: str,
+    dtype: str,
+    evaluation: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`pruning` is `pruning_section`'s."""
+    return {
+        "model": model_name,
+        "target_ratio": config.ratio,
+        **{key: pruning[key] for key in ("achieved_ratio", "params", "objective", "compensation", "alpha_auto")},
+        "perplexity": perplexity,
+        "evaluation": evaluation or {},
+        **{key: pruning[key] for key in ("layers", "verification", "timings")},
         "settings": config.to_dict(),
         "device": device,
         "dtype": dtype,

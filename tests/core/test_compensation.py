@@ -14,7 +14,7 @@ from casp_core.eval.perplexity import evaluation_text, windows_perplexity
 from casp_core.interaction import interaction_matrix, objective
 from casp_core.model import load_model
 from casp_core.prune import prune
-from casp_core.report.build import build_report, render_markdown
+from casp_core.report.build import build_report, pruning_section, render_markdown
 from casp_core.results import PruneResult
 from casp_core.solvers import COMPENSATED_DAMPING, greedy, greedy_compensated, select_units
 from tests.conftest import STORIES, small_config
@@ -266,7 +266,7 @@ def test_dense_target_differs_after_the_first_layer_with_sequential_calibration_
         report = build_report(
             model_name="stories260K",
             config=tiny_config(compensation, "sequential"),
-            result=result,
+            pruning=pruning_section(result),
             perplexity={},
             device="cpu",
             dtype="float32",

@@ -11,7 +11,7 @@ from casp_core.calibration import calibration_windows
 from casp_core.config import CalibrationConfig
 from casp_core.errors import InvalidConfig
 from casp_core.prune import prune
-from casp_core.report.build import build_report, render_markdown
+from casp_core.report.build import build_report, pruning_section, render_markdown
 from casp_core.run import Run
 from casp_core.temperature import ALPHA_GRID, choose_alpha
 from tests.conftest import small_config
@@ -78,7 +78,12 @@ def test_auto_prunes_with_the_chosen_temperature_and_says_so(calibrated):
     assert choice.message().startswith(f"alpha auto: {choice.alpha:g}, the lowest held-out loss of 0: ")
 
     report = build_report(
-        model_name="stories260K", config=config, result=result, perplexity={}, device="cpu", dtype="float32"
+        model_name="stories260K",
+        config=config,
+        pruning=pruning_section(result),
+        perplexity={},
+        device="cpu",
+        dtype="float32",
     )
     assert report["settings"]["alpha"] == "auto"
     assert report["alpha_auto"]["chosen"] == choice.alpha

@@ -13,7 +13,7 @@ from casp_core.calibration import calibration_windows
 from casp_core.errors import VerificationFailed
 from casp_core.model import load_model
 from casp_core.prune import prune
-from casp_core.report.build import build_report, render_markdown
+from casp_core.report.build import build_report, pruning_section, render_markdown
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE, float64_forward, verify
 from tests.conftest import STORIES, small_config
 
@@ -124,7 +124,12 @@ def test_verify_leaves_both_models_as_they_were(pruned_stories):
 def test_report_states_the_rule_and_the_measured_difference(pruned_stories):
     _masked, result, _tokens = pruned_stories
     report = build_report(
-        model_name="stories260K", config=small_config(0.5), result=result, perplexity={}, device="cpu", dtype="float32"
+        model_name="stories260K",
+        config=small_config(0.5),
+        pruning=pruning_section(result),
+        perplexity={},
+        device="cpu",
+        dtype="float32",
     )
     assert report["verification"] == {
         "rule": VERIFY_RULE,

@@ -1,6 +1,6 @@
 """A job with recovery through the real service (PostgreSQL, Redis, a Celery worker process, S3): its worker is
 killed mid-training, its local work folder is removed (the retry might run on another machine), and the retry
-resumes from the last save kept in the job's storage instead of starting the stage over."""
+resumes from what the job's storage kept: the pruned model (no pruning again) and the last training save."""
 
 import re
 import shutil
@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from casp_core.pruned_snapshot import SNAPSHOT_FILE
 from casp_core.recovery import STATE_FILE
 from service.settings import Settings
 from service.storage import S3Storage, make_storage
@@ -54,7 +55,9 @@ def test_a_killed_worker_resumes_recovery_from_its_last_save(
     job = api.post("/v1/jobs", json=RECOVERY_JOB, headers=alice).json()
     wait_for(lambda: steps_reported(api, job["id"], alice) >= 5, 300, "the recovery stage to train")
     worker.kill()  # SIGKILL to the worker and its pool child, mid-stage
-    assert work_keys(storage, job["id"]) == [storage.key(job["id"], STATE_FILE, "work")]
+    assert sorted(work_keys(storage, job["id"])) == sorted(
+        storage.key(job["id"], name, "work") for name in (SNAPSHOT_FILE, STATE_FILE)
+    )
     # The retry finds nothing on this disk, as on another machine: only the stored state can resume it.
     local_work = distributed_settings.home / "work" / job["id"]
     assert local_work.is_dir()
@@ -68,10 +71,21 @@ def test_a_killed_worker_resumes_recovery_from_its_last_save(
     resumed = recovery["resumed_from_step"]
     assert resumed is not None and resumed % 2 == 0 and resumed >= 4, recovery
     assert recovery["steps"] == STEPS and recovery["final_loss"] > 0
-    messages = [e["message"] for e in events_of(api, job["id"], alice) if e["attempt"] == 2]
+    events = events_of(api, job["id"], alice)
+    retried = [e for e in events if e["attempt"] == 2]
+    messages = [e["message"] for e in retried]
     assert f"resumed from step {resumed} of {STEPS}" in messages
-    wikitext = done["result"]["perplexity"]["wikitext2"]
+    # The retry loaded the pruned model the first attempt saved: it neither pruned nor evaluated before training.
+    assert any(message.startswith("resumed after pruning (snapshot saved ") for message in messages), messages
+    assert not {"allocation", "pruning", "verification"} & {e["stage"] for e in retried}
+    assert {"allocation", "pruning", "verification"} <= {e["stage"] for e in events if e["attempt"] == 1}
+    # The report is whole: the figures and the pruning section come from the snapshot.
+    result = done["result"]
+    assert 0.4 < result["achieved_ratio"] < 0.6
+    assert result["params"]["pruned"] < result["params"]["dense"]
+    wikitext = result["perplexity"]["wikitext2"]
     assert {"dense", "pruned", "recovered"} <= set(wikitext)
+    assert wikitext["dense"] < wikitext["pruned"], wikitext
     names = {a["name"] for a in api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "plots/recovery_loss.png"} <= names
     assert not any(name.startswith("recovery-state") for name in names)
