@@ -6,7 +6,6 @@ Errors print one line, `casp: error: <code>: <message>`, and exit with status 2 
 import argparse
 import copy
 import json
-import os
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from casp_core.cli.eval import add_eval_parser
 from casp_core.cli.export import add_export_parser, warn_about
 from casp_core.cli.progress import StageBars
 from casp_core.cli.recover import add_recover_parser
-from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
+from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, settings_from_args
 from casp_core.config import PruneConfig
 from casp_core.errors import CaspError
 
@@ -39,15 +38,7 @@ def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--revision", help="Hugging Face revision")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty)")
     add_setting_flags(parser, required=("ratio",))
-    # The machine's own settings: on the service they are the server's (casp_core.config.SERVER_SIDE).
-    parser.add_argument(
-        "--datasets-dir",
-        default=os.environ.get("CASP_DATASETS_DIR"),
-        help="local copies of the named data sets (env CASP_DATASETS_DIR)",
-    )
-    parser.add_argument(
-        "--device", default=PruneConfig.model_fields["device"].default, help="auto, cpu, cuda, cuda:1, ..."
-    )
+    add_machine_flags(parser)
     parser.set_defaults(run=run_prune)
 
 

@@ -3,12 +3,11 @@ recovery settings of a job (casp_core.config.RecoveryConfig) as flags of their o
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from casp_core.cli.progress import StageBars
-from casp_core.cli.setting_flags import add_setting_flags, bare_flag, settings_from_args
-from casp_core.config import PruneConfig, RecoveryConfig
+from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, bare_flag, settings_from_args
+from casp_core.config import RecoveryConfig
 
 
 def add_recover_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -18,14 +17,7 @@ def add_recover_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting_flags(
         parser, model=RecoveryConfig, flag=bare_flag, skip=("method", "save_every"), required=("dataset",)
     )
-    parser.add_argument(
-        "--datasets-dir",
-        default=os.environ.get("CASP_DATASETS_DIR"),
-        help="local copies of the named data sets (env CASP_DATASETS_DIR)",
-    )
-    parser.add_argument(
-        "--device", default=PruneConfig.model_fields["device"].default, help="auto, cpu, cuda, cuda:1, ..."
-    )
+    add_machine_flags(parser)
     parser.set_defaults(run=run_recover)
 
 

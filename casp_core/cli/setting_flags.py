@@ -8,6 +8,7 @@ where they are defined: the config's for `casp prune`, the server's for `casp su
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -18,7 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from casp_core.cli.arguments import names
-from casp_core.config import PruneSettings, choices_of, describe_range, reason, setting_fields
+from casp_core.config import PruneConfig, PruneSettings, choices_of, describe_range, reason, setting_fields
 
 FLAGS = {
     "calibration.dataset": "--calibration-dataset",
@@ -132,6 +133,18 @@ def add_setting_flags(
         )
         for alias in ALIASES.get(name, ()):
             parser.add_argument(alias, type=value, dest=name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def add_machine_flags(parser: argparse.ArgumentParser) -> None:
+    """The machine's own settings, which on the service are the server's (casp_core.config.SERVER_SIDE)."""
+    parser.add_argument(
+        "--datasets-dir",
+        default=os.environ.get("CASP_DATASETS_DIR"),
+        help="local copies of the named data sets (env CASP_DATASETS_DIR)",
+    )
+    parser.add_argument(
+        "--device", default=PruneConfig.model_fields["device"].default, help="auto, cpu, cuda, cuda:1, ..."
+    )
 
 
 def settings_from_args(args: argparse.Namespace, model: type[BaseModel] = PruneSettings) -> dict[str, Any]:
