@@ -231,6 +231,53 @@ def distributed_settings(
     )
 
 
+class RedisServer:
+    """A redis-server of this test alone, without persistence like the shared one: a restart empties it."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port = port
+        self.log = log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.ConnectionError:
+                return False
+
+        wait_for(up, 20, "redis-server")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(20)
+
+
+def private_broker_settings(root: Path, database: str, broker: RedisServer, **changes: Any) -> Settings:
+    """PostgreSQL with a redis-server of the test's own and local storage under `root`: for tests that stop the
+    broker or must be sure no other worker takes their jobs."""
+    defaults: dict[str, Any] = {
+        "home": root / "home",
+        "database_url": database,
+        "broker_url": f"redis://127.0.0.1:{broker.port}/0",
+        "storage_url": f"file://{root / 'artifacts'}",
+        "allowed_model_roots": [REPO / "demo"],
+        "datasets_dir": FIXTURE_DATA,
+        "auth": "none",
+        "secret_key": "test-signing-secret",
+    }
+    return Settings(**{**defaults, **changes})
+
+
 def embedded_settings(home: Path, **changes: Any) -> Settings:
     """The embedded mode (SQLite, local storage, no auth) with no worker threads: a test runs jobs by hand."""
     defaults: dict[str, Any] = {

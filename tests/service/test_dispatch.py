@@ -2,12 +2,10 @@
 messages cost nothing. Against a private redis-server (stopped and restarted here), PostgreSQL, a real
 worker process and the API with its reaper."""
 
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,13 +21,13 @@ from service.reaper import LOST_MESSAGE, reap_once
 from service.settings import Settings
 from service.tables import Job, utcnow
 from tests.service_fixtures import (
-    FIXTURE_DATA,
-    REPO,
     SMALL_JOB,
     TINY_JOB,
+    RedisServer,
     WorkerProcess,
     finished,
     free_port,
+    private_broker_settings,
     settings_env,
     wait_for,
 )
@@ -37,37 +35,6 @@ from tests.service_fixtures import (
 pytestmark = pytest.mark.service
 
 PARKED = {**SMALL_JOB, "device": "cuda"}  # no worker here reads the cuda queue
-
-
-class RedisServer:
-    """A redis-server of this test alone, without persistence like the shared one: a restart empties it."""
-
-    def __init__(self, port: int, log: Path) -> None:
-        self.port = port
-        self.log = log
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                return False
-
-        wait_for(up, 20, "redis-server")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(20)
 
 
 @dataclass
@@ -100,15 +67,10 @@ def stack(
     server.start()
     database = pg_database()
     upgrade(database)
-    settings = Settings(
-        home=root / "home",
-        database_url=database,
-        broker_url=f"redis://127.0.0.1:{server.port}/0",
-        storage_url=f"file://{root / 'artifacts'}",
-        allowed_model_roots=[REPO / "demo"],
-        datasets_dir=FIXTURE_DATA,
-        auth="none",
-        secret_key="test-signing-secret",
+    settings = private_broker_settings(
+        root,
+        database,
+        server,
         heartbeat_interval_seconds=1.0,
         heartbeat_timeout_seconds=6.0,
         reaper_interval_seconds=1.0,

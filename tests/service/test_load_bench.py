@@ -1,42 +1,27 @@
 """bench/load.py in a tiny mode against the distributed stack (PostgreSQL and Redis)."""
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from bench import load
-from tests.service_fixtures import PG_ADMIN_URL, free_port, wait_for
+from tests.service_fixtures import PG_ADMIN_URL, RedisServer, free_port
 
 pytestmark = pytest.mark.service
 
 
 @pytest.fixture
-def own_redis() -> Iterator[str]:
+def own_redis(tmp_path: Path) -> Iterator[str]:
     """A Redis server of the test's own: the bench empties its database, which must not be one the session's
     worker and API use."""
-    port = free_port()
-    process = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
+    server = RedisServer(free_port(), tmp_path / "redis.log")
+    server.start()
     try:
-        wait_for(lambda: _answers(url), 30, "the test's redis-server")
-        yield url
+        yield f"redis://127.0.0.1:{server.port}/0"
     finally:
-        process.terminate()
-        process.wait(30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except redis.ConnectionError:
-        return False
+        server.stop()
 
 
 def test_load_bench_distributed_tiny(local_services: None, own_redis: str, tmp_path: Path) -> None:

@@ -13,15 +13,13 @@ from fastapi.testclient import TestClient
 from casp_cli.app import service_app
 from service.dispatch import CeleryDispatcher
 from service.migrate import upgrade
-from service.settings import Settings
-from tests.service.test_dispatch import RedisServer
 from tests.service_fixtures import (
-    FIXTURE_DATA,
-    REPO,
     SMALL_JOB,
     TINY_JOB,
+    RedisServer,
     WorkerProcess,
     free_port,
+    private_broker_settings,
     settings_env,
     wait_for,
 )
@@ -39,17 +37,7 @@ def test_sigterm_drains_a_worker_the_running_job_finishes_and_the_next_stays_que
     server.start()
     database = pg_database()
     upgrade(database)
-    settings = Settings(
-        home=tmp_path / "home",
-        database_url=database,
-        broker_url=f"redis://127.0.0.1:{server.port}/0",
-        storage_url=f"file://{tmp_path / 'artifacts'}",
-        allowed_model_roots=[REPO / "demo"],
-        datasets_dir=FIXTURE_DATA,
-        auth="none",
-        secret_key="test-signing-secret",
-        default_device="cpu",
-    )
+    settings = private_broker_settings(tmp_path, database, server, default_device="cpu")
     worker = WorkerProcess(settings_env(settings), tmp_path / "worker.log")
     worker.start()
     try:
