@@ -121,7 +121,7 @@ def _squared_gradients_layer_by_layer(
         if index > 0:  # below layer 0 only the embedding is left, and it has no S_l
             with on_device(layers[index], device, store):
                 gradients = [
-                    _input_gradient(layers[index], x, gradient, inputs.layer_kwargs[len(x)], device, store)
+                    _input_gradient(layers[index], x, gradient, inputs.kwargs(layers[index], len(x)), device, store)
                     for x, gradient in zip(stored[index], gradients, strict=True)
                 ]
         stored[index] = []

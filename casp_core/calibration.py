@@ -11,9 +11,10 @@ sub-layer, the cross-moment between its input on the dense stream and on the pru
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.config import PruneConfig
-from casp_core.model import decoder_layers
+from casp_core.model import attention_layer_types
 from casp_core.numerics import check_finite
 
 # Below this width the statistics are kept in float64: it costs nothing and keeps Q exactly symmetric PSD.
@@ -161,48 +162,80 @@ def calibration_windows(
 
 
 class _InputsCaptured(Exception):
-    """Raised by the first decoder layer's hook: the rest of the forward pass is not needed."""
+    """Raised once every attention type's layer arguments are noted: the rest of the forward pass is not needed."""
+
+
+# What a decoder layer takes besides its hidden states: the same for every layer of one attention type.
+LAYER_ARGUMENTS = ("attention_mask", "position_embeddings", "position_ids")
 
 
 @dataclass
 class LayerInputs:
-    """Hidden states entering the current decoder layer, one tensor per batch, kept on `store`."""
+    """Hidden states entering the current decoder layer, one tensor per batch, kept on `store`, and what the
+    model gives each layer beside them."""
 
     batches: list[torch.Tensor]
-    layer_kwargs: dict[int, dict]  # by batch size: attention mask and rotary tables, already on the device
+    layer_types: list[str]  # per layer, full or sliding-window attention, as the model's family reads its config
+    layer_kwargs: dict[int, dict[str, dict]]  # by batch size, then layer type: attention mask and rotary tables
+
+    def kwargs(self, layer: nn.Module, batch_size: int) -> dict:
+        """The keyword arguments the model gives `layer` for a batch of `batch_size` windows."""
+        return self.layer_kwargs[batch_size][self.layer_types[layer.self_attn.layer_idx]]
+
+
+class _LayerArgumentsRecorder(nn.Module):
+    """Stands in for a decoder layer while the first layer's inputs are captured: passes the hidden states on
+    untouched (no layer's weights are used) after `record` has seen what the model gives the layer."""
+
+    def __init__(self, index: int, record: Callable[[int, torch.Tensor, dict], None]) -> None:
+        super().__init__()
+        self.index = index
+        self.record = record
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.record(self.index, hidden_states, kwargs)
+        return hidden_states
 
 
 @torch.no_grad()
 def capture_first_layer_inputs(
     model: PreTrainedModel, windows: torch.Tensor, batch_size: int, device: torch.device, store: torch.device
 ) -> LayerInputs:
-    inputs = LayerInputs([], {})
+    """The first decoder layer's input for each batch of `windows`, and each layer type's arguments.
 
-    def capture(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        inputs.batches.append(hidden.to(store))
-        inputs.layer_kwargs.setdefault(
-            hidden.shape[0],
-            {k: kwargs[k] for k in ("attention_mask", "position_embeddings", "position_ids") if k in kwargs},
-        )
-        raise _InputsCaptured
+    The model runs with its decoder layers replaced by recorders: a sliding-window layer's attention mask is not
+    the full layers' one, so each type's is noted where the model hands it over (the first layer of that type)."""
+    _, layer_types = attention_layer_types(model.config)
+    first_of_type = {kind: layer_types.index(kind) for kind in set(layer_types)}
+    last_needed = max(first_of_type.values())
+    inputs = LayerInputs([], layer_types, {})
+
+    def record(index: int, hidden: torch.Tensor, kwargs: dict) -> None:
+        if index == 0:
+            inputs.batches.append(hidden.to(store))
+        if first_of_type.get(layer_types[index]) == index:
+            noted = inputs.layer_kwargs.setdefault(hidden.shape[0], {})
+            noted.setdefault(layer_types[index], {k: kwargs[k] for k in LAYER_ARGUMENTS if k in kwargs})
+        if index == last_needed:
+            raise _InputsCaptured
 
     base = model.model
+    layers = base.layers
     base.embed_tokens.to(device)
     base.rotary_emb.to(device)
-    handle = decoder_layers(model)[0].register_forward_pre_hook(capture, with_kwargs=True)
+    base.layers = nn.ModuleList(_LayerArgumentsRecorder(index, record) for index in range(len(layers)))
     try:
         for start in range(0, len(windows), batch_size):
             with contextlib.suppress(_InputsCaptured):
                 base(windows[start : start + batch_size].to(device), use_cache=False)
     finally:
-        handle.remove()
+        base.layers = layers
     return inputs
 
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, inputs: LayerInputs, device: torch.device, store: torch.device) -> list[torch.Tensor]:
-    return [layer(x.to(device), **inputs.layer_kwargs[x.shape[0]]).to(store) for x in inputs.batches]
+    return [layer(x.to(device), **inputs.kwargs(layer, x.shape[0])).to(store) for x in inputs.batches]
 
 
 @torch.no_grad()
@@ -220,7 +253,7 @@ def run_layer_on_stream_pair(
     """
     dense_outputs = []
     for x, x_dense in zip(inputs.batches, dense_inputs.batches, strict=True):
-        layer_kwargs = inputs.layer_kwargs[x.shape[0]]
+        layer_kwargs = inputs.kwargs(layer, x.shape[0])
         with recording.dense_stream():
             dense_outputs.append(layer(x_dense.to(device), **layer_kwargs).to(store))
         layer(x.to(device), **layer_kwargs)

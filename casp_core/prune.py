@@ -5,7 +5,7 @@ at the end remove the masked units and verify that the smaller model computes wh
 is the loop, with the allocation before it and surgery and verification after it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -184,7 +184,7 @@ def prune(
     sequential = calibration.mode == "sequential"
     dense_inputs = None
     if config.compensation == DENSE_TARGET_COMPENSATION and sequential:
-        dense_inputs = LayerInputs(list(inputs.batches), inputs.layer_kwargs)
+        dense_inputs = replace(inputs, batches=list(inputs.batches))
     stream = CalibrationStream(inputs, dense_inputs, sequential, device, store)
 
     reports: list[LayerReport] = []

@@ -11,7 +11,7 @@ is one dense statistics pass plus, per candidate, the solves and a forward of th
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -20,7 +20,6 @@ from transformers import PreTrainedModel
 from casp_core.allocation import allocate_ratios, on_device, summed_sequence_losses
 from casp_core.budget import BudgetPlan, plan_budget
 from casp_core.calibration import (
-    LayerInputs,
     capture_first_layer_inputs,
     check_finite_moments,
     record_inputs,
@@ -103,7 +102,7 @@ def choose_alpha(
                     candidate.removed += params_before - params_kept(layer, choice)
                     mask_layer(layer, geometry, choice.pruning)
                     candidate.hidden = run_layer(
-                        layer, LayerInputs(candidate.hidden, held_out_inputs.layer_kwargs), device, store
+                        layer, replace(held_out_inputs, batches=candidate.hidden), device, store
                     )
 
     losses = held_out_losses(model, candidates, held_out, batch_size, device, store)

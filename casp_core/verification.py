@@ -56,8 +56,8 @@ def _float64_inputs(model: PreTrainedModel, tokens: torch.Tensor, device: torch.
     model.model.rotary_emb.to("cpu")
     inputs.batches = [x.double() for x in inputs.batches]
     inputs.layer_kwargs = {
-        size: {name: _to_float64(value) for name, value in kwargs.items()}
-        for size, kwargs in inputs.layer_kwargs.items()
+        size: {kind: {name: _to_float64(value) for name, value in kwargs.items()} for kind, kwargs in by_type.items()}
+        for size, by_type in inputs.layer_kwargs.items()
     }
     return inputs
 
@@ -125,14 +125,13 @@ def verify(
     (stream,), (pruned_stream,) = masked_inputs.batches, pruned_inputs.batches
     verification = Verification()
     verification.check("the embedding", float((stream - pruned_stream).abs().max()), float(stream.abs().max()))
-    masked_kwargs, pruned_kwargs = masked_inputs.layer_kwargs[len(tokens)], pruned_inputs.layer_kwargs[len(tokens)]
     for index, (masked_layer, pruned_layer) in enumerate(
         zip(decoder_layers(masked), decoder_layers(pruned), strict=True)
     ):
         if fill_layer is not None:
             fill_layer(index)
-        expected = float64_forward(masked_layer, device, stream, **masked_kwargs)
-        actual = float64_forward(pruned_layer, device, stream, **pruned_kwargs)
+        expected = float64_forward(masked_layer, device, stream, **masked_inputs.kwargs(masked_layer, len(tokens)))
+        actual = float64_forward(pruned_layer, device, stream, **pruned_inputs.kwargs(pruned_layer, len(tokens)))
         if release_masked:
             release_weights(masked_layer)
         verification.check(

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from casp_core.budget import attention_params_removed, channel_params
+from casp_core.calibration import capture_first_layer_inputs, run_layer
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
 from casp_core.config import CalibrationConfig, PruneConfig
@@ -41,6 +42,7 @@ from casp_core.model import (
 )
 from casp_core.prune import prune
 from casp_core.results import PruneResult
+from casp_core.run import CPU
 from casp_core.surgery import LayerPruning, mask_layer, remove_units
 from tests.conftest import DATASETS_DIR, STORIES
 
@@ -190,6 +192,37 @@ def test_pipeline_checkpoint_loads_back_exact(family: str, dense_folders: dict[s
     model, tokenizer = load_model(str(dense_folders[family]))
     result = prune_small(model, tokenizer, 0.5, "greedy")
     assert_computes_the_same(model, written_and_loaded_back(result.model, tokenizer, tmp_path / "pruned"))
+
+
+def layer_outputs_of_the_model_s_own_forward(model: PreTrainedModel, windows: torch.Tensor) -> list[torch.Tensor]:
+    outputs: list[torch.Tensor] = []
+    handles = [
+        layer.register_forward_hook(lambda _m, _a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+        for layer in decoder_layers(model)
+    ]
+    try:
+        with torch.no_grad():
+            model(windows, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+@pytest.mark.parametrize("family", [*MAIN_FAMILIES, "pruned qwen2"])
+def test_the_layer_by_layer_stream_is_the_model_s_own_forward(family: str, dense_folders: dict[str, Path]) -> None:
+    """Calibration, allocation and verification carry the hidden states from layer to layer with the arguments
+    captured before the first layer: each layer must get its own attention type's mask. Qwen2's layers slide from
+    the second one on, past the window here; the pruned model keeps that per-layer pattern."""
+    model, tokenizer = load_model(str(dense_folders[family.removeprefix("pruned ")]))
+    if family.startswith("pruned"):
+        model = prune_small(model, tokenizer, 0.5, "greedy").model
+    windows = torch.randint(0, VOCAB, (2, 4 * WINDOW), generator=torch.Generator().manual_seed(7))
+    expected = layer_outputs_of_the_model_s_own_forward(model, windows)
+    inputs = capture_first_layer_inputs(model, windows, 2, CPU, CPU)
+    for index, layer in enumerate(decoder_layers(model)):
+        inputs.batches = run_layer(layer, inputs, CPU, CPU)
+        assert torch.equal(inputs.batches[0], expected[index]), f"layer {index}"
 
 
 @pytest.mark.parametrize("ratio", [0.2, 0.5, 0.8])
