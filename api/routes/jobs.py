@@ -32,6 +32,7 @@ from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset
 from casp_core.model import is_local_reference, load_config
 from casp_core.plain import check_plain_shape
+from casp_core.recovery_data import check_length
 from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
@@ -62,10 +63,13 @@ def resolve_model(body: JobCreate, settings: Settings) -> str:
         raise invalid(exc.loc, exc.message) from exc
     if is_local_reference(model):
         try:
-            # An unsupported family is refused now, not after the worker loads it; so is a uniform shape its own
-            # class cannot hold (a hub model's is refused when the job starts).
-            check_plain_shape(load_config(model), body)
-        except InvalidConfig as exc:
+            # An unsupported family is refused now, not after the worker loads it; so are a uniform shape its own
+            # class cannot hold and recovery windows longer than its context (a hub model's, when the job starts).
+            model_config = load_config(model)
+            check_plain_shape(model_config, body)
+            if body.recovery.method != "none":
+                check_length(body.recovery.max_seq_len, model_config.max_position_embeddings)
+        except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first
             field, _, reason = exc.message.partition(": ")
             raise invalid(tuple(field.split(".")), reason or exc.message) from exc
         except CaspError as exc:

@@ -19,9 +19,9 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Configs alone: the API reads nothing else, and the jobs below never reach a worker."""
     root = tmp_path_factory.mktemp("models")
     Qwen2MoeConfig(num_hidden_layers=1).save_pretrained(root / "qwen2-moe")
-    Qwen2Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2).save_pretrained(
-        root / "qwen2"
-    )
+    Qwen2Config(
+        num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
+    ).save_pretrained(root / "qwen2")
     (root / "empty").mkdir()
     return root
 
@@ -68,3 +68,18 @@ def test_a_uniform_shape_the_family_s_class_cannot_hold_is_422_at_submit(
     error = response.json()["error"]
     assert error["param"] == "compensation" and "shape uniform cannot save it" in error["message"], error
     assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
+
+
+def test_recovery_windows_longer_than_the_model_s_context_are_422_at_submit(
+    api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
+) -> None:
+    body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "qwen2")}
+    recovery = {"method": "lora", "dataset": "ptb:train", "max_steps": 2}
+    too_long = {**body, "recovery": {**recovery, "max_seq_len": 512}}
+    response = api_with_root.post("/v1/jobs", json=too_long, headers=keys["alice"])
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "recovery.max_seq_len", error
+    assert "longer than the model's context of 256" in error["message"], error
+    fits = {**body, "recovery": {**recovery, "max_seq_len": 256}}
+    assert api_with_root.post("/v1/jobs", json=fits, headers=keys["alice"]).status_code == 201
