@@ -21,8 +21,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.config import PruneConfig
-from casp_core.model import decoder_layers
+from casp_core.model import decoder_layers, on_device
 from casp_core.numerics import check_finite
+from casp_core.run import CPU
 
 # Below this width the statistics are kept in float64: it costs nothing and keeps Q exactly symmetric PSD.
 FLOAT64_MAX_DIM = 4096
@@ -174,8 +175,15 @@ class LayerInputs:
 
 @torch.no_grad()
 def capture_first_layer_inputs(
-    model: PreTrainedModel, windows: torch.Tensor, batch_size: int, device: torch.device, store: torch.device
+    model: PreTrainedModel,
+    windows: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    store: torch.device,
+    home: torch.device = CPU,
 ) -> LayerInputs:
+    """The first decoder layer's input for each batch of `windows`, on `store`; the embedding and the rotary tables
+    run on `device` and go back to `home` (casp_core.model.on_device)."""
     inputs = LayerInputs([], {})
 
     def capture(_module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -188,13 +196,12 @@ def capture_first_layer_inputs(
         raise _InputsCaptured
 
     base = model.model
-    base.embed_tokens.to(device)
-    base.rotary_emb.to(device)
     handle = decoder_layers(model)[0].register_forward_pre_hook(capture, with_kwargs=True)
     try:
-        for start in range(0, len(windows), batch_size):
-            with contextlib.suppress(_InputsCaptured):
-                base(windows[start : start + batch_size].to(device), use_cache=False)
+        with on_device(nn.ModuleList([base.embed_tokens, base.rotary_emb]), device, home):
+            for start in range(0, len(windows), batch_size):
+                with contextlib.suppress(_InputsCaptured):
+                    base(windows[start : start + batch_size].to(device), use_cache=False)
     finally:
         handle.remove()
     return inputs

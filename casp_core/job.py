@@ -19,6 +19,7 @@ from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import export_checkpoint
 from casp_core.model import check_model_reference, decoder_layers, load_model, resolve_device
+from casp_core.placement import choose_placement
 from casp_core.prune import prune
 from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot, snapshot_fingerprint
 from casp_core.recovery import ADAPTER_DIR, recover
@@ -98,6 +99,8 @@ def run_job(
                 run.report("load", 0.0, f"loading {model}")
                 dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype)
                 check_reachable(dense, config)
+                # Refused here when even one layer cannot fit on the device, before hours of evaluation.
+                placement = choose_placement(dense, config, device)
                 warning = speed_warning(
                     [layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to
                 )
@@ -129,7 +132,7 @@ def run_job(
         if snapshot is None:
             with run.stage("evaluation_dense"):
                 dense_figures = evaluate(dense, tokenizer, plan, run)
-            result = prune(dense, tokenizer, config, run, windows=windows, release_dense=True)
+            result = prune(dense, tokenizer, config, run, windows=windows, release_dense=True, placement=placement)
             del dense
             pruned, pruning, pruned_figures = result.model, pruning_section(result), None
             del result
