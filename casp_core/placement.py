@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.calibration import FLOAT64_MAX_DIM
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, PruneConfig
@@ -54,7 +54,12 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> "ModelShape":
-        config = model.config
+        eager = getattr(model.config, "_attn_implementation", "eager") == "eager"
+        return cls.from_config(model.config, dtype_bytes=model.dtype.itemsize, eager_attention=eager)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, *, dtype_bytes: int, eager_attention: bool) -> "ModelShape":
+        """A checkpoint's shapes without its weights (bench/device_memory.py: models this machine cannot load)."""
         heads = config.num_attention_heads
         return cls(
             hidden=config.hidden_size,
@@ -65,8 +70,8 @@ class ModelShape:
             layers=config.num_hidden_layers,
             vocab=config.vocab_size,
             tied_head=bool(config.tie_word_embeddings),
-            dtype_bytes=model.dtype.itemsize,
-            eager_attention=getattr(config, "_attn_implementation", "eager") == "eager",
+            dtype_bytes=dtype_bytes,
+            eager_attention=eager_attention,
         )
 
     def layer_parameters(self) -> int:

@@ -11,6 +11,7 @@ from casp_core.calibration import calibration_windows
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.config import CalibrationConfig, PruneConfig
 from casp_core.errors import DeviceMemoryTooSmall, InvalidConfig
+from casp_core.job import run_job
 from casp_core.model import decoder_layers, load_model
 from casp_core.placement import (
     OFFLOAD,
@@ -22,6 +23,7 @@ from casp_core.placement import (
 )
 from casp_core.prune import prune
 from casp_core.report.build import build_report, pruning_section, render_markdown
+from casp_core.run import Run
 from tests.conftest import PTBWIKI, STORIES, small_config
 from tests.core.device_placement import OTHER_DEVICE, DevicePlacement
 
@@ -207,3 +209,24 @@ def test_max_device_memory_refuses_what_is_not_a_size(given):
     )
     with pytest.raises(InvalidConfig, match=r"^placement: must be one of auto, resident, offload, got 'gpu'$"):
         on_the_device(placement="gpu")
+
+
+def test_a_job_records_its_placement(tmp_path):
+    events = []
+    run = Run(progress=lambda stage, fraction, message="": events.append((stage, message)))
+    report = run_job(str(STORIES), on_the_device(placement="offload", max_device_memory="1GiB"), tmp_path / "out", run)
+    placement = report["placement"]
+    assert (placement["mode"], placement["device"], placement["limit_bytes"]) == (OFFLOAD, "cpu:0", 2**30)
+    assert 0 < placement["offload_peak"] < placement["resident_peak"]
+    messages = [message for stage, message in events if stage == "placement"]
+    assert len(messages) == 1 and messages[0].startswith("placement: offload, one decoder layer at a time on cpu:0")
+    assert "- device cpu:0 (offload: estimated peak" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_job_refuses_too_small_a_limit_before_evaluating(tmp_path):
+    stages = []
+    run = Run(progress=lambda stage, fraction, message="": stages.append(stage))
+    with pytest.raises(DeviceMemoryTooSmall):
+        run_job(str(STORIES), on_the_device(max_device_memory="100KiB"), tmp_path / "out", run)
+    assert set(stages) == {"load"}  # refused as soon as the model was loaded
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
