@@ -7,6 +7,7 @@ import argparse
 import pytest
 import torch
 
+from casp_core import placement as placement_module
 from casp_core.calibration import calibration_windows
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.config import CalibrationConfig, PruneConfig
@@ -56,19 +57,19 @@ def test_offloaded_prune_keeps_one_decoder_layer_on_the_device_in_every_stage(st
     model, tokenizer = stories
     config = on_the_device(placement="offload", **overrides)
     windows = calibration_windows(model, tokenizer, config)
-    placement = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
+    recorder = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
     events = []
-    run = placement.run()
+    run = recorder.run()
     run.progress = lambda stage, fraction, message="": events.append((stage, message))
     result = prune(model, tokenizer, config, run, windows=windows)
 
-    assert placement.offload_violations() == []
-    began = {snapshot.stage for snapshot in placement.snapshots if snapshot.event == "begin"}
+    assert recorder.offload_violations() == []
+    began = {snapshot.stage for snapshot in recorder.snapshots if snapshot.event == "begin"}
     assert set(PIPELINE_STAGES) <= began
     # Layers ran in each stage that runs them, each time alone on the device (verification: float64 copies).
-    assert {"allocation", "statistics", "calibration_forward", "verification"} <= placement.stages_with_runs()
+    assert {"allocation", "statistics", "calibration_forward", "verification"} <= recorder.stages_with_runs()
     layers = len(decoder_layers(model))
-    in_stage = [s.layer for s in placement.snapshots if s.event == "run" and s.stage == "allocation"]
+    in_stage = [s.layer for s in recorder.snapshots if s.event == "run" and s.stage == "allocation"]
     # Forward 0..4 and the backward's recomputation 4..1, per chunk of 8 windows; alpha "auto" adds one pass of
     # the 12 statistics windows and one of the held-out windows per temperature, through every layer.
     gradient_runs = ([*range(layers), *range(layers - 1, 0, -1)]) * 2
@@ -83,7 +84,7 @@ def test_offloaded_prune_keeps_one_decoder_layer_on_the_device_in_every_stage(st
     assert ("placement", result.placement.message()) in events
     assert result.placement.message().startswith("placement: offload, one decoder layer at a time on cpu:0")
     # The head comes for the gradient at the top of each chunk, and for alpha "auto"'s held-out losses.
-    assert placement.arrivals["head"] == 2 + ("alpha" in overrides)
+    assert recorder.arrivals["head"] == 2 + ("alpha" in overrides)
 
 
 def test_offloaded_and_cpu_prune_alike(stories):
@@ -96,21 +97,21 @@ def test_offloaded_and_cpu_prune_alike(stories):
 
 def test_resident_prune_moves_the_model_to_the_device_once(stories, monkeypatch):
     model, tokenizer = stories
-    placement = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
-    result = prune(model, tokenizer, on_the_device(placement="resident", max_device_memory="1GiB"), placement.run())
+    recorder = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
+    result = prune(model, tokenizer, on_the_device(placement="resident", max_device_memory="1GiB"), recorder.run())
     layers = [f"layer {i}" for i in range(len(decoder_layers(model)))]
     # The embedding comes back for verification's float64 inputs (the model back on the host by then).
-    assert dict(placement.arrivals) == {**dict.fromkeys([*layers, "norm", "head"], 1), "embedding": 2}
-    runs = [s for s in placement.snapshots if s.event == "run" and s.stage != "verification"]
+    assert dict(recorder.arrivals) == {**dict.fromkeys([*layers, "norm", "head"], 1), "embedding": 2}
+    runs = [s for s in recorder.snapshots if s.event == "run" and s.stage != "verification"]
     assert runs and all(snapshot.layers() == set(layers) for snapshot in runs)
     # Back once after the last layer: surgery and verification start from the host, and nothing is left there.
-    assert all(not s.on_device for s in placement.snapshots if s.stage in ("surgery", "verification"))
-    assert placement.on_device == set()
+    assert all(not s.on_device for s in recorder.snapshots if s.stage in ("surgery", "verification"))
+    assert recorder.on_device == set()
     assert result.placement is not None and result.placement.mode == RESIDENT
     assert result.placement.home == OTHER_DEVICE
 
 
-def test_auto_is_resident_when_the_estimate_fits_and_offload_below():
+def test_auto_is_resident_when_the_estimate_fits_and_offload_below(monkeypatch):
     model, _ = load_model(str(PTBWIKI))  # 8 layers: one layer's working set is well below the model's weights
     calibration = CalibrationConfig(dataset="wikitext2:validation", n_samples=16, seq_len=32, batch_size=1)
     estimate = choose_placement(model, on_the_device(calibration=calibration), OTHER_DEVICE).estimate
@@ -126,6 +127,9 @@ def test_auto_is_resident_when_the_estimate_fits_and_offload_below():
     assert chosen(estimate.resident_peak - 1) == OFFLOAD
     assert chosen(estimate.resident_peak) == RESIDENT
     assert chosen(None) == OFFLOAD  # a device that cannot say what it has free: the safe choice
+    # Without a limit, one that can say what it has free (CUDA) is judged by that.
+    monkeypatch.setattr(placement_module, "device_free_memory", lambda device: estimate.resident_peak)
+    assert chosen(None) == RESIDENT
     on_cpu = choose_placement(model, small_config(0.3, max_device_memory=1), torch.device("cpu"))
     assert chosen(estimate.offload_peak) == OFFLOAD
     assert (on_cpu.mode, on_cpu.home, on_cpu.limit) == (RESIDENT, torch.device("cpu"), None)  # nothing to offload
@@ -134,12 +138,12 @@ def test_auto_is_resident_when_the_estimate_fits_and_offload_below():
 def test_a_limit_below_one_layers_working_set_is_refused_before_any_work(stories, monkeypatch):
     model, tokenizer = stories
     estimate = choose_placement(model, on_the_device(placement="offload"), OTHER_DEVICE).estimate
-    placement = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
+    recorder = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
     too_small = r"^max_device_memory: [\d.]+ MiB on cpu:0 is less than the estimated [\d.]+ MiB pruning needs with one "
     with pytest.raises(DeviceMemoryTooSmall, match=too_small) as error:
-        prune(model, tokenizer, on_the_device(max_device_memory=estimate.offload_peak - 1), placement.run())
+        prune(model, tokenizer, on_the_device(max_device_memory=estimate.offload_peak - 1), recorder.run())
     assert error.value.code == "device_memory_too_small"
-    assert placement.snapshots == [] and placement.arrivals == {}  # nothing began, nothing moved
+    assert recorder.snapshots == [] and recorder.arrivals == {}  # nothing began, nothing moved
     assert choose_placement(model, on_the_device(max_device_memory=estimate.offload_peak), OTHER_DEVICE).mode == (
         OFFLOAD
     )
@@ -230,3 +234,11 @@ def test_a_job_refuses_too_small_a_limit_before_evaluating(tmp_path):
         run_job(str(STORIES), on_the_device(max_device_memory="100KiB"), tmp_path / "out", run)
     assert set(stages) == {"load"}  # refused as soon as the model was loaded
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_free_memory_of_a_cuda_device_counts_what_torch_holds_in_reserve(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * 2**30)
+    assert placement_module.device_free_memory(torch.device("cuda", 0)) == 6 * 2**30
+    assert placement_module.device_free_memory(OTHER_DEVICE) is None
