@@ -7,6 +7,7 @@ import argparse
 import pytest
 import torch
 
+from casp_core import allocation
 from casp_core import placement as placement_module
 from casp_core.calibration import calibration_windows
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
@@ -27,6 +28,7 @@ from casp_core.report.build import build_report, pruning_section, render_markdow
 from casp_core.run import Run
 from tests.conftest import PTBWIKI, STORIES, small_config
 from tests.core.device_placement import OTHER_DEVICE, DevicePlacement
+from tests.core.test_surgery import tiny_llama
 
 PIPELINE_STAGES = ("allocation", "calibration_forward", "statistics", "solver", "compensation", "surgery")
 PIPELINE_STAGES += ("verification",)
@@ -242,3 +244,24 @@ def test_free_memory_of_a_cuda_device_counts_what_torch_holds_in_reserve(monkeyp
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * 2**30)
     assert placement_module.device_free_memory(torch.device("cuda", 0)) == 6 * 2**30
     assert placement_module.device_free_memory(OTHER_DEVICE) is None
+
+
+@pytest.mark.parametrize("placement", [OFFLOAD, RESIDENT])
+def test_a_random_model_with_its_own_head_and_grouped_heads(monkeypatch, placement):
+    """Untied: the head and the embedding are separate weights, each on the device only while it is used."""
+    model = tiny_llama(heads=6, kv_heads=2, layers=4, seed=1)  # untied head, grouped key/value heads
+    assert not model.config.tie_word_embeddings
+    windows = torch.randint(0, 97, (10, 24), generator=torch.Generator().manual_seed(0))
+    recorder = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
+    config = on_the_device(placement=placement, max_device_memory="1GiB", alpha="auto")
+    result = prune(model, None, config, recorder.run(), windows=windows)
+    assert result.placement.mode == placement
+    if placement == OFFLOAD:
+        assert recorder.offload_violations() == []
+        # The allocation goes in two chunks of windows here (the embedding and the head once each), alpha "auto"
+        # takes first layer inputs twice and the head once, then the pruning loop and verification the embedding.
+        assert allocation.windows_per_chunk(model, windows, 8) == 8
+        assert (recorder.arrivals["embedding"], recorder.arrivals["head"]) == (2 + 2 + 1 + 1, 2 + 1)
+    else:
+        assert all(count == 1 for part, count in recorder.arrivals.items() if part != "embedding")
+    assert recorder.on_device == set()
