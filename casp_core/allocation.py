@@ -9,15 +9,12 @@ then the backward pass goes from the head down, recomputing each layer's forward
 the gradient through it.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from casp_core.calibration import capture_first_layer_inputs, run_layer
-from casp_core.model import decoder_layers
+from casp_core.model import decoder_layers, on_device
 from casp_core.numerics import check_finite
 from casp_core.run import CPU, Run
 
@@ -36,8 +33,10 @@ def layer_sensitivities(
     device: torch.device,
     run: Run,
     store: torch.device = CPU,
+    home: torch.device = CPU,
 ) -> list[float]:
-    """S_l of every decoder layer; the model stays on `store`.
+    """S_l of every decoder layer; layer inputs wait on `store`, the weights rest at `home` between uses (the CPU,
+    or `device` when the model is resident there).
 
     Where `device` is `store` (the CPU) nothing is offloaded, and one autograd graph per batch through the whole
     model spares recomputing each layer's forward (the layer-by-layer pass takes x1.3 the time there); on any other
@@ -52,7 +51,7 @@ def layer_sensitivities(
     try:
         for start in range(0, len(windows), chunk):
             stop = min(start + chunk, len(windows))
-            sums += squared_gradients(model, windows, start, stop, batch_size, device, store, run)
+            sums += squared_gradients(model, windows, start, stop, batch_size, device, store, home, run)
     finally:
         for name, p in model.named_parameters():
             p.requires_grad_(requires_grad[name])
@@ -74,15 +73,14 @@ def _squared_gradients_layer_by_layer(
     batch_size: int,
     device: torch.device,
     store: torch.device,
+    home: torch.device,
     run: Run,
 ) -> torch.Tensor:
     """Sum of ||dJ/dZ_l||^2 over windows[start:stop], one tensor entry per layer, with one decoder layer (or the
-    embedding, or the final norm and head) on `device` at a time."""
+    embedding, or the final norm and head) on `device` at a time unless the model is resident there."""
     layers = decoder_layers(model)
     base = model.model
-    inputs = capture_first_layer_inputs(model, windows[start:stop], batch_size, device, store)
-    base.embed_tokens.to(store)
-    base.rotary_emb.to(store)
+    inputs = capture_first_layer_inputs(model, windows[start:stop], batch_size, device, store, home)
     steps, done = 2 * len(layers), 0
 
     def progress(message: str) -> None:
@@ -94,12 +92,12 @@ def _squared_gradients_layer_by_layer(
     for index, layer in enumerate(layers):
         run.check_cancelled()
         stored.append(inputs.batches)
-        with on_device(layer, device, store):
+        with on_device(layer, device, home):
             inputs.batches = run_layer(layer, inputs, device, store)
         progress(f"sequences {start}-{stop - 1}: forward through layer {index + 1} of {len(layers)}")
 
     gradients = []
-    with on_device(nn.ModuleList([base.norm, model.lm_head]), device, store):
+    with on_device(nn.ModuleList([base.norm, model.lm_head]), device, home):
         for batch, hidden in enumerate(inputs.batches):
             first = start + batch * batch_size
             tokens = windows[first : first + len(hidden)].to(device)
@@ -119,7 +117,7 @@ def _squared_gradients_layer_by_layer(
         squared[index] = sum(gradient.double().pow(2).sum() for gradient in gradients)
         _check_squared_gradient(squared[index], index)
         if index > 0:  # below layer 0 only the embedding is left, and it has no S_l
-            with on_device(layers[index], device, store):
+            with on_device(layers[index], device, home):
                 gradients = [
                     _input_gradient(layers[index], x, gradient, inputs.kwargs(layers[index], len(x)), device, store)
                     for x, gradient in zip(stored[index], gradients, strict=True)
@@ -137,6 +135,7 @@ def _squared_gradients_in_one_graph(
     _batch_size: int,
     device: torch.device,
     _store: torch.device,
+    _home: torch.device,
     run: Run,
 ) -> torch.Tensor:
     """Sum of ||dJ/dZ_l||^2 over the batch windows[start:stop], from one forward and backward pass through the
@@ -187,15 +186,6 @@ def _check_finite_from_the_top(squared: torch.Tensor) -> None:
 
 def _check_squared_gradient(value: torch.Tensor, index: int) -> None:
     check_finite(value, "allocation", "S_l, the squared gradient of the loss at the output", index)
-
-
-@contextmanager
-def on_device(module: nn.Module, device: torch.device, store: torch.device) -> Iterator[None]:
-    module.to(device)
-    try:
-        yield
-    finally:
-        module.to(store)
 
 
 def summed_sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

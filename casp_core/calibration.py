@@ -22,8 +22,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.config import PruneConfig
-from casp_core.model import attention_layer_types
+from casp_core.model import attention_layer_types, on_device
 from casp_core.numerics import check_finite
+from casp_core.run import CPU
 
 # Below this width the statistics are kept in float64: it costs nothing and keeps Q exactly symmetric PSD.
 FLOAT64_MAX_DIM = 4096
@@ -199,9 +200,15 @@ class _LayerArgumentsRecorder(nn.Module):
 
 @torch.no_grad()
 def capture_first_layer_inputs(
-    model: PreTrainedModel, windows: torch.Tensor, batch_size: int, device: torch.device, store: torch.device
+    model: PreTrainedModel,
+    windows: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+    store: torch.device,
+    home: torch.device = CPU,
 ) -> LayerInputs:
-    """The first decoder layer's input for each batch of `windows`, and each layer type's arguments.
+    """The first decoder layer's input for each batch of `windows`, on `store`, and each layer type's arguments;
+    the embedding and the rotary tables run on `device` and go back to `home` (casp_core.model.on_device).
 
     The model runs with its decoder layers replaced by recorders: a sliding-window layer's attention mask is not
     the full layers' one, so each type's is noted where the model hands it over (the first layer of that type)."""
@@ -221,13 +228,12 @@ def capture_first_layer_inputs(
 
     base = model.model
     layers = base.layers
-    base.embed_tokens.to(device)
-    base.rotary_emb.to(device)
     base.layers = nn.ModuleList(_LayerArgumentsRecorder(index, record) for index in range(len(layers)))
     try:
-        for start in range(0, len(windows), batch_size):
-            with contextlib.suppress(_InputsCaptured):
-                base(windows[start : start + batch_size].to(device), use_cache=False)
+        with on_device(nn.ModuleList([base.embed_tokens, base.rotary_emb]), device, home):
+            for start in range(0, len(windows), batch_size):
+                with contextlib.suppress(_InputsCaptured):
+                    base(windows[start : start + batch_size].to(device), use_cache=False)
     finally:
         base.layers = layers
     return inputs

@@ -14,6 +14,7 @@ import annotated_types
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -42,6 +43,9 @@ MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# auto: the whole model on the device when casp_core.placement's estimate fits within max_device_memory, else one
+# decoder layer at a time; on the CPU nothing is ever offloaded.
+PLACEMENTS = ("auto", "resident", "offload")
 RECOVERY_METHODS = ("none", "lora")
 # The linear layers LoRA may adapt: every projection of a decoder layer, whatever its width after pruning.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,6 +68,22 @@ def _no_control_characters(value: str) -> str:
 Printable = AfterValidator(_no_control_characters)
 # `name` or `name:split` of a named set, or a path to a .txt / .jsonl file.
 DatasetSpec = Annotated[str, StringConstraints(min_length=1, max_length=1024, strip_whitespace=True), Printable]
+
+
+BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+BYTE_SIZE_RULE = "must be a number of bytes > 0, or one with a unit such as 24GiB or 500MB"
+
+
+def _byte_count(value: Any) -> Any:
+    """`24GiB`, `500MB`, `1.5 GB` or a plain number, as a whole number of bytes (anything else is left for the
+    int check to refuse, with the rule in `BYTE_SIZE_RULE`)."""
+    if isinstance(value, str):
+        match = BYTE_SIZE.fullmatch(value)
+        if match and match[2].lower() in BYTE_UNITS:
+            return int(float(match[1]) * BYTE_UNITS[match[2].lower()])
+    return value
 
 
 # alpha "auto": the temperature with the lowest held-out loss among a few (casp_core.temperature).
@@ -89,6 +109,7 @@ Alpha = Annotated[
     Annotated[float, Field(ge=0, le=MAX_ALPHA)] | Literal[AUTO_ALPHA],  # type: ignore[valid-type]
     _one_reason(f'must be a number in [0, {MAX_ALPHA}] or "{AUTO_ALPHA}"'),
 ]
+ByteCount = Annotated[int, annotated_types.Ge(1), BeforeValidator(_byte_count), _one_reason(BYTE_SIZE_RULE)]
 # `auto` (casp_core.rounding chooses per layer width) or an explicit multiple.
 RoundTo = Annotated[
     Annotated[int, annotated_types.Ge(1), annotated_types.Le(MAX_ROUND_TO)] | Literal["auto"],
@@ -276,6 +297,16 @@ class PruneSettings(ConfigPart):
     )
     gguf_type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
         "f16", description="GGUF weight type; q8_0 keeps f16 for rows not a multiple of 32"
+    )
+    max_device_memory: ByteCount | None = Field(
+        None,
+        description="bytes pruning may use on the device (a number, or 24GiB, 500MB, ...); default: what the "
+        "device has free",
+    )
+    placement: Literal[PLACEMENTS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="resident: the whole model on the device; offload: one decoder layer at a time, the rest on "
+        "the CPU; auto: resident when the estimate fits within max_device_memory (docs/placement.md)",
     )
 
 

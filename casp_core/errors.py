@@ -54,3 +54,10 @@ class NumericalError(CaspError):
     """NaN or infinity in the statistics, Q, S_l or the calibration loss: nothing after it can be trusted."""
 
     code = "numerical_error"
+
+
+class DeviceMemoryTooSmall(CaspError):
+    """Even one decoder layer's working set (casp_core.placement's estimate) exceeds the memory the job may use
+    on the device, or a resident model was asked for that does not fit: refused before any work."""
+
+    code = "device_memory_too_small"

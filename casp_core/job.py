@@ -24,6 +24,7 @@ from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_s
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
 from casp_core.model import check_model_reference, decoder_layers, load_model, resolve_device
+from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune
 from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot, snapshot_fingerprint
 from casp_core.recovery import ADAPTER_DIR, RecoveryResult, recover
@@ -149,6 +150,8 @@ def run_job(
             snapshot = retry.pruned_snapshot()
             if snapshot is None:
                 dense, tokenizer, dtype = load_dense(model, revision, config, run)
+                # Refused here when even one layer cannot fit on the device, before hours of evaluation.
+                placement = choose_placement(dense, config, device)
             else:
                 run.report("load", 1.0, f"resumed after pruning (snapshot saved {snapshot.saved_at})")
                 for warning in snapshot.warnings:
@@ -157,7 +160,7 @@ def run_job(
         with run.stage("calibration_data"):
             inputs = read_inputs(dense if snapshot is None else snapshot.model, tokenizer, config, run, snapshot)
         if snapshot is None:
-            pruned = prune_dense(dense, tokenizer, inputs, config, run)
+            pruned = prune_dense(dense, tokenizer, inputs, config, run, placement)
             del dense  # its decoder layers were released while pruning; the rest goes now
         else:
             pruned = Pruned(snapshot.model, snapshot.pruning, snapshot.dense_figures, snapshot.pruned_figures)
@@ -213,12 +216,17 @@ def read_inputs(
 
 
 def prune_dense(
-    dense: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, inputs: Inputs, config: PruneConfig, run: Run
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    inputs: Inputs,
+    config: PruneConfig,
+    run: Run,
+    placement: Placement,
 ) -> Pruned:
     """The dense model's evaluation, then pruning; `dense` loses its decoder layers' weights on the way."""
     with run.stage("evaluation_dense"):
         dense_figures = evaluate(dense, tokenizer, inputs.plan, run)
-    result = prune(dense, tokenizer, config, run, windows=inputs.windows, release_dense=True)
+    result = prune(dense, tokenizer, config, run, windows=inputs.windows, release_dense=True, placement=placement)
     return Pruned(result.model, pruning_section(result), dense_figures, None)
 
 

@@ -10,6 +10,8 @@ with `unsupported_model` before any work, from the config alone.
 import ctypes
 import mmap
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,6 +234,17 @@ def check_supported(model: nn.Module) -> None:
             f"{type(model).__name__} is not supported: its decoder layers have no {', '.join(missing)} "
             "(CASP needs the LLaMA layout)"
         )
+
+
+@contextmanager
+def on_device(module: nn.Module, device: torch.device, home: torch.device) -> Iterator[None]:
+    """`module` on `device` while it works, then back at `home`, where its weights rest between uses (the device
+    itself when the model is resident there, the CPU when it is offloaded: casp_core.placement)."""
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to(home)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

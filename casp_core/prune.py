@@ -25,6 +25,7 @@ from casp_core.calibration import (
 from casp_core.compensation import compensate_layer
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.model import attention_geometry, decoder_layers, prunable_parameters, resolve_device, sublayer_parameters
+from casp_core.placement import RESIDENT, Placement, choose_placement
 from casp_core.results import LayerReport, PruneResult
 from casp_core.run import Run
 from casp_core.selection import choose_units, layer_q, params_kept
@@ -35,13 +36,15 @@ from casp_core.verification import verify
 
 @dataclass
 class CalibrationStream:
-    """The activations entering the current layer, on `store` between layers, and where layers run."""
+    """The activations entering the current layer, on `store` between layers; where layers run, and where their
+    weights rest between uses (`home`: the CPU, or `device` when the model is resident there)."""
 
     inputs: LayerInputs
     dense_inputs: LayerInputs | None  # the dense model's, beside the pruned ones: dense-target compensation only
     sequential: bool  # each layer sees the earlier ones pruned (else: the dense model's activations)
     device: torch.device
     store: torch.device
+    home: torch.device
 
 
 def prune_layer(
@@ -97,7 +100,7 @@ def prune_layer(
             stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)
         else:
             stream.inputs.batches = dense_outputs
-    layer.to(stream.store)
+    layer.to(stream.home)
     return LayerReport(
         index=index,
         ratio=ratio,
@@ -113,13 +116,20 @@ def prune_layer(
 
 
 def allocate(
-    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, device: torch.device, run: Run
+    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, placement: Placement, run: Run
 ) -> list[float | None]:
     """Each layer's sensitivity S_l from the cross-entropy gradient (None for all under uniform allocation)."""
     if config.allocation != "gradient":
         return [None] * len(decoder_layers(model))
     run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
-    return layer_sensitivities(model, windows, batch_size=config.calibration.batch_size, device=device, run=run)
+    return layer_sensitivities(
+        model,
+        windows,
+        batch_size=config.calibration.batch_size,
+        device=placement.device,
+        run=run,
+        home=placement.home,
+    )
 
 
 def prune(
@@ -131,6 +141,7 @@ def prune(
     windows: torch.Tensor | None = None,
     sensitivities: list[float] | None = None,
     release_dense: bool = False,
+    placement: Placement | None = None,
 ) -> PruneResult:
     """Prune `model` (masked in place along the way) and return the physically smaller model.
 
@@ -138,11 +149,19 @@ def prune(
     the gradient allocation's S_l, measured on `model` and `windows` when not given (a bench that prunes one
     dense model many times measures them once). With `release_dense`, `model`'s decoder layers lose their
     weights as the pruned ones are built and verified (a job, which has no use for the masked model after).
+
+    `placement` (`choose_placement`'s when not given) says where the weights are while layers are pruned: resident,
+    the model goes to the device once before the allocation and comes back once after the last layer; offloaded,
+    one decoder layer (or the embedding, or the final norm and head) is there at a time. Surgery and verification
+    start from the CPU either way (verification copies one layer of each model at a time), and both the masked
+    and the pruned model are returned there.
     """
     config.validate()
     check_reachable(model, config)
     run = run or Run()
     device = resolve_device(config.device)
+    placement = placement or choose_placement(model, config, device)
+    run.report("placement", 1.0, placement.message())
     run.time_on(device)
     store = torch.device("cpu")  # calibration activations wait here between layers
     layers = decoder_layers(model)
@@ -155,6 +174,8 @@ def prune(
     uniform_shape = config.shape == UNIFORM_SHAPE
     gradient = config.allocation == "gradient" and not uniform_shape
     temperature = None
+    if placement.mode == RESIDENT:
+        model.to(device)
     with run.stage("allocation"):
         plan: BudgetPlan | UniformShape
         if uniform_shape:
@@ -163,11 +184,13 @@ def prune(
             plan = plan_uniform_shape(model, config)
         else:
             if sensitivities is None:
-                sensitivities = allocate(model, windows, config, device, run)
+                sensitivities = allocate(model, windows, config, placement, run)
             if gradient:
                 alpha = config.alpha
                 if alpha == AUTO_ALPHA:
-                    temperature = choose_alpha(model, windows, sensitivities, config, device, run)
+                    temperature = choose_alpha(
+                        model, windows, sensitivities, config, device, run, store, placement.home
+                    )
                     # A stage of its own, so that the worker keeps the choice as an event of the job.
                     run.report("temperature", 1.0, temperature.message())
                     alpha = temperature.alpha
@@ -178,14 +201,14 @@ def prune(
 
     params_dense = prunable_parameters(model)
     with run.stage("calibration_forward"):
-        inputs = capture_first_layer_inputs(model, windows, calibration.batch_size, device, store)
+        inputs = capture_first_layer_inputs(model, windows, calibration.batch_size, device, store, placement.home)
     # Compensating towards the dense model needs its inputs to each layer beside the pruned ones: a second set of
     # parked activations, carried only then (in dense mode the pruned stream is the dense one).
     sequential = calibration.mode == "sequential"
     dense_inputs = None
     if config.compensation == DENSE_TARGET_COMPENSATION and sequential:
         dense_inputs = replace(inputs, batches=list(inputs.batches))
-    stream = CalibrationStream(inputs, dense_inputs, sequential, device, store)
+    stream = CalibrationStream(inputs, dense_inputs, sequential, device, store, placement.home)
 
     reports: list[LayerReport] = []
     removed = 0
@@ -200,6 +223,8 @@ def prune(
         reports.append(report)
     run.report("pruning", 1.0, "all layers pruned")
     del stream, inputs, dense_inputs
+    if placement.mode == RESIDENT:
+        model.to(store)
 
     prunings = [report.pruning for report in reports]
     with run.stage("surgery"):
@@ -225,4 +250,5 @@ def prune(
         verification_max_relative_diff=verification.max_relative_diff,
         timings=run.timer.stages,
         temperature=temperature,
+        placement=placement,
     )

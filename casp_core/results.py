@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from casp_core.compensation import CompensationReport
+from casp_core.placement import Placement
 from casp_core.surgery import LayerPruning
 
 
@@ -79,6 +80,7 @@ class PruneResult:
     verification_max_relative_diff: float  # what the rule bounds: difference / the stage's largest output
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     temperature: TemperatureChoice | None = None  # alpha "auto" only
+    placement: Placement | None = None  # where the weights were while layers were pruned
 
     @property
     def achieved_ratio(self) -> float:

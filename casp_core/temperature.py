@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from casp_core.allocation import allocate_ratios, on_device, summed_sequence_losses
+from casp_core.allocation import allocate_ratios, summed_sequence_losses
 from casp_core.budget import BudgetPlan, plan_budget
 from casp_core.calibration import (
     capture_first_layer_inputs,
@@ -28,7 +28,7 @@ from casp_core.calibration import (
 from casp_core.compensation import compensate_layer
 from casp_core.config import AUTO_ALPHA_NEEDS_WINDOWS, PruneConfig
 from casp_core.errors import InvalidConfig
-from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
+from casp_core.model import attention_geometry, decoder_layers, on_device, sublayer_parameters
 from casp_core.numerics import check_finite
 from casp_core.results import TemperatureChoice
 from casp_core.run import CPU, Run
@@ -57,8 +57,10 @@ def choose_alpha(
     device: torch.device,
     run: Run,
     store: torch.device = CPU,
+    home: torch.device = CPU,
 ) -> TemperatureChoice:
-    """The grid's temperature with the lowest held-out loss at `config.ratio`; `model` is left as it was."""
+    """The grid's temperature with the lowest held-out loss at `config.ratio`; `model` is left as it was, its
+    weights at `home` (the CPU, or `device` when the model is resident there)."""
     if len(windows) < 2:
         raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
     n_held_out = max(1, round(len(windows) * HELD_OUT_SHARE))
@@ -68,10 +70,8 @@ def choose_alpha(
         Candidate(alpha, plan_budget(model, allocate_ratios(sensitivities, config.ratio, alpha, config.r_max), config))
         for alpha in ALPHA_GRID
     ]
-    statistics = capture_first_layer_inputs(model, statistics_windows, batch_size, device, store)
-    held_out_inputs = capture_first_layer_inputs(model, held_out, batch_size, device, store)
-    model.model.embed_tokens.to(store)
-    model.model.rotary_emb.to(store)
+    statistics = capture_first_layer_inputs(model, statistics_windows, batch_size, device, store, home)
+    held_out_inputs = capture_first_layer_inputs(model, held_out, batch_size, device, store, home)
     for candidate in candidates:
         candidate.hidden = list(held_out_inputs.batches)
 
@@ -83,7 +83,7 @@ def choose_alpha(
             index / len(layers),
             f"alpha auto: layer {index + 1} of {len(layers)}, {len(candidates)} temperatures",
         )
-        with on_device(layer, device, store):
+        with on_device(layer, device, home):
             with record_inputs({"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}) as moments:
                 statistics.batches = run_layer(layer, statistics, device, store)
             check_finite_moments(moments, index)
@@ -105,7 +105,7 @@ def choose_alpha(
                         layer, replace(held_out_inputs, batches=candidate.hidden), device, store
                     )
 
-    losses = held_out_losses(model, candidates, held_out, batch_size, device, store)
+    losses = held_out_losses(model, candidates, held_out, batch_size, device, home)
     check_finite(torch.tensor(list(losses.values())), "allocation", 'the held-out losses of alpha "auto"', None)
     best = min(losses, key=losses.__getitem__)
     return TemperatureChoice(best, losses, len(held_out), len(statistics_windows))
@@ -118,12 +118,12 @@ def held_out_losses(
     held_out: torch.Tensor,
     batch_size: int,
     device: torch.device,
-    store: torch.device,
+    home: torch.device,
 ) -> dict[float, float]:
     """Mean over the held-out windows of each window's mean next-token loss, per candidate."""
     base = model.model
     losses = {}
-    with on_device(nn.ModuleList([base.norm, model.lm_head]), device, store):
+    with on_device(nn.ModuleList([base.norm, model.lm_head]), device, home):
         for candidate in candidates:
             total = 0.0
             for batch, hidden in enumerate(candidate.hidden):

@@ -52,8 +52,6 @@ HEAD_ROWS_PER_CHUNK = 8192  # the head is compared in slices of the vocabulary, 
 def _float64_inputs(model: PreTrainedModel, tokens: torch.Tensor, device: torch.device) -> LayerInputs:
     """The first decoder layer's input and its attention mask and rotary tables, as `model` builds them."""
     inputs = capture_first_layer_inputs(model, tokens, len(tokens), device, device)
-    model.model.embed_tokens.to("cpu")
-    model.model.rotary_emb.to("cpu")
     inputs.batches = [x.double() for x in inputs.batches]
     inputs.layer_kwargs = {
         size: {kind: {name: _to_float64(value) for name, value in kwargs.items()} for kind, kwargs in by_type.items()}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import engines, load, quality, recovery, speed
+from bench import device_memory, engines, load, quality, recovery, speed
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -177,3 +177,19 @@ def test_load_tiny(tmp_path: Path) -> None:
     assert {"loadavg_start", "loadavg_end", "git_commit"} <= set(written["machine"])
     assert all_finite(written)
     assert "| embedded | sqlite |" in (tmp_path / "load.md").read_text()
+
+
+def test_device_memory(tmp_path: Path) -> None:
+    payload = device_memory.main(["--out", str(tmp_path)])
+    written = json.loads((tmp_path / "device_memory.json").read_text())
+    assert written == json.loads(json.dumps(payload)) and all_finite(written)
+    assert written["measured"] is False and "not checked against a GPU measurement" in written["note"]
+    rows = {(row["model"], row["job"]): row for row in written["rows"]}
+    assert len(rows) == 8
+    llama2_70b = rows[("Llama-2-70B", "128 x 2048, batch 8")]
+    # 80 layers of 1.59 GiB, and the offloaded peak far below the device while the resident one is beyond it.
+    assert llama2_70b["layer_weights"] == pytest.approx(1.59, abs=0.01)
+    assert llama2_70b["offload_peak"] < 40 < 80 < llama2_70b["resident_peak"]
+    assert llama2_70b["on_80_gib"] == "offload"
+    assert rows[("LLaMA2-7B", "128 x 2048, batch 8")]["on_80_gib"] == "resident"
+    assert "**Not yet checked against a GPU measurement" in (tmp_path / "device_memory.md").read_text()

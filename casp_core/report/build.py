@@ -9,6 +9,7 @@ from typing import Any
 
 from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
+from casp_core.placement import byte_size
 from casp_core.report.evaluation_section import render_evaluation_section
 from casp_core.results import PruneResult
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
@@ -42,6 +43,7 @@ def pruning_section(result: PruneResult) -> dict[str, Any]:
         },
         "compensation": compensation_summary(layers),
         "alpha_auto": result.temperature.summary() if result.temperature else None,
+        "placement": result.placement.summary() if result.placement else None,
         "layers": layers,
         "verification": {
             "rule": VERIFY_RULE,
@@ -73,6 +75,7 @@ def build_report(
         **{key: pruning[key] for key in ("layers", "verification", "timings")},
         "settings": config.to_dict(),
         "device": device,
+        "placement": pruning.get("placement"),  # a snapshot saved before placement was recorded has none
         "dtype": dtype,
         "versions": library_versions(),
     }
@@ -113,6 +116,18 @@ def _budget(report: dict[str, Any]) -> str:
     return f"allocation `{settings['allocation']}`, alpha {alpha}"
 
 
+def _placement(placement: dict[str, Any] | None) -> str:
+    """How pruning placed the weights on the device, with the memory model's estimate (casp_core.placement)."""
+    if not placement or placement["device"] == "cpu":
+        return ""
+    limit = placement["limit_bytes"]
+    return (
+        f" ({placement['mode']}: estimated peak {byte_size(placement['resident_peak'])} resident, "
+        f"{byte_size(placement['offload_peak'])} offloaded; "
+        f"{byte_size(limit) + ' allowed' if limit else 'no limit known'})"
+    )
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     calibration = settings["calibration"]
@@ -128,7 +143,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"seed {calibration['seed']}, {calibration['mode']} statistics",
         f"- pruned vs masked model: largest difference {verification['max_relative_diff']:.3g} of a stage's output "
         f"({verification['max_abs_diff']:.3g} absolute); rule: {verification['rule']}",
-        f"- device {report['device']}, dtype {report['dtype']}; "
+        f"- device {report['device']}{_placement(report.get('placement'))}, dtype {report['dtype']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         *(f"- warning: {warning}" for warning in report.get("warnings", [])),
         "",

@@ -44,6 +44,8 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
         ({"shape": "square"}, "shape", "'per_layer' or 'uniform'"),
         ({"round_to": 0}, "round_to", "round_to: must be auto or an integer in [1, 65536], got 0"),
         ({"round_to": "fast"}, "round_to", "round_to: must be auto or an integer in [1, 65536], got fast"),
+        ({"max_device_memory": "24 parsecs"}, "max_device_memory", "one with a unit such as 24GiB or 500MB, got 24"),
+        ({"placement": "gpu"}, "placement", "'auto', 'resident' or 'offload'"),
         ({"model": "/etc"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/../casp_core"}, "model", "CASP_ALLOWED_MODEL_ROOTS"),
         ({"model": f"{REPO}/demo/missing"}, "model", "no such model folder"),

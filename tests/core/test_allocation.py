@@ -5,18 +5,16 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from casp_core import allocation, data
 from casp_core.allocation import allocate_ratios, layer_sensitivities
-from casp_core.model import decoder_layers, load_model
+from casp_core.model import load_model
 from casp_core.run import Run
 from tests.conftest import PTBWIKI
+from tests.core.device_placement import OTHER_DEVICE, DevicePlacement
 from tests.core.test_surgery import tiny_llama
 
-# Any device other than the CPU the model is stored on takes the layer-by-layer path; on a machine without an
-# accelerator, the CPU under another name stands in for one (tensors sent there stay ordinary CPU tensors).
-OTHER_DEVICE = torch.device("cpu", 0)
+# Any device other than the CPU the model is stored on takes the layer-by-layer path (OTHER_DEVICE stands in).
 
 SENSITIVITIES = [3e-1, 1.2e-1, 4e-2, 9e-3, 2e-3, 2.5e-3, 7e-4, 1e-4]
 
@@ -106,43 +104,13 @@ def test_random_model_in_chunks_gives_the_same_sensitivities(monkeypatch):
     assert len(set(layer_by_layer)) == 4  # each layer its own
 
 
-class DevicePlacement:
-    """Which decoder layers `Module.to` has sent to the device, checked as each layer runs."""
-
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.layers, self.device = list(decoder_layers(model)), device
-        self.on_device: set[int] = set()
-        self.runs: list[int] = []
-        for index, layer in enumerate(self.layers):
-            # After the layer has run: the first layer's input is captured by a hook that stops it before it runs.
-            layer.register_forward_hook(lambda _module, _args, _output, index=index: self.check(index))
-
-    def moved(self, module: nn.Module, target: torch.device | None) -> None:
-        if target is None:  # a change of dtype only
-            return
-        for index, layer in enumerate(self.layers):
-            if any(part is layer for part in module.modules()):
-                (self.on_device.add if target == self.device else self.on_device.discard)(index)
-
-    def check(self, index: int) -> None:
-        self.runs.append(index)
-        assert self.on_device == {index}, f"layer {index} runs with layers {sorted(self.on_device)} on the device"
-
-
 def test_layer_by_layer_keeps_one_decoder_layer_on_the_device(stories, monkeypatch):
     model, tokenizer = stories
-    placement = DevicePlacement(model, OTHER_DEVICE)
-    move = nn.Module.to
-
-    def recorded_move(module: nn.Module, *args, **kwargs) -> nn.Module:
-        target = torch._C._nn._parse_to(*args, **kwargs)[0]
-        placement.moved(module, None if target is None else torch.device(target))
-        return move(module, *args, **kwargs)
-
-    monkeypatch.setattr(nn.Module, "to", recorded_move)
+    placement = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
     layer_sensitivities(model, calibration(tokenizer, 8, 32), batch_size=4, device=OTHER_DEVICE, run=Run())
+    assert placement.offload_violations() == []
     # Forward through all five layers, then back down recomputing layers 4 to 1, for each chunk of windows: here
     # each batch is one (the layer inputs of all windows would take more than the host share of this tiny model).
     assert allocation.windows_per_chunk(model, calibration(tokenizer, 8, 32), 4) == 4
     assert placement.runs == [0, 1, 2, 3, 4, 4, 3, 2, 1] * 2
-    assert placement.on_device == set()  # every layer back on the host
+    assert placement.arrivals["head"] == 2  # once per chunk, for the gradient at the top
