@@ -110,8 +110,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "The layer working set is led by the down_proj statistics (C and Q of FFN x FFN in float32 above a width "
         "of 4096, compensation's C_kk and its factor in float64) and one batch's activations; the head stage by "
-        "allocation's float32 logits of one batch (their log-softmax and gradient too), which grow with the "
-        "vocabulary: a 70B model offloaded needs a fraction of an 80 GiB device, resident it does not fit.",
+        "the head and allocation's float32 logits of one window (their log-softmax and gradient too), which grow "
+        "with the vocabulary: a 70B model offloaded needs a fraction of an 80 GiB device, resident it does not fit.",
         "",
     ]
     return "\n".join(lines)

@@ -14,11 +14,11 @@ machine could never load (bench/device_memory.py: Llama-2-70B). It counts, for o
 - verification's float64 copies of the masked and the pruned layer (at most two dense layers' worth);
 - alpha "auto": the copies of o_proj and down_proj that each candidate restores.
 
-The head's stage (final norm and head) holds the head and one batch's logits in float32 with their log-softmax and
-gradient; the embedding's holds the embedding and one batch's hidden states. Resident, the device holds the whole
-model plus the largest stage's working set; offloaded, the largest of one layer's stage, the head's and the
-embedding's. The figures are upper bounds (each stage's tensors counted as if all alive at once), not yet checked
-against a GPU measurement.
+The head's stage (final norm and head) holds the head and one window's logits in float32 with their log-softmax and
+gradient (the head's pass goes window by window); the embedding's holds the embedding and one batch's hidden states.
+Resident, the device holds the whole model plus the largest stage's working set; offloaded, the largest of one
+layer's stage, the head's and the embedding's. The figures are upper bounds (each stage's tensors counted as if all
+alive at once), not yet checked against a GPU measurement.
 """
 
 from dataclasses import asdict, dataclass
@@ -111,7 +111,7 @@ class DeviceMemoryEstimate:
     model_weights: int
     layer_weights: int
     layer_working_set: int  # the largest stage of one layer: statistics, solver, compensation, allocation, ...
-    head_stage: int  # final norm, head and one batch's logits (allocation, alpha "auto"), weights included
+    head_stage: int  # final norm, head and one window's logits (allocation, alpha "auto"), weights included
     embedding_stage: int  # embedding and one batch's hidden states, weights included
     resident_peak: int
     offload_peak: int
@@ -144,7 +144,8 @@ def estimate_device_memory(shape: ModelShape, job: JobShape) -> DeviceMemoryEsti
     verification_stage = 2 * shape.layer_parameters() * FLOAT64 - layer_weights  # beyond the layer's own weights
     layer_working_set = max(pruning_stage, gradient_stage, verification_stage)
 
-    logits = 3 * tokens * shape.vocab * FLOAT32 if job.gradient_allocation or job.alpha_auto else 0
+    # One window's logits at a time (allocation and alpha "auto" take the head's pass window by window).
+    logits = 3 * job.seq_len * shape.vocab * FLOAT32 if job.gradient_allocation or job.alpha_auto else 0
     head_stage = (shape.vocab + 1) * shape.hidden * s + logits + 2 * tokens * shape.hidden * s
     embedding_stage = shape.vocab * shape.hidden * s + tokens * shape.hidden * s
     model_weights = shape.model_parameters() * s

@@ -128,8 +128,9 @@ def held_out_losses(
             total = 0.0
             for batch, hidden in enumerate(candidate.hidden):
                 tokens = held_out[batch * batch_size : batch * batch_size + len(hidden)].to(device)
-                logits = model.lm_head(base.norm(hidden.to(device))).float()
-                total += float(summed_sequence_losses(logits, tokens))
+                for i, window in enumerate(hidden.to(device)):  # one window's float32 logits at a time, as allocation
+                    logits = model.lm_head(base.norm(window[None])).float()
+                    total += float(summed_sequence_losses(logits, tokens[i : i + 1]))
             losses[candidate.alpha] = total / len(held_out)
     return losses
 

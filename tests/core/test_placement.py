@@ -181,17 +181,18 @@ def test_memory_model_counts_llama2_7b():
     job = JobShape(batch_size=8, seq_len=2048, gradient_allocation=True, alpha_auto=False, dense_target=False)
     estimate = estimate_device_memory(LLAMA2_7B, job)
     assert estimate.layer_weights == 2 * 202_383_360
-    # The head's stage: the head, one batch's float32 logits three times over, hidden states and their gradient.
+    # The head's stage: the head, one window's float32 logits three times over (the head's pass goes window by
+    # window), one batch's hidden states and their gradient.
     tokens = 8 * 2048
-    assert estimate.head_stage == (32000 + 1) * 4096 * 2 + 3 * tokens * 32000 * 4 + 2 * tokens * 4096 * 2
+    assert estimate.head_stage == (32000 + 1) * 4096 * 2 + 3 * 2048 * 32000 * 4 + 2 * tokens * 4096 * 2
     # One layer's working set is led by the down_proj statistics: C and Q of 11008 x 11008 in float32, C_kk and
     # its factor in float64, one batch's rows of the widest input in float32.
     activations = tokens * (3 * 4096 + 3 * 4096 + 4096 + 3 * 11008) * 2
     statistics = 2 * 4096**2 * 8 + tokens * 4096 * 8 + 2 * 11008**2 * 4 + tokens * 11008 * 4
     assert estimate.layer_working_set == activations + statistics + 2 * 11008**2 * 8
     assert estimate.offload_peak == max(estimate.layer_weights + estimate.layer_working_set, estimate.head_stage)
-    # Resident, the largest stage is the head's logits beside the whole model.
-    assert estimate.resident_peak == estimate.model_weights + 3 * tokens * 32000 * 4 + 2 * tokens * 4096 * 2
+    # Resident, the largest stage is one layer's working set beside the whole model.
+    assert estimate.resident_peak == estimate.model_weights + estimate.layer_working_set
     assert estimate.model_weights == 2 * 6_738_415_616
 
 
