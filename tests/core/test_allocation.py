@@ -104,6 +104,19 @@ def test_random_model_in_chunks_gives_the_same_sensitivities(monkeypatch):
     assert len(set(layer_by_layer)) == 4  # each layer its own
 
 
+def test_layer_by_layer_takes_the_head_one_window_at_a_time(stories):
+    """On the device, the head's float32 logits are one window's: a batch's over a large vocabulary would outweigh
+    a decoder layer (casp_core.placement counts one window's)."""
+    model, tokenizer = stories
+    rows: list[int] = []
+    handle = model.lm_head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    try:
+        layer_sensitivities(model, calibration(tokenizer, 8, 32), batch_size=4, device=OTHER_DEVICE, run=Run())
+    finally:
+        handle.remove()
+    assert rows == [1] * 8
+
+
 def test_layer_by_layer_keeps_one_decoder_layer_on_the_device(stories, monkeypatch):
     model, tokenizer = stories
     placement = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
