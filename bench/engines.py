@@ -36,12 +36,13 @@ from bench.common import (
     write_json,
 )
 from bench.shapes import llama_config
+from casp_core.allocation import layer_sensitivities
 from casp_core.calibration import calibration_windows
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import CalibrationConfig, PruneConfig
 from casp_core.export.gguf import export_gguf
 from casp_core.model import decoder_layers, load_tokenizer, prunable_parameters
-from casp_core.prune import allocate, prune
+from casp_core.prune import prune
 from casp_core.rounding import round_to_for
 from casp_core.run import Run
 
@@ -149,7 +150,9 @@ def prune_variants(args: argparse.Namespace, work: Path) -> list[Variant]:
             model = LlamaForCausalLM.from_pretrained(dense_dir).eval()
             if windows is None:  # the same dense model and windows for every run
                 windows = calibration_windows(model, tokenizer, base)
-                sensitivities = allocate(model, windows, base, CPU, Run())
+                sensitivities = layer_sensitivities(
+                    model, windows, batch_size=base.calibration.batch_size, device=CPU, run=Run()
+                )
             config = base.model_copy(update={"ratio": ratio, "round_to": rounding})
             start = time.perf_counter()
             result = prune(model, tokenizer, config, windows=windows, sensitivities=sensitivities)

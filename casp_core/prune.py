@@ -5,6 +5,7 @@ at the end remove the masked units and verify that the smaller model computes wh
 is the loop, with the allocation before it and surgery and verification after it.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,10 +25,17 @@ from casp_core.calibration import (
 )
 from casp_core.compensation import compensate_layer
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
-from casp_core.model import attention_geometry, decoder_layers, prunable_parameters, resolve_device, sublayer_parameters
+from casp_core.model import (
+    attention_geometry,
+    decoder_layers,
+    on_device,
+    prunable_parameters,
+    resolve_device,
+    sublayer_parameters,
+)
 from casp_core.placement import RESIDENT, Placement, choose_placement
-from casp_core.results import LayerReport, PruneResult
-from casp_core.run import Run
+from casp_core.results import LayerReport, PruneResult, TemperatureChoice
+from casp_core.run import CPU, Run
 from casp_core.selection import choose_units, layer_q, params_kept
 from casp_core.surgery import fill_pruned_layer, kept_kv_heads, mask_layer, pruned_skeleton
 from casp_core.temperature import choose_alpha
@@ -115,21 +123,97 @@ def prune_layer(
     )
 
 
+@dataclass
+class Allocation:
+    """The allocation stage's outcome: each layer's ratio and budget, and what the report says of how."""
+
+    ratios: list[float]
+    plan: BudgetPlan | UniformShape
+    sensitivities: list[float | None]  # S_l per layer; None where they were not measured or not used
+    temperature: TemperatureChoice | None  # alpha "auto" only
+
+
 def allocate(
-    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, placement: Placement, run: Run
-) -> list[float | None]:
-    """Each layer's sensitivity S_l from the cross-entropy gradient (None for all under uniform allocation)."""
+    model: PreTrainedModel,
+    windows: torch.Tensor,
+    config: PruneConfig,
+    placement: Placement,
+    run: Run,
+    sensitivities: list[float] | None,
+) -> Allocation:
+    """Layer ratios from the gradient sensitivities S_l (measured unless given) at `config.alpha` (or the
+    temperature alpha "auto" picks), or uniform; then each layer's budget. The uniform shape measures nothing: one
+    budget for every layer."""
+    n_layers = len(decoder_layers(model))
+    if config.shape == UNIFORM_SHAPE:
+        return Allocation(
+            uniform_ratios(n_layers, config.ratio), plan_uniform_shape(model, config), [None] * n_layers, None
+        )
     if config.allocation != "gradient":
-        return [None] * len(decoder_layers(model))
-    run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
-    return layer_sensitivities(
-        model,
-        windows,
-        batch_size=config.calibration.batch_size,
-        device=placement.device,
-        run=run,
-        home=placement.home,
-    )
+        ratios = uniform_ratios(n_layers, config.ratio)
+        return Allocation(ratios, plan_budget(model, ratios, config), [None] * n_layers, None)
+    if sensitivities is None:
+        run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
+        sensitivities = layer_sensitivities(
+            model,
+            windows,
+            batch_size=config.calibration.batch_size,
+            device=placement.device,
+            run=run,
+            home=placement.home,
+        )
+    alpha, temperature = config.alpha, None
+    if alpha == AUTO_ALPHA:
+        temperature = choose_alpha(model, windows, sensitivities, config, placement.device, run, CPU, placement.home)
+        # A stage of its own, so that the worker keeps the choice as an event of the job.
+        run.report("temperature", 1.0, temperature.message())
+        alpha = temperature.alpha
+    ratios = allocate_ratios(sensitivities, config.ratio, alpha, config.r_max)
+    return Allocation(ratios, plan_budget(model, ratios, config), list(sensitivities), temperature)
+
+
+def prune_layers(
+    model: PreTrainedModel,
+    windows: torch.Tensor,
+    allocation: Allocation,
+    config: PruneConfig,
+    placement: Placement,
+    run: Run,
+) -> list[LayerReport]:
+    """Every layer in turn, the calibration activations carried from one to the next (on the CPU between them)."""
+    calibration = config.calibration
+    with run.stage("calibration_forward"):
+        inputs = capture_first_layer_inputs(
+            model, windows, calibration.batch_size, placement.device, CPU, placement.home
+        )
+    # Compensating towards the dense model needs its inputs to each layer beside the pruned ones: a second set of
+    # parked activations, carried only then (in dense mode the pruned stream is the dense one).
+    sequential = calibration.mode == "sequential"
+    dense_inputs = None
+    if config.compensation == DENSE_TARGET_COMPENSATION and sequential:
+        dense_inputs = replace(inputs, batches=list(inputs.batches))
+    stream = CalibrationStream(inputs, dense_inputs, sequential, placement.device, CPU, placement.home)
+    n_layers = len(decoder_layers(model))
+    reports: list[LayerReport] = []
+    removed = 0
+    for index in range(n_layers):
+        run.check_cancelled()
+        run.report("pruning", index / n_layers, f"layer {index + 1} of {n_layers}")
+        report = prune_layer(
+            model,
+            index,
+            stream,
+            allocation.plan,
+            removed,
+            config,
+            run,
+            ratio=allocation.ratios[index],
+            sensitivity=allocation.sensitivities[index],
+        )
+        removed += report.params_before - report.params_after
+        reports.append(report)
+    run.report("pruning", 1.0, "all layers pruned")
+    return reports
 
 
 def prune(
@@ -151,10 +235,10 @@ def prune(
     weights as the pruned ones are built and verified (a job, which has no use for the masked model after).
 
     `placement` (`choose_placement`'s when not given) says where the weights are while layers are pruned: resident,
-    the model goes to the device once before the allocation and comes back once after the last layer; offloaded,
-    one decoder layer (or the embedding, or the final norm and head) is there at a time. Surgery and verification
-    start from the CPU either way (verification copies one layer of each model at a time), and both the masked
-    and the pruned model are returned there.
+    the model goes to the device once before the allocation and comes back once after the last layer (or an
+    error); offloaded, one decoder layer (or the embedding, or the final norm and head) is there at a time. Surgery
+    and verification start from the CPU either way (verification copies one layer of each model at a time), and
+    both the masked and the pruned model are returned there.
     """
     config.validate()
     check_reachable(model, config)
@@ -163,72 +247,20 @@ def prune(
     placement = placement or choose_placement(model, config, device)
     run.report("placement", 1.0, placement.message())
     run.time_on(device)
-    store = torch.device("cpu")  # calibration activations wait here between layers
-    layers = decoder_layers(model)
-    calibration = config.calibration
     if windows is None:
         with run.stage("calibration_data"):
             run.report("calibration", 0.0, "loading calibration text")
             windows = calibration_windows(model, tokenizer, config)
 
-    uniform_shape = config.shape == UNIFORM_SHAPE
-    gradient = config.allocation == "gradient" and not uniform_shape
-    temperature = None
-    if placement.mode == RESIDENT:
-        model.to(device)
-    with run.stage("allocation"):
-        plan: BudgetPlan | UniformShape
-        if uniform_shape:
-            # One budget for every layer: no sensitivities are measured (no gradient pass over the model).
-            ratios = uniform_ratios(len(layers), config.ratio)
-            plan = plan_uniform_shape(model, config)
-        else:
-            if sensitivities is None:
-                sensitivities = allocate(model, windows, config, placement, run)
-            if gradient:
-                alpha = config.alpha
-                if alpha == AUTO_ALPHA:
-                    temperature = choose_alpha(
-                        model, windows, sensitivities, config, device, run, store, placement.home
-                    )
-                    # A stage of its own, so that the worker keeps the choice as an event of the job.
-                    run.report("temperature", 1.0, temperature.message())
-                    alpha = temperature.alpha
-                ratios = allocate_ratios(sensitivities, config.ratio, alpha, config.r_max)
-            else:
-                ratios = uniform_ratios(len(layers), config.ratio)
-            plan = plan_budget(model, ratios, config)
-
     params_dense = prunable_parameters(model)
-    with run.stage("calibration_forward"):
-        inputs = capture_first_layer_inputs(model, windows, calibration.batch_size, device, store, placement.home)
-    # Compensating towards the dense model needs its inputs to each layer beside the pruned ones: a second set of
-    # parked activations, carried only then (in dense mode the pruned stream is the dense one).
-    sequential = calibration.mode == "sequential"
-    dense_inputs = None
-    if config.compensation == DENSE_TARGET_COMPENSATION and sequential:
-        dense_inputs = replace(inputs, batches=list(inputs.batches))
-    stream = CalibrationStream(inputs, dense_inputs, sequential, device, store, placement.home)
-
-    reports: list[LayerReport] = []
-    removed = 0
-    for index in range(len(layers)):
-        run.check_cancelled()
-        run.report("pruning", index / len(layers), f"layer {index + 1} of {len(layers)}")
-        sensitivity = sensitivities[index] if gradient else None
-        report = prune_layer(
-            model, index, stream, plan, removed, config, run, ratio=ratios[index], sensitivity=sensitivity
-        )
-        removed += report.params_before - report.params_after
-        reports.append(report)
-    run.report("pruning", 1.0, "all layers pruned")
-    del stream, inputs, dense_inputs
-    if placement.mode == RESIDENT:
-        model.to(store)
+    with on_device(model, device, CPU) if placement.mode == RESIDENT else nullcontext():
+        with run.stage("allocation"):
+            allocation = allocate(model, windows, config, placement, run, sensitivities)
+        reports = prune_layers(model, windows, allocation, config, placement, run)
 
     prunings = [report.pruning for report in reports]
     with run.stage("surgery"):
-        pruned = pruned_skeleton(model, prunings, plain=uniform_shape)
+        pruned = pruned_skeleton(model, prunings, plain=config.shape == UNIFORM_SHAPE)
     with run.stage("verification"):
         # Each pruned layer is built just before it is compared, and with `release_dense` the masked layer is freed
         # right after: host memory holds about one copy of the model, not the masked and the pruned side by side.
@@ -249,6 +281,6 @@ def prune(
         verification_max_abs_diff=verification.max_abs_diff,
         verification_max_relative_diff=verification.max_relative_diff,
         timings=run.timer.stages,
-        temperature=temperature,
+        temperature=allocation.temperature,
         placement=placement,
     )
