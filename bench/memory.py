@@ -3,9 +3,10 @@ in bfloat16, against the size of its weights.
 
 The model is written once with `save_pretrained` (safetensors) beside the ptbwiki-7M tokenizer; the job
 (`run_job`, CPU, a short calibration) runs in a fresh Python process, which reports its `ru_maxrss` and the
-peak reached by the end of each stage. Against issue 15's goal, peak RSS <= 1.3 x the checkpoint's size plus a
-fixed margin: `RSS_MARGIN_MIB` is what today's job needs above 1.3 x (not met with a small margin; see
-bench/README.md). Writes bench/results/memory.json and memory.md.
+peak reached during each stage. Issue 15's goal: peak RSS <= `RSS_FACTOR` x the checkpoint's size plus the fixed
+`RSS_MARGIN_MIB`, asserted by tests/core/test_host_memory.py on `job_settings` (no compensation, which keeps
+it short) and measured here on those and on the default least-squares compensation. Writes
+bench/results/memory.json and memory.md.
 """
 
 import argparse
@@ -37,12 +38,25 @@ from bench.common import (
 from bench.shapes import llama_config
 from casp_core.run import Run
 
-# Not proportional to the weights: Python, torch and transformers (about 450 MiB before any weight is read),
-# tokenising the calibration text (about 700 MiB more, transient) and one layer's working memory (Q, the second
-# moments and the least-squares blocks, a few FFN-width-squared matrices: about 0.9 GiB at FFN 5632). Measured
-# peaks: 3246 MiB for 1798 MiB of weights (1B), 2290 MiB for 956 MiB (0.5B).
-RSS_MARGIN_MIB = 1200
+# The bound. 1.3 x: the weights once, resident from the memory-mapped file, and 30 % over them. The margin and
+# those 30 % (540 MiB at 1B) hold what does not scale with the weights: Python, torch and transformers with
+# the tokenizer (about 520 MiB before any weight is read) and one layer's working memory, a few
+# FFN-width-squared matrices (at FFN 5632: C in float32 and Q, 127 MiB each, with |Q| while rho is taken; for the
+# least-squares refit C_kk and its Cholesky factor in float64, 2 x 124 MiB). Measured at 1B
+# (bench/results/memory.md): 1.3 x + 412 MiB without compensation (the test's settings), + 491 MiB with the
+# refit. Masked and pruned model side by side (+840 MiB) or a second copy of the pruned one (+640 MiB) exceed it.
 RSS_FACTOR = 1.3
+RSS_MARGIN_MIB = 600
+RUNTIME_MIB = 520  # the process before any weight is read
+
+
+# What the bench measures: the test's settings, and the default compensation, whose refit holds the most.
+COMPENSATIONS = ("none", "least_squares")
+
+
+def rss_bound_mib(weights_mib: float) -> float:
+    return RSS_FACTOR * weights_mib + RSS_MARGIN_MIB
+
 
 # About 1B parameters (0.94 B): Llama-3.2-1B's layer (hidden 2048, 32 heads over 8 key/value heads), a
 # 5632-wide FFN, 18 layers and a 32000-token vocabulary (the tokenizer uses the first 4096).
@@ -51,15 +65,17 @@ ONE_B = {"hidden": 2048, "layers": 18, "ffn": 5632, "heads": 32, "kv_heads": 8, 
 HALF_B = {"hidden": 1536, "layers": 16, "ffn": 4096, "heads": 24, "kv_heads": 8, "vocab": 32000}
 
 
-def job_settings(datasets_dir: str) -> dict[str, Any]:
-    """Ratio 0.3, 4 windows of 64 tokens of PTB train, no evaluation: the job's own work, not its figures."""
+def job_settings(datasets_dir: str, compensation: str = "none") -> dict[str, Any]:
+    """Ratio 0.3, 2 windows of 32 tokens of PTB train, diagonal solver, uniform allocation, no evaluation: every
+    stage that holds weights (load, calibration, masking, surgery, verification, the checkpoint), in minutes."""
     return {
         "ratio": 0.3,
         "solver": "diagonal",
         "allocation": "uniform",
+        "compensation": compensation,
         "device": "cpu",
         "datasets_dir": datasets_dir,
-        "calibration": {"dataset": "ptb:train", "n_samples": 4, "seq_len": 64, "batch_size": 4},
+        "calibration": {"dataset": "ptb:train", "n_samples": 2, "seq_len": 32, "batch_size": 2},
         "evaluation": {"perplexity": []},
     }
 
@@ -146,40 +162,58 @@ def main(argv: list[str] | None = None) -> None:
         return
     machine = machine_info()
     shape = ONE_B if args.shape == "1b" else HALF_B
-    settings = job_settings(args.datasets_dir)
     model_dir = Path(tempfile.mkdtemp(prefix="casp-memory-"))
+    runs = {}
     try:
         size = write_model(model_dir, shape, args.models_dir)
-        figures = measure(model_dir, settings)
+        for compensation in COMPENSATIONS:
+            settings = job_settings(args.datasets_dir, compensation)
+            figures = measure(model_dir, settings)
+            runs[compensation] = {"settings": {k: v for k, v in settings.items() if k != "datasets_dir"}, **figures}
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     size_mib = size / 2**20
-    bound = RSS_FACTOR * size_mib + RSS_MARGIN_MIB
+    bound = rss_bound_mib(size_mib)
+    for figures in runs.values():
+        figures["peak_over_weights"] = figures["peak_rss_mib"] / size_mib
+        figures["peak_minus_factor_x_weights_mib"] = figures["peak_rss_mib"] - RSS_FACTOR * size_mib
     result = {
         "machine": finish_machine_info(machine),
         "shape": shape,
-        "settings": {k: v for k, v in settings.items() if k != "datasets_dir"},
         "weights_mib": size_mib,
         "bound_mib": bound,
         "bound": f"{RSS_FACTOR} x weights + {RSS_MARGIN_MIB} MiB",
-        **figures,
-        "peak_over_weights": figures["peak_rss_mib"] / size_mib,
+        "runs": runs,
     }
     write_json(RESULTS_DIR / "memory.json", result)
+    stages = list(dict.fromkeys(name for figures in runs.values() for name in figures["stage_peak_rss_mib"]))
     lines = [
         "# Peak host memory of a pruning job",
         "",
         machine_line(result["machine"]),
         "",
         f"Random LLaMA {shape}, bfloat16, {size_mib:.0f} MiB of safetensors; `run_job` on the CPU, ratio 0.3, "
-        "diagonal solver, uniform allocation, 4 x 64 calibration tokens, no evaluation; in a fresh process.",
+        "diagonal solver, uniform allocation, 2 x 32 calibration tokens, no evaluation; in a fresh process. "
+        f"Bound: {result['bound']} = {bound:.0f} MiB.",
         "",
-        f"- peak RSS: **{figures['peak_rss_mib']:.0f} MiB** = {result['peak_over_weights']:.2f} x the weights "
-        f"(bound {result['bound']} = {bound:.0f} MiB), {figures['seconds']:.0f} s",
+        *(
+            f"- compensation {name}: peak RSS **{figures['peak_rss_mib']:.0f} MiB** = "
+            f"{figures['peak_over_weights']:.2f} x the weights = {RSS_FACTOR} x + "
+            f"{figures['peak_minus_factor_x_weights_mib']:.0f} MiB, {figures['seconds']:.0f} s"
+            for name, figures in runs.items()
+        ),
         "",
-        "| stage | peak RSS sampled during it (MiB) |",
-        "|---|---|",
-        *(f"| {name} | {peak:.0f} |" for name, peak in figures["stage_peak_rss_mib"].items()),
+        f"| stage | {' | '.join(f'peak RSS sampled during it, compensation {name} (MiB)' for name in runs)} |",
+        f"|---|{'---|' * len(runs)}",
+        *(
+            f"| {stage} | "
+            + " | ".join(
+                f"{figures['stage_peak_rss_mib'][stage]:.0f}" if stage in figures["stage_peak_rss_mib"] else "-"
+                for figures in runs.values()
+            )
+            + " |"
+            for stage in stages
+        ),
     ]
     (RESULTS_DIR / "memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -30,27 +30,52 @@ from casp_core.run import CPU
 FLOAT64_MAX_DIM = 4096
 
 
-class SecondMoment:
+class _Averaged:
+    """Sums over tokens that become averages in place when first read: a d x d copy would be one of a layer's
+    largest allocations at FFN width (127 MB at 5632 in float32). Once read, no more inputs are taken."""
+
+    sums: tuple[str, ...]  # the attributes holding sums over the tokens
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.averaged = False
+
+    def _take(self, rows: int) -> None:
+        if self.averaged:
+            raise RuntimeError("statistics already read as averages take no more inputs")
+        self.count += rows
+
+    def _averaged(self, name: str) -> torch.Tensor:
+        if not self.averaged:
+            for sum_name in self.sums:
+                getattr(self, sum_name).div_(self.count)
+            self.averaged = True
+        return getattr(self, name)
+
+
+class SecondMoment(_Averaged):
+    sums = ("outer", "total")
+
     def __init__(self, dim: int, device: torch.device) -> None:
+        super().__init__()
         self.dtype = torch.float64 if dim <= FLOAT64_MAX_DIM else torch.float32
         self.outer = torch.zeros(dim, dim, dtype=self.dtype, device=device)
         self.total = torch.zeros(dim, dtype=self.dtype, device=device)
-        self.count = 0
 
     @torch.no_grad()
     def update(self, inputs: torch.Tensor) -> None:
         rows = inputs.reshape(-1, inputs.shape[-1]).to(self.dtype)
+        self._take(rows.shape[0])
         self.outer.addmm_(rows.T, rows)
         self.total += rows.sum(dim=0)
-        self.count += rows.shape[0]
 
     @property
     def second_moment(self) -> torch.Tensor:
-        return self.outer / self.count
+        return self._averaged("outer")
 
     @property
     def mean(self) -> torch.Tensor:
-        return self.total / self.count
+        return self._averaged("total")
 
 
 @contextmanager
@@ -68,30 +93,32 @@ def record_inputs(modules: dict[str, nn.Linear]) -> Iterator[dict[str, SecondMom
             handle.remove()
 
 
-class StreamCrossMoment:
+class StreamCrossMoment(_Averaged):
     """M = E[y_d yᵀ] and C_d = E[y_d y_dᵀ]: a sub-layer's input on the dense stream (y_d) against the pruned (y)."""
 
+    sums = ("cross", "dense_outer")
+
     def __init__(self, dim: int, device: torch.device) -> None:
+        super().__init__()
         self.dtype = torch.float64 if dim <= FLOAT64_MAX_DIM else torch.float32
         self.cross = torch.zeros(dim, dim, dtype=self.dtype, device=device)
         self.dense_outer = torch.zeros(dim, dim, dtype=self.dtype, device=device)
-        self.count = 0
 
     @torch.no_grad()
     def update(self, dense_inputs: torch.Tensor, inputs: torch.Tensor) -> None:
         dense_rows = dense_inputs.reshape(-1, dense_inputs.shape[-1]).to(self.dtype)
         rows = inputs.reshape(-1, inputs.shape[-1]).to(self.dtype)
+        self._take(rows.shape[0])
         self.cross.addmm_(dense_rows.T, rows)
         self.dense_outer.addmm_(dense_rows.T, dense_rows)
-        self.count += rows.shape[0]
 
     @property
     def cross_moment(self) -> torch.Tensor:
-        return self.cross / self.count
+        return self._averaged("cross")
 
     @property
     def dense_second_moment(self) -> torch.Tensor:
-        return self.dense_outer / self.count
+        return self._averaged("dense_outer")
 
 
 @dataclass

@@ -78,18 +78,19 @@ def fit_kept_columns(
     # Each block is cut from C before it is widened to float64: a float64 copy of the whole C (and an identity
     # beside C_kk) would be the largest thing this layer allocates, the size of a layer's weights at 7B.
     c_kk = second_moment[kept_columns][:, kept_columns].double()
-    scale = float(c_kk.diagonal().mean().clamp(min=torch.finfo(torch.float64).tiny))
+    # Damped on its own diagonal, which is put back from a copy after: no second |k| x |k| matrix.
+    diagonal = c_kk.diagonal().clone()
+    scale = float(diagonal.mean().clamp(min=torch.finfo(torch.float64).tiny))
     for growth in range(MAX_DAMPING_GROWTH + 1):
         used = damping * 10**growth
-        damped = c_kk.clone()
-        damped.diagonal().add_(used * scale)
-        factor, info = torch.linalg.cholesky_ex(damped)
-        del damped
+        c_kk.diagonal().copy_(diagonal + used * scale)
+        factor, info = torch.linalg.cholesky_ex(c_kk)
         if int(info) == 0:
             break
         logger.warning("C_kk is not positive definite with damping %.3g; retrying with %.3g", used, used * 10)
     else:
         raise torch.linalg.LinAlgError(f"C_kk stays singular up to damping {used:.3g}")
+    c_kk.diagonal().copy_(diagonal)
     # The numerator as weights @ momentsᵀ, so that D = weights @ ((C_kk + λI)^-1 moments)ᵀ (C_kk is symmetric).
     weight = weight.detach()
     if cross_moment is None:
@@ -110,26 +111,31 @@ def removal_error(
     second_moment: torch.Tensor,
     pruned: list[int],
     kept_columns: list[int],
-    update: torch.Tensor,
+    update: torch.Tensor | None,
     dense: StreamCrossMoment | None = None,
 ) -> float:
-    """The expected squared output error per token of the kept columns plus `update`, with the undamped moments.
+    """The expected squared output error per token of the kept columns plus `update` (None: as they are), with
+    the undamped moments.
 
     Against the same layer on the same inputs: E||W_p y_p - D y_k||² = tr(W_p C_pp W_pᵀ) - 2 tr(D C_kp W_pᵀ)
     + tr(D C_kk Dᵀ). Against the dense model (`dense` given), with W' = W_k + D:
     E||W y_d - W' y_k||² = tr(W C_d Wᵀ) - 2 tr(W' M_:kᵀ Wᵀ) + tr(W' C_kk W'ᵀ).
     """
-    c_kk = second_moment[kept_columns][:, kept_columns].double()  # cut before widening, as in fit_kept_columns
     if dense is None:
         w_pruned = weight.detach()[:, pruned].double()
         c_pp = second_moment[pruned][:, pruned].double()
-        c_kp = second_moment[kept_columns][:, pruned].double()
         error = (w_pruned @ c_pp * w_pruned).sum()
-        error -= 2 * (update @ c_kp * w_pruned).sum()
-        error += (update @ c_kk * update).sum()
+        del c_pp
+        if update is not None:  # without one the D terms are zero: no |k| x |k| block is cut for them
+            c_kp = second_moment[kept_columns][:, pruned].double()
+            error -= 2 * (update @ c_kp * w_pruned).sum()
+            del c_kp
+            c_kk = second_moment[kept_columns][:, kept_columns].double()  # cut before widening, as in the fit
+            error += (update @ c_kk * update).sum()
         return float(error)
+    c_kk = second_moment[kept_columns][:, kept_columns].double()
     full = weight.detach().double()
-    refitted = full[:, kept_columns] + update
+    refitted = full[:, kept_columns] if update is None else full[:, kept_columns] + update
     error = (full @ dense.dense_second_moment.double() * full).sum()
     error -= 2 * (refitted @ dense.cross_moment.double()[:, kept_columns].T * full).sum()
     error += (refitted @ c_kk * refitted).sum()
@@ -152,8 +158,7 @@ def compensate_linear(
     kept_columns = [i for i in range(linear.in_features) if i not in pruned_set]
     second_moment = moment.second_moment
     reference = SAME_INPUTS if dense is None else DENSE_MODEL
-    no_update = torch.zeros(linear.out_features, len(kept_columns), dtype=torch.float64, device=second_moment.device)
-    before = removal_error(linear.weight, second_moment, pruned, kept_columns, no_update, dense)
+    before = removal_error(linear.weight, second_moment, pruned, kept_columns, None, dense)
     # Against its own unpruned output a layer that loses nothing has nothing to refit; against the dense model's
     # it still does. A layer that keeps nothing has nothing to refit with.
     if (not pruned and dense is None) or not kept_columns:
@@ -180,8 +185,7 @@ def add_mean_bias(linear: nn.Linear, moment: SecondMoment, pruned: list[int]) ->
     pruned_set = set(pruned)
     kept_columns = [i for i in range(linear.in_features) if i not in pruned_set]
     second_moment = moment.second_moment
-    no_update = torch.zeros(linear.out_features, len(kept_columns), dtype=torch.float64, device=second_moment.device)
-    before = removal_error(linear.weight, second_moment, pruned, kept_columns, no_update)
+    before = removal_error(linear.weight, second_moment, pruned, kept_columns, None)
     bias = mean_bias(linear.weight, moment.mean, pruned)
     if linear.bias is None:
         linear.bias = nn.Parameter(torch.zeros_like(linear.weight[:, 0]))

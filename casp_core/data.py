@@ -9,7 +9,9 @@ convention of GPTQ and LLM-Pruner): the local readers rebuild those rows from th
 reads, so one split gives one token stream whichever reader ran.
 """
 
+import ctypes
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,7 +182,21 @@ def tokenize(text: str, tokenizer: PreTrainedTokenizerBase, *, add_bos: bool) ->
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     if add_bos and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id, *ids]
-    return torch.tensor(ids, dtype=torch.long)
+    tokens = torch.tensor(ids, dtype=torch.long)
+    del ids
+    _return_freed_heap()
+    return tokens
+
+
+def _return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc only; elsewhere nothing happens).
+
+    A fast tokenizer encoding a whole split allocates many small blocks (offsets, token strings, alignments:
+    about 700 MB at the peak for PTB train's 5 MB) and frees them on return, but the allocator keeps about 300 MB
+    of those pages, resident for the rest of the job on top of the weights."""
+    malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 def sample_windows(tokens: torch.Tensor, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:

@@ -7,12 +7,28 @@ the removed part of the sub-layer's output per token.
 
 import torch
 
+SYMMETRISED_ROWS = 512  # rows per step of the in-place symmetrisation: its scratch is this many rows of Q
+
 
 def interaction_matrix(weight: torch.Tensor, second_moment: torch.Tensor) -> torch.Tensor:
     w = weight.detach().to(second_moment.dtype)
     q = (w.T @ w).mul_(second_moment)
     # Exact symmetry lets the solvers read rows for columns; the two products differ only by rounding.
-    return (q + q.T).mul_(0.5)
+    return _symmetrise_(q)
+
+
+def _symmetrise_(q: torch.Tensor) -> torch.Tensor:
+    """q <- (q + qᵀ) / 2 in place, a band of rows at a time, rather than through a second d x d matrix.
+
+    Each step settles rows and columns [start, stop) against everything after `start`; what came before is
+    already symmetric and is not read again. Addition commutes exactly, so this is (q + qᵀ) * 0.5 bit for bit."""
+    size = q.shape[0]
+    for start in range(0, size, SYMMETRISED_ROWS):
+        stop = min(start + SYMMETRISED_ROWS, size)
+        band = (q[start:stop, start:] + q[start:, start:stop].T).mul_(0.5)
+        q[start:stop, start:] = band
+        q[start:, start:stop] = band.T
+    return q
 
 
 def block_aggregate(q: torch.Tensor, block: int) -> torch.Tensor:

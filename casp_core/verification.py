@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedModel
 
@@ -83,12 +84,21 @@ class _StayFloat64(TorchFunctionMode):
             args = tuple(torch.float64 if isinstance(a, torch.dtype) and a.is_floating_point else a for a in args)
             if isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:
                 kwargs = {**kwargs, "dtype": torch.float64}
+            if func is F.linear:  # the projection's weight and bias widened for this product only
+                args = tuple(a.double() if isinstance(a, torch.Tensor) else a for a in args)
         return func(*args, **kwargs)
 
 
 def float64_forward(module: nn.Module, device: torch.device, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """`module` computed wholly in float64 with a copy of its weights on `device`; the module stays as it is."""
-    weights = {name: tensor.to(device, torch.float64) for name, tensor in module.state_dict().items()}
+    """`module` computed wholly in float64 on `device`; the module stays as it is.
+
+    Vectors (norms, biases) are widened up front; matrices, which only projections read, are widened one at a
+    time as each projection runs (`_StayFloat64`): a float64 copy of a whole decoder layer would be 4x its
+    bfloat16 weights, the largest thing verification allocates."""
+    weights = {
+        name: tensor.to(device) if tensor.dim() >= 2 else tensor.to(device, torch.float64)
+        for name, tensor in module.state_dict().items()
+    }
     with _StayFloat64():
         return torch.func.functional_call(module, weights, args, kwargs)
 

@@ -121,8 +121,8 @@ def test_removal_error_is_the_mean_squared_output_error_and_z_q_z_without_update
     residual = inputs[:, pruned] @ weight[:, pruned].T - inputs[:, kept] @ update.T
     mean_squared_error = float(residual.pow(2).sum(1).mean())
     assert removal_error(weight, c, pruned, kept, update) == pytest.approx(mean_squared_error, rel=1e-9)
-    none = torch.zeros_like(update)
-    before = removal_error(weight, c, pruned, kept, none)
+    before = removal_error(weight, c, pruned, kept, None)
+    assert before == removal_error(weight, c, pruned, kept, torch.zeros_like(update))  # None: the D terms skipped
     assert before == pytest.approx(objective(interaction_matrix(weight, c), torch.tensor(pruned)), rel=1e-9)
     assert removal_error(weight, c, pruned, kept, update) < 0.5 * before
 

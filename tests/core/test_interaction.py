@@ -4,7 +4,7 @@ import torch
 
 from casp_core import data
 from casp_core.calibration import record_inputs
-from casp_core.interaction import block_aggregate, interaction_matrix, objective, offdiag_ratio
+from casp_core.interaction import SYMMETRISED_ROWS, block_aggregate, interaction_matrix, objective, offdiag_ratio
 
 
 def _calibration_tokens(tokenizer, datasets_dir: str) -> torch.Tensor:
@@ -64,3 +64,16 @@ def test_offdiag_ratio():
     assert offdiag_ratio(torch.eye(4)) == 0.0
     q = torch.tensor([[1.0, -1.0], [-1.0, 1.0]])
     assert offdiag_ratio(q) == 0.5
+
+
+def test_q_is_symmetrised_in_place_bit_for_bit_across_bands():
+    """Q is made symmetric a band of rows at a time (no second d x d matrix): the result is (q + qᵀ) / 2 exactly,
+    for a width that spans several bands and ends in a partial one."""
+    width = 2 * SYMMETRISED_ROWS + 37
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, width, generator=generator)
+    # Not symmetric, as C and WᵀW from rounded products need not be: symmetrising has something to do.
+    second_moment = torch.rand(width, width, generator=generator)
+    q = (weight.T @ weight) * second_moment
+    assert not torch.equal(q, q.T)
+    assert torch.equal(interaction_matrix(weight, second_moment), (q + q.T) * 0.5)

@@ -1,5 +1,6 @@
 """Streamed activation statistics: C = E[yᵀy] and E[y], float64 up to FLOAT64_MAX_DIM, float32 beyond."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -55,3 +56,19 @@ def test_wide_statistics_accumulate_in_float32_and_match_float64():
     # Q from the float32 statistics is exactly symmetric, as the solvers assume.
     q = interaction_matrix(torch.randn(3, WIDE, generator=torch.Generator().manual_seed(2)), moment.second_moment)
     assert q.dtype == torch.float32 and torch.equal(q, q.T)
+
+
+def test_averages_are_taken_in_place_once_and_close_the_statistics():
+    """The sums become E[yᵀy] and E[y] in their own storage (no d x d copy), the same on every read; a batch
+    arriving after that would be averaged wrongly, so it is refused."""
+    batches = activations(48, torch.float64, seed=3)
+    moment = SecondMoment(48, torch.device("cpu"))
+    for batch in batches:
+        moment.update(batch)
+    sums = moment.outer.clone(), moment.total.clone()
+    second, mean = moment.second_moment, moment.mean
+    assert second.data_ptr() == moment.outer.data_ptr() and mean.data_ptr() == moment.total.data_ptr()
+    assert torch.equal(second, sums[0] / moment.count) and torch.equal(mean, sums[1] / moment.count)
+    assert torch.equal(moment.second_moment, sums[0] / moment.count)  # not divided again
+    with pytest.raises(RuntimeError, match="no more inputs"):
+        moment.update(batches[0])
