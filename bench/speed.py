@@ -8,6 +8,8 @@ Writes bench/results/speed.json and speed.md.
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import statistics
 import subprocess
@@ -208,8 +210,10 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
             _bare_linears(layer, inputs.batches)
     del inputs
 
+    release_free_memory()
     with probe("surgery"), timed(seconds, "surgery"):
         pruned = remove_units(model, prunings)
+    release_free_memory()
     with bare("surgery"), timed(baseline, "surgery"):
         # What surgery makes: the pruned decoder layers' weights. The embeddings, final norm and head it shares
         # with the dense model, not copies, so the baseline does not copy them either.
@@ -229,6 +233,18 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
         "peak_rss_delta_mb": memory,
         "baseline_peak_rss_delta_mb": baseline_memory,
     }
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim), so that what runs next faults its new
+    memory in. Surgery and its baseline both make new tensors: run after the pipeline has freed its
+    activations, surgery would reuse freed heap pages (tensors under glibc's 32 MB mmap threshold) and the
+    baseline, run while surgery's tensors hold them, would fault in fresh ones; at 2048 x 5504 that made surgery
+    look faster than a copy. Without glibc this does nothing."""
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
 
 
 class _Probe(PeakRSS):
@@ -289,6 +305,12 @@ def measure_size(size: Size, n_samples: int, seq_len: int, batch_size: int, repe
             "seconds": seconds,
             "all_seconds": [p["seconds"][stage] for p in passes],
             "baseline_seconds": base,
+            "baseline_all_seconds": [p["baseline_seconds"][stage] for p in passes],
+            # Each pass's stage over its own baseline: both ran under the same load, so these spread less.
+            "pass_ratios": [
+                p["seconds"][stage] / p["baseline_seconds"][stage] if p["baseline_seconds"][stage] > 0 else None
+                for p in passes
+            ],
             "ratio_to_baseline": seconds / base if base > 0 else None,
             "peak_rss_delta_mb": statistics.median(p["peak_rss_delta_mb"][stage] for p in passes),
             "baseline_peak_rss_delta_mb": statistics.median(p["baseline_peak_rss_delta_mb"][stage] for p in passes),
