@@ -8,6 +8,8 @@ Writes bench/results/speed.json and speed.md.
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import statistics
 import subprocess
@@ -146,18 +148,24 @@ def timed(record: dict[str, float], name: str) -> Iterator[None]:
 def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int, out_dir: Path) -> dict[str, Any]:
     """The stages of `casp_core.prune.prune`, called directly with a timer and a memory probe on each.
 
-    Each layer prunes half its heads and channels with greedy; the baseline ops are timed beside them.
+    Each layer prunes half its heads and channels with greedy; the baseline ops are timed beside them, under a
+    memory probe of their own: the probe's sampling thread takes CPU time, so a stage timed with it and its
+    baseline without would charge the stage for the probe.
     """
     seconds: dict[str, float] = {}
     baseline: dict[str, float] = {}
     memory: dict[str, float] = {}
+    baseline_memory: dict[str, float] = {}
 
     def probe(name: str) -> PeakRSS:
         return _Probe(memory, name)
 
+    def bare(name: str) -> PeakRSS:
+        return _Probe(baseline_memory, name)
+
     with probe("allocation"), timed(seconds, "allocation"):
         layer_sensitivities(model, windows, batch_size=batch_size, device=CPU, run=Run())
-    with torch.no_grad(), timed(baseline, "allocation"):
+    with torch.no_grad(), bare("allocation"), timed(baseline, "allocation"):
         for start in range(0, len(windows), batch_size):
             model(windows[start : start + batch_size], use_cache=False)
 
@@ -168,7 +176,7 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
         sublayers = {"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}
         with probe("statistics"), timed(seconds, "statistics"), record_inputs(sublayers) as moments:
             run_layer(layer, inputs, CPU, CPU)  # the pipeline's statistics stage: the forward, hooks folding in C
-        with timed(baseline, "statistics"):
+        with bare("statistics"), timed(baseline, "statistics"):
             _bare_linears(layer, inputs.batches)
             for module in sublayers.values():
                 # Values do not matter to the cost: a random block of the sub-layer input's shape.
@@ -181,7 +189,7 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
                 interaction_matrix(layer.self_attn.o_proj.weight, moments["attn"].second_moment), geometry.head_dim
             )
             q_channels = interaction_matrix(layer.mlp.down_proj.weight, moments["mlp"].second_moment)
-        with timed(baseline, "q_build"):
+        with bare("q_build"), timed(baseline, "q_build"):
             for name, module in sublayers.items():
                 w = module.weight.detach().to(moments[name].dtype)
                 torch.mm(w.T, w)
@@ -189,7 +197,7 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
         heads, channels = q_heads.shape[0] // 2, q_channels.shape[0] // 2
         with probe("solver"), timed(seconds, "solver"):
             pruning = LayerPruning(tuple(greedy(q_heads, heads).tolist()), tuple(greedy(q_channels, channels).tolist()))
-        with timed(baseline, "solver"):
+        with bare("solver"), timed(baseline, "solver"):
             _argmin_add(q_heads, heads)
             _argmin_add(q_channels, channels)
         del moments, q_heads, q_channels
@@ -198,23 +206,45 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
         prunings.append(pruning)
         with probe("calibration_forward"), timed(seconds, "calibration_forward"):
             inputs.batches = run_layer(layer, inputs, CPU, CPU)  # sequential: the next layer sees this one pruned
-        with timed(baseline, "calibration_forward"):
+        with bare("calibration_forward"), timed(baseline, "calibration_forward"):
             _bare_linears(layer, inputs.batches)
     del inputs
 
+    release_free_memory()
     with probe("surgery"), timed(seconds, "surgery"):
         pruned = remove_units(model, prunings)
-    with timed(baseline, "surgery"):
-        state = {name: tensor.clone() for name, tensor in pruned.state_dict().items()}
+    release_free_memory()
+    with bare("surgery"), timed(baseline, "surgery"):
+        # What surgery makes: the pruned decoder layers' weights. The embeddings, final norm and head it shares
+        # with the dense model, not copies, so the baseline does not copy them either.
+        kept_weights = {name: tensor.clone() for name, tensor in decoder_layers(pruned).state_dict().items()}
+    del kept_weights
 
     tokenizer = AutoTokenizer.from_pretrained(Path(default_models_dir()) / "stories260K")
     with tempfile.TemporaryDirectory(dir=out_dir) as directory:
         with probe("save"), timed(seconds, "save"):
             save_pruned(pruned, tokenizer, Path(directory) / "casp")
-        with timed(baseline, "save"):
+        with bare("save"), timed(baseline, "save"):
             # Tied tensors would make safetensors refuse; this model's are untied.
-            save_file(state, str(Path(directory) / "bare.safetensors"))
-    return {"seconds": seconds, "baseline_seconds": baseline, "peak_rss_delta_mb": memory}
+            save_file(pruned.state_dict(), str(Path(directory) / "bare.safetensors"))
+    return {
+        "seconds": seconds,
+        "baseline_seconds": baseline,
+        "peak_rss_delta_mb": memory,
+        "baseline_peak_rss_delta_mb": baseline_memory,
+    }
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim), so that what runs next faults its new
+    memory in. Surgery and its baseline both make new tensors: run after the pipeline has freed its
+    activations, surgery would reuse freed heap pages (tensors under glibc's 32 MB mmap threshold) and the
+    baseline, run while surgery's tensors hold them, would fault in fresh ones; at 2048 x 5504 that made surgery
+    look faster than a copy. Without glibc this does nothing."""
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
 
 
 class _Probe(PeakRSS):
@@ -275,8 +305,15 @@ def measure_size(size: Size, n_samples: int, seq_len: int, batch_size: int, repe
             "seconds": seconds,
             "all_seconds": [p["seconds"][stage] for p in passes],
             "baseline_seconds": base,
+            "baseline_all_seconds": [p["baseline_seconds"][stage] for p in passes],
+            # Each pass's stage over its own baseline: both ran under the same load, so these spread less.
+            "pass_ratios": [
+                p["seconds"][stage] / p["baseline_seconds"][stage] if p["baseline_seconds"][stage] > 0 else None
+                for p in passes
+            ],
             "ratio_to_baseline": seconds / base if base > 0 else None,
             "peak_rss_delta_mb": statistics.median(p["peak_rss_delta_mb"][stage] for p in passes),
+            "baseline_peak_rss_delta_mb": statistics.median(p["baseline_peak_rss_delta_mb"][stage] for p in passes),
         }
     return result
 
@@ -395,7 +432,7 @@ STAGE_BASELINES = {
     "q_build": "one matmul WᵀW per sub-layer in the statistics' dtype",
     "allocation": "one no-grad forward of the whole model on the same windows",
     "solver": "k argmin + row add of the same size (heads and channels)",
-    "surgery": "cloning the pruned model's state dict",
+    "surgery": "cloning the weights surgery makes (the pruned decoder layers'; not the shared embeddings and head)",
     "save": "safetensors.save_file of the same tensors",
 }
 
@@ -413,7 +450,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"{settings['batch_size']}; each layer prunes half its heads and FFN channels with greedy. Seconds are "
         "medians over the repeats, summed over layers; memory is the peak RSS above the stage's start "
         "(sampled every ms; includes allocator slack). `ratio` is the stage's time over its bare torch "
-        "operation's:",
+        "operation's, timed beside it under the same memory probe:",
         "",
         *(f"- {stage}: {text}" for stage, text in STAGE_BASELINES.items()),
         "",
