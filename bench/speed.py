@@ -507,8 +507,9 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         "How the pipeline does it (`casp_core/calibration.py`, `casp_core/prune.py`): "
         "`capture_first_layer_inputs` runs the embeddings "
-        "and stops at the first decoder layer by raising from a pre-hook, keeping one hidden-state tensor per "
-        "batch on the `store` device (the CPU). For each layer, `run_layer` moves one batch at a time to the "
+        "with recorders in place of the decoder layers (they note each attention type's mask and rotary tables, "
+        "and the last one needed stops the pass), keeping one hidden-state tensor per batch on the `store` device "
+        "(the CPU). For each layer, `run_layer` moves one batch at a time to the "
         "device, runs the layer (the `record_inputs` hooks fold that batch into the d x d accumulators and drop "
         "it) and moves the output back to the store; the layer's weights go to the device before and back "
         "after. So the accelerator holds one layer, one batch and the statistics; the CPU store holds "
