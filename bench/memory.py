@@ -2,7 +2,7 @@
 in bfloat16, against the size of its weights.
 
 The model is written once with `save_pretrained` (safetensors) beside the ptbwiki-7M tokenizer; the job
-(`run_job`, CPU, a short calibration) runs in a fresh Python process, which reports its `ru_maxrss` and the
+(`run_job`, CPU, a short calibration) runs in a fresh Python process, which reports its peak RSS (VmHWM) and the
 peak reached during each stage. Issue 15's goal: peak RSS <= `RSS_FACTOR` x the checkpoint's size plus the fixed
 `RSS_MARGIN_MIB`, asserted by tests/core/test_host_memory.py on `job_settings` (no compensation, which keeps
 it short) and measured here on those and on the default least-squares compensation. Writes
@@ -11,7 +11,6 @@ bench/results/memory.json and memory.md.
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -124,9 +123,13 @@ class SampledRun(Run):
 
     def _sample(self) -> None:
         while not self.done.wait(SAMPLE_SECONDS):
-            status = Path("/proc/self/status").read_text()
-            rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
-            self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), rss)
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), memory_status_mib("VmRSS"))
+
+
+def memory_status_mib(field: str) -> float:
+    """A memory figure of this process from /proc/self/status (VmRSS: resident now; VmHWM: the peak of it)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith(f"{field}:")).split()[1]) / 1024
 
 
 SAMPLE_SECONDS = 0.02
@@ -143,7 +146,9 @@ def run_job_here(model_dir: str, settings: str, out: str) -> None:
     print(
         json.dumps(
             {
-                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forked parent across exec, so under a
+                # large pytest process it would report the parent's size, not the job's.
+                "peak_rss_mib": memory_status_mib("VmHWM"),
                 "seconds": time.perf_counter() - start,
                 "stage_peak_rss_mib": run.peaks,
             }

@@ -103,15 +103,16 @@ def _squared_gradients_layer_by_layer(
             tokens = windows[first : first + len(hidden)].to(device)
             # One window at a time, each with its own backward pass: a batch's float32 logits (and their log-softmax
             # and gradient) over a 128K vocabulary would outweigh a decoder layer on the device.
-            window_gradients = []
+            loss, window_gradients = torch.zeros((), device=device), []
             for i, window in enumerate(hidden.to(device)):
                 window = window[None].requires_grad_(True)
                 with torch.enable_grad():
-                    loss = summed_sequence_losses(model.lm_head(base.norm(window)).float(), tokens[i : i + 1])
-                if not torch.isfinite(loss):
-                    outputs = [batches[batch][i : i + 1] for batches in stored[1:]] + [hidden[i : i + 1]]
-                    _name_first_non_finite_output(loss, outputs, first + i, first + i + 1)
-                window_gradients.append(torch.autograd.grad(loss, window)[0])
+                    window_loss = summed_sequence_losses(model.lm_head(base.norm(window)).float(), tokens[i : i + 1])
+                window_gradients.append(torch.autograd.grad(window_loss, window)[0])
+                loss += window_loss.detach()
+            if not torch.isfinite(loss):
+                outputs = [batches[batch] for batches in stored[1:]] + [inputs.batches[batch]]
+                _name_first_non_finite_output(loss, outputs, first, first + len(hidden))
             gradient = torch.cat(window_gradients)
             gradients.append(gradient.to(store))
 

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.service
 
 # The cuda queue, which no test worker consumes; recovery data the server has, for when a test turns recovery on.
 PARKED = {**SMALL_JOB, "device": "cuda", "recovery": {"dataset": "ptb"}}
-# Settings the walk cannot make a value for: free text (a named data set the server has, other than the default)
-# and keyword-or-number (alpha's word, round_to's number).
+# Settings the walk cannot make a value for: free text (a named data set the server has, other than the default),
+# keyword-or-number (alpha's word, round_to's number) and size-or-number (max_device_memory, which arrives in bytes;
+# its unit forms are tested in tests/core/test_placement.py).
 TEXT_SAMPLES: dict[str, Any] = {
     "calibration.dataset": "ptb",
     "evaluation.perplexity": ["ptb"],
@@ -32,6 +33,7 @@ TEXT_SAMPLES: dict[str, Any] = {
     "recovery.target_modules": ["q_proj", "v_proj"],
     "alpha": "auto",
     "round_to": 64,
+    "max_device_memory": 24 * 2**30,
 }
 SETTINGS = list(setting_fields(PruneSettings))
 

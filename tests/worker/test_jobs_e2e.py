@@ -72,8 +72,12 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     progress = [e["progress"] for e in events if e["kind"] == "progress"]
     assert progress == sorted(progress) and progress[-1] == 100
     # Every stage change is an event, in run_job's order (evaluation of the dense, then the pruned model), and
-    # the progress bar's segments are those stages.
+    # the progress bar's segments are those stages. The placement chosen is an event of its own before the
+    # allocation, inside the evaluation's segment (as alpha auto's "temperature" would be).
+    placement = [e for e in events if e["kind"] == "progress" and e["stage"] == "placement"]
+    assert len(placement) == 1 and placement[0]["message"].startswith("placement: the CPU holds the model ("), placement
     stages = [stage for stage, _ in groupby(e["stage"] for e in events if e["kind"] == "progress")]
+    stages.remove("placement")
     assert stages == list(Segments.of(job_stages(PruneConfig(ratio=0.3))).stages)
 
     artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]
