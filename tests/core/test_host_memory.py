@@ -1,20 +1,53 @@
-"""Bounded host memory (#15 item 2): a whole pruning job on a random LLaMA of about 1B parameters in bfloat16,
-written with `save_pretrained`, peaks at <= RSS_FACTOR x its weights + RSS_MARGIN_MIB in a fresh process.
+"""A 1B-class model (#15): a random LLaMA of about 1B parameters in bfloat16, written once with `save_pretrained`.
 
+Host memory: a whole pruning job in a fresh process peaks at <= RSS_FACTOR x its weights + RSS_MARGIN_MIB.
 bench/memory.py states the bound and why, and measures it on these settings and on the least-squares refit
 (bench/results/memory.md). The margin is about a third of the weights: the masked and the pruned model side by
 side, or a second copy of the model, do not fit under it (docs/testing.md).
+
+Device placement: offloaded, the same model is pruned with never more than one decoder layer's weights on the
+device in any stage (the CPU under another name stands in for the device: tests/core/device_placement.py).
 """
 
 from pathlib import Path
 
+import pytest
+
 from bench.memory import ONE_B, RUNTIME_MIB, job_settings, measure, rss_bound_mib, write_model
+from casp_core.config import PruneConfig
+from casp_core.model import load_model
+from casp_core.prune import prune
 from tests.conftest import DATASETS_DIR, PTBWIKI
+from tests.core.device_placement import OTHER_DEVICE, DevicePlacement
 
 
-def test_a_1b_job_peaks_within_the_weights_once_and_a_fixed_margin(tmp_path: Path) -> None:
-    weights_mib = write_model(tmp_path, ONE_B, str(PTBWIKI.parent)) / 2**20
+@pytest.fixture(scope="module")
+def one_b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """The model's folder and the MiB of its weights."""
+    folder = tmp_path_factory.mktemp("one-b")
+    return folder, write_model(folder, ONE_B, str(PTBWIKI.parent)) / 2**20
+
+
+def test_a_1b_job_peaks_within_the_weights_once_and_a_fixed_margin(one_b: tuple[Path, float]) -> None:
+    folder, weights_mib = one_b
     # A bound with room for a second copy of the weights, beside the runtime, would mean nothing.
     assert rss_bound_mib(weights_mib) < 2 * weights_mib + RUNTIME_MIB
-    figures = measure(tmp_path, job_settings(str(DATASETS_DIR)))
+    figures = measure(folder, job_settings(str(DATASETS_DIR)))
     assert figures["peak_rss_mib"] <= rss_bound_mib(weights_mib), figures
+
+
+def test_a_1b_model_prunes_offloaded_with_one_decoder_layer_on_the_device(
+    one_b: tuple[Path, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gradient allocation included: the job's settings otherwise, on the device in the offload mode."""
+    model, tokenizer = load_model(str(one_b[0]))
+    settings = {**job_settings(str(DATASETS_DIR)), "allocation": "gradient"}
+    config = PruneConfig(**{**settings, "device": str(OTHER_DEVICE), "placement": "offload"})
+    recorder = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
+    result = prune(model, tokenizer, config, recorder.run(), release_dense=True)
+    assert recorder.offload_violations() == []
+    assert {"allocation", "statistics", "calibration_forward", "verification"} <= recorder.stages_with_runs()
+    runs = [snapshot.layer for snapshot in recorder.snapshots if snapshot.event == "run"]
+    assert set(runs) == set(range(ONE_B["layers"]))
+    assert result.placement is not None and result.placement.mode == "offload"
+    assert 0 < result.params_pruned < result.params_dense
