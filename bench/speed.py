@@ -8,8 +8,6 @@ Writes bench/results/speed.json and speed.md.
 """
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import statistics
 import subprocess
@@ -45,7 +43,7 @@ from casp_core.allocation import layer_sensitivities
 from casp_core.calibration import capture_first_layer_inputs, record_inputs, run_layer
 from casp_core.checkpoint import save_pruned
 from casp_core.interaction import block_aggregate, interaction_matrix
-from casp_core.model import attention_geometry, decoder_layers
+from casp_core.model import attention_geometry, decoder_layers, return_freed_heap
 from casp_core.run import Run
 from casp_core.solvers import greedy
 from casp_core.surgery import LayerPruning, mask_layer, remove_units
@@ -210,10 +208,14 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
             _bare_linears(layer, inputs.batches)
     del inputs
 
-    release_free_memory()
+    # Surgery and its baseline both make new tensors, and each starts with the heap's free pages given back, so that
+    # both fault their new memory in: run after the pipeline has freed its activations, surgery would reuse freed
+    # heap pages (tensors under glibc's 32 MB mmap threshold) while the baseline, run while surgery's tensors hold
+    # them, would fault in fresh ones; at 2048 x 5504 that made surgery look faster than a copy.
+    return_freed_heap()
     with probe("surgery"), timed(seconds, "surgery"):
         pruned = remove_units(model, prunings)
-    release_free_memory()
+    return_freed_heap()
     with bare("surgery"), timed(baseline, "surgery"):
         # What surgery makes: the pruned decoder layers' weights. The embeddings, final norm and head it shares
         # with the dense model, not copies, so the baseline does not copy them either.
@@ -233,18 +235,6 @@ def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: in
         "peak_rss_delta_mb": memory,
         "baseline_peak_rss_delta_mb": baseline_memory,
     }
-
-
-def release_free_memory() -> None:
-    """Give the C heap's free pages back to the OS (glibc's malloc_trim), so that what runs next faults its new
-    memory in. Surgery and its baseline both make new tensors: run after the pipeline has freed its
-    activations, surgery would reuse freed heap pages (tensors under glibc's 32 MB mmap threshold) and the
-    baseline, run while surgery's tensors hold them, would fault in fresh ones; at 2048 x 5504 that made surgery
-    look faster than a copy. Without glibc this does nothing."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)
 
 
 class _Probe(PeakRSS):

@@ -9,9 +9,7 @@ convention of GPTQ and LLM-Pruner): the local readers rebuild those rows from th
 reads, so one split gives one token stream whichever reader ran.
 """
 
-import ctypes
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from casp_core.errors import DatasetNotFound
+from casp_core.model import return_freed_heap
 
 # Local file names tried for each (set, split), in order: the raw text first, the tokenized release second.
 LOCAL_FILES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -184,19 +183,11 @@ def tokenize(text: str, tokenizer: PreTrainedTokenizerBase, *, add_bos: bool) ->
         ids = [tokenizer.bos_token_id, *ids]
     tokens = torch.tensor(ids, dtype=torch.long)
     del ids
-    _return_freed_heap()
+    # A fast tokenizer encoding a whole split allocates many small blocks (offsets, token strings, alignments: about
+    # 700 MB at the peak for PTB train's 5 MB) and frees them on return, but the allocator keeps about 300 MB of
+    # those pages, resident for the rest of the job on top of the weights.
+    return_freed_heap()
     return tokens
-
-
-def _return_freed_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc only; elsewhere nothing happens).
-
-    A fast tokenizer encoding a whole split allocates many small blocks (offsets, token strings, alignments:
-    about 700 MB at the peak for PTB train's 5 MB) and frees them on return, but the allocator keeps about 300 MB
-    of those pages, resident for the rest of the job on top of the weights."""
-    malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
-    if malloc_trim is not None:
-        malloc_trim(0)
 
 
 def sample_windows(tokens: torch.Tensor, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
