@@ -107,7 +107,7 @@ def _squared_gradients_layer_by_layer(
             for i, window in enumerate(hidden.to(device)):
                 window = window[None].requires_grad_(True)
                 with torch.enable_grad():
-                    window_loss = summed_sequence_losses(model.lm_head(base.norm(window)).float(), tokens[i : i + 1])
+                    window_loss = head_loss(model, window, tokens[i : i + 1])
                 window_gradients.append(torch.autograd.grad(window_loss, window)[0])
                 loss += window_loss.detach()
             if not torch.isfinite(loss):
@@ -192,6 +192,12 @@ def _check_finite_from_the_top(squared: torch.Tensor) -> None:
 
 def _check_squared_gradient(value: torch.Tensor, index: int) -> None:
     check_finite(value, "allocation", "S_l, the squared gradient of the loss at the output", index)
+
+
+def head_loss(model: PreTrainedModel, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The summed sequence losses of the last layer's output `hidden` through the final norm and the head, whose
+    logits are taken in float32. Callers on a device pass one window at a time (its logits are vocabulary-wide)."""
+    return summed_sequence_losses(model.lm_head(model.model.norm(hidden)).float(), tokens)
 
 
 def summed_sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

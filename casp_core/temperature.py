@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from casp_core.allocation import allocate_ratios, summed_sequence_losses
+from casp_core.allocation import allocate_ratios, head_loss
 from casp_core.budget import BudgetPlan, plan_budget
 from casp_core.calibration import (
     capture_first_layer_inputs,
@@ -128,9 +128,8 @@ def held_out_losses(
             total = 0.0
             for batch, hidden in enumerate(candidate.hidden):
                 tokens = held_out[batch * batch_size : batch * batch_size + len(hidden)].to(device)
-                for i, window in enumerate(hidden.to(device)):  # one window's float32 logits at a time, as allocation
-                    logits = model.lm_head(base.norm(window[None])).float()
-                    total += float(summed_sequence_losses(logits, tokens[i : i + 1]))
+                for i, window in enumerate(hidden.to(device)):
+                    total += float(head_loss(model, window[None], tokens[i : i + 1]))
             losses[candidate.alpha] = total / len(held_out)
     return losses
 
