@@ -32,9 +32,7 @@ def load(path: str, attention: str) -> transformers.PreTrainedModel:
 
 def generate(model: transformers.PreTrainedModel, prompt: list[int], *, use_cache: bool) -> list[int]:
     tokens = torch.tensor([prompt])
-    out = model.generate(
-        tokens, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=use_cache, pad_token_id=PAD
-    )
+    out = model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=use_cache, pad_token_id=PAD)
     return out[0, len(prompt) :].tolist()
 
 
@@ -43,9 +41,7 @@ def generate_batch(model: transformers.PreTrainedModel, prompts: tuple[list[int]
     width = max(len(prompt) for prompt in prompts)
     tokens = torch.tensor([[PAD] * (width - len(prompt)) + prompt for prompt in prompts])
     mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
-    out = model.generate(
-        tokens, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD
-    )
+    out = model.generate(tokens, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD)
     return out[:, width:].tolist()
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from casp_core.checkpoint import save_pruned
 from casp_core.model import attention_geometry, decoder_layers, load_model
 from casp_core.surgery import LayerPruning, remove_units
