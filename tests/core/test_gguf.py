@@ -289,6 +289,8 @@ VARIANTS = {
     "prepend_never": ({"pre_tokenizer": {**METASPACE, "prepend_scheme": "never"}}, FAST, []),
     "prepend_always": ({"pre_tokenizer": {**METASPACE, "prepend_scheme": "always"}}, FAST, [LEADING_SPACE_CAVEAT]),
     "adds_eos": ({"post_processor": WITH_EOS}, FAST, [LEADING_SPACE_CAVEAT]),
+    # no BOS either: llama.cpp's SentencePiece tokenizer adds one unless the file says not to
+    "adds_nothing": ({"post_processor": None}, FAST, [LEADING_SPACE_CAVEAT]),
     "nfc": ({"normalizer": {"type": "NFC"}}, FAST, [LEADING_SPACE_CAVEAT, NFC_CAVEAT]),
     # transformers' LlamaTokenizer replaces the file's normalizer by Metaspace "first" (or "always" with legacy)
     "llama_tokenizer_class": (
@@ -314,6 +316,8 @@ def test_the_space_prefix_and_specials_follow_the_tokenizer_as_transformers_load
         texts.append(unicodedata.normalize("NFC", decomposed))
     if variant == "adds_eos":
         assert tokenizer("a").input_ids[-1] == tokenizer.eos_token_id
+    if variant == "adds_nothing":
+        assert tokenizer("a").input_ids == tokenizer("a", add_special_tokens=False).input_ids
     wrong = mismatches(llm, tokenizer, texts, exported.tokenizer_caveat)
     llm.close()
     assert not wrong, wrong
