@@ -5,6 +5,7 @@ meanwhile, and a key past CASP_MAX_STREAMS_PER_KEY gets a 429 that says to poll.
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from sqlalchemy import event
 
 from api.main import create_app
+from casp_cli.client import CaspClient
 from service import jobs
 from service.db import get_engine, session_scope
 from service.settings import Settings
@@ -132,3 +134,20 @@ async def load(url: str, settings: Settings) -> None:
 def test_streams_wait_without_the_database_and_every_event_reaches_them(settings: Settings) -> None:
     with serving(create_app(settings)) as url:
         asyncio.run(load(url, settings))
+
+
+def test_the_client_polls_while_the_key_holds_all_its_streams(tmp_path: Path) -> None:
+    """With CASP_MAX_STREAMS_PER_KEY streams held elsewhere, `CaspClient.wait` is refused a stream (429) and follows
+    the job's events by polling instead, to the end."""
+    settings = embedded_settings(tmp_path, default_device="cpu", max_streams_per_key=1)
+    with serving(create_app(settings)) as url, CaspClient(url) as client:
+        held, followed = (client.submit(SMALL_JOB)["id"] for _ in range(2))
+        seen: list[dict[str, Any]] = []
+        with client.http.stream("GET", f"/v1/jobs/{held}/events", params={"stream": "true"}) as holding:
+            assert holding.status_code == 200
+            canceller = threading.Timer(1.5, client.cancel, args=(followed,))
+            canceller.start()
+            job = client.wait(followed, timeout=60, on_update=seen.append)
+            canceller.join()
+        assert job["status"] == "cancelled"
+        assert [event["message"] for event in seen] == ["queued", "cancelled"]
