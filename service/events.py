@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 log = logging.getLogger(__name__)
 
 CHANNEL = "casp_job_events"
-# How often the listener looks whether anyone still waits (and stops when not), and waits before reconnecting.
+# How often the listener looks whether anyone still waits (and stops when not), and how long it waits before
+# reconnecting.
 LISTEN_TICK_SECONDS = 1.0
 RECONNECT_SECONDS = 1.0
 # Session.info key of the jobs that got events in the session's transaction (SQLite: told after the commit).
@@ -86,10 +87,10 @@ class EventHub:
                     # Listening from here on: what was committed before is found by a read after this wake-up.
                     self.publish_all()
                     while True:
-                        job_ids = {note.payload for note in connection.notifies(timeout=LISTEN_TICK_SECONDS)}
-                        if job_ids:
-                            self.publish(job_ids)
-                        elif self._idle():
+                        # Each notification is handed on as it comes; the generator ends after the tick.
+                        for note in connection.notifies(timeout=LISTEN_TICK_SECONDS):
+                            self.publish([note.payload])
+                        if self._idle():
                             return
             except psycopg.Error as exc:
                 log.warning("event listener: %s: %s; reconnecting", type(exc).__name__, exc)
