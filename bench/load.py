@@ -547,18 +547,19 @@ def render_markdown(payload: dict[str, Any]) -> str:
         " the moment the event's request was sent to its arrival on a stream (so it includes that request's own"
         " time).",
         "",
-        "| mode | streams open (s to open) | deliveries | delivery p50 / p99 / max ms | within 1 s | status polls "
-        "| status p50 / p99 ms | 5xx | stream over the cap |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| mode | streams open (s to open) | deliveries | delivery p50 / p99 / max ms | within 1 s "
+        "| cancel request p50 / p99 / max ms | status polls | status p50 / p99 ms | 5xx | stream over the cap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for mode, result in payload["modes"].items():
         streams = result["event_streams"]
-        delivery, status = streams["delivery_ms"], streams["status"]["latency_ms"]
+        delivery, status, cancel = streams["delivery_ms"], streams["status"]["latency_ms"], streams["cancel_latency_ms"]
         lines.append(
             f"| {mode} | {streams['opened']} ({streams['open_seconds']:.1f}) "
             f"| {streams['delivered']} of {streams['deliveries_expected']} "
             f"| {delivery['p50']:.0f} / {delivery['p99']:.0f} / {delivery['max']:.0f} "
-            f"| {streams['delivered_within_1s']} | {streams['status']['polls']} "
+            f"| {streams['delivered_within_1s']} "
+            f"| {cancel['p50']:.0f} / {cancel['p99']:.0f} / {cancel['max']:.0f} | {streams['status']['polls']} "
             f"| {status['p50']:.1f} / {status['p99']:.1f} | {streams['server_errors']} "
             f"| {streams['over_cap_status']} |"
         )

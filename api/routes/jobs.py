@@ -262,9 +262,10 @@ def events_since(settings: Settings, job_id: str, after: int | None) -> tuple[li
 def last_event_id(header: str | None) -> int | None:
     """The id a reconnecting EventSource sends. One that is not an event id (absent, `null`, out of range) starts
     the stream from the beginning, as the SSE specification has a client do with an id it cannot use."""
-    if header is None or not header.strip().isdigit():
+    text = (header or "").strip()
+    if not (text.isascii() and text.isdigit()):  # `²` is a digit to str.isdigit, and no number to int
         return None
-    value = int(header)
+    value = int(text)
     return value if value <= MAX_EVENT_ID else None
 
 

@@ -44,7 +44,7 @@ def test_the_events_of_a_finished_job_stream_and_the_stream_ends(
     )
     assert [json.loads(e["data"])["message"] for e in parse(resumed.text)] == ["cancelled"]
     # An id that is no event id starts from the beginning, as the SSE specification has a client do.
-    for unusable in ("null", "", "-1", "abc", str(2**64)):
+    for unusable in ("null", "", "-1", "abc", "²", str(2**64)):
         restarted = api.get(
             f"/v1/jobs/{job['id']}/events", params={"stream": "true"}, headers={**alice, "Last-Event-ID": unusable}
         )
