@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.methods import allow_header
 from service.paths import excerpt
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,13 @@ def param_of(loc: Sequence[str | int]) -> str | None:
     return excerpt(".".join(parts)) if parts else None
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = exc.code if isinstance(exc, ApiError) else None
-    return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:
+        headers = {**(headers or {}), **allow_header(request)}
+    return error_response(exc.status_code, str(exc.detail), code=code, headers=headers)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -12,7 +12,9 @@ from fastapi_offline import FastAPIOffline
 from api import errors, unavailable
 from api.limits import RequestBodyLimit
 from api.log_context import JobLogContext
+from api.methods import Options
 from api.routes import files, health, jobs, usage
+from api.streams import StreamSlots, watches_for
 from service.dispatch import Dispatcher, make_dispatcher
 from service.settings import Settings, local_devices, resolve_device
 from service.storage import Storage, make_storage
@@ -62,10 +64,13 @@ def create_app(settings: Settings | None = None, background: BackgroundServices 
     app.state.devices = devices
     app.state.storage = make_storage(settings)
     app.state.dispatcher = make_dispatcher(settings)
+    app.state.stream_slots = StreamSlots(settings.max_streams_per_key)
+    app.state.watches = watches_for(settings.database)
     errors.install(app)
     unavailable.install(app)
     app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(JobLogContext)
+    app.add_middleware(Options)
     app.include_router(jobs.router)
     app.include_router(usage.router)
     app.include_router(files.router)

@@ -1,6 +1,7 @@
 """Request and response bodies of the HTTP API."""
 
 import re
+from copy import copy
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -23,9 +24,28 @@ JobId = Annotated[str, PathParam(pattern=JOB_ID_PATTERN, description="the job's 
 MAX_EVENT_ID = 2**63 - 1  # a BIGINT
 
 
-class JobCreate(PruneSettings):
+def strict_model(model: type[BaseModel]) -> type[BaseModel]:
+    """`model`, and the setting models it nests, validated strictly: a number must be a JSON number (`"0.2"` is
+    refused), a boolean a JSON boolean. casp_core's own models convert, as its command line's flags need."""
+    namespace: dict[str, Any] = {
+        "model_config": {**model.model_config, "strict": True},
+        "__module__": __name__,
+        "__doc__": model.__doc__,
+        "__annotations__": {},
+    }
+    for name, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            nested = strict_model(info.annotation)
+            field = copy(info)
+            field.annotation, field.default_factory = nested, nested
+            namespace["__annotations__"][name] = nested
+            namespace[name] = field
+    return type(model.__name__, (model,), namespace)
+
+
+class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
     """The pruning settings are casp_core's own (casp_core.config.PruneSettings: names, defaults, ranges and
-    descriptions), strict as they are; the fields here are the service's: what to prune, where, and labels."""
+    descriptions), validated strictly; the fields here are the service's: what to prune, where, and labels."""
 
     model: Annotated[str, Printable] = Field(
         min_length=1, max_length=1024, description="Hugging Face id `org/name` or an absolute local path"

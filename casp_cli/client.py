@@ -14,6 +14,10 @@ import tenacity
 FINISHED = ("succeeded", "failed", "cancelled")
 DEFAULT_RETRIES = 3
 CONNECT_TIMEOUT = 5.0  # a host that drops packets costs at most this per attempt, not the whole read timeout
+# A stream refused because the key holds as many as the server allows (429): the events are polled this long,
+# a page every POLL_SECONDS, before a stream is asked for again (the server's Retry-After).
+POLL_INSTEAD_SECONDS = 10.0
+POLL_SECONDS = 1.0
 # Without a client timeout, a stream without a byte (the server sends a keep-alive every 15 s) is given up after this.
 STREAM_READ_SECONDS = 60.0
 RETRIED_STATUS = 503  # the service is up but cannot serve now (its database or queue is down): ask again later
@@ -206,10 +210,37 @@ class CaspClient:
                     check_deadline()
             except (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError):
                 check_deadline()
+            except CaspAPIError as error:
+                if error.status_code != 429:
+                    raise
+                # The key holds all the streams the server allows (CASP_MAX_STREAMS_PER_KEY): poll a while.
+                last = self._poll_events(job_id, last, on_update, check_deadline)
             job = self.get(job_id)
             if job["status"] in FINISHED:
                 return job
             check_deadline()
+
+    def _poll_events(
+        self,
+        job_id: str,
+        after: int | None,
+        on_update: Callable[[dict[str, Any]], None] | None,
+        check_deadline: Callable[[], None],
+    ) -> int | None:
+        """The job's events by pages for POLL_INSTEAD_SECONDS (or until it has finished); the last id seen."""
+        until = time.monotonic() + POLL_INSTEAD_SECONDS
+        while True:
+            page = self.events(job_id, after=after)
+            for event in page["data"]:
+                after = event["id"]
+                if on_update:
+                    on_update(event)
+            if page["has_more"]:
+                continue
+            if time.monotonic() > until or self.get(job_id)["status"] in FINISHED:
+                return after
+            check_deadline()
+            time.sleep(POLL_SECONDS)
 
     def _event_stream(self, job_id: str, after: int | None, deadline: float | None) -> Iterator[dict[str, Any] | None]:
         """The events of one `?stream=true` answer; None for each keep-alive comment, so the caller can look at

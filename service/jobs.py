@@ -14,6 +14,7 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service.events import note_event
 from service.metrics import WEBHOOK_EVENT_KIND, WEBHOOK_FAILURE_PREFIX
 from service.security import hash_api_key, new_api_key
 from service.settings import Settings
@@ -140,11 +141,22 @@ def recent_submissions(session: Session, caller: Caller, now: datetime) -> list[
     return [aware(t) for t in session.scalars(query.order_by(Job.created_at))]  # type: ignore[misc]
 
 
+def serialise_submissions(session: Session, caller: Caller) -> None:
+    """Holds the caller's other submissions back until this transaction ends, so that two at once cannot both
+    count the same free place. PostgreSQL: the key's row is locked. SQLite has no row locks, and its driver
+    begins a transaction only at the first write, so the counts would be read outside it: the transaction
+    begins here as a writer (BEGIN IMMEDIATE), which waits for any other writer and keeps the next one waiting."""
+    connection = session.connection()
+    if connection.dialect.name == "sqlite":
+        if not connection.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        return
+    session.execute(select(ApiKey.id).where(ApiKey.id == caller.key_id).with_for_update())
+
+
 def check_limits(session: Session, caller: Caller, limits: Limits) -> None:
     """Raises LimitExceeded when one more job would take the caller past a limit."""
-    # The key's row locked until the job is committed: two submissions at once cannot both take the last
-    # place (PostgreSQL; SQLite lets one writer at a time anyway).
-    session.execute(select(ApiKey.id).where(ApiKey.id == caller.key_id).with_for_update())
+    serialise_submissions(session, caller)
     active = active_jobs(session, caller)
     if active >= limits.max_active_jobs:
         raise LimitExceeded(
@@ -263,6 +275,8 @@ def list_events(session: Session, job_id: str, *, limit: int, after: int | None)
 
 
 def add_event(session: Session, job: Job, *, kind: str, message: str = "") -> None:
+    """Writes an event; the job's event streams are woken once it is committed (service.events)."""
+    note_event(session, job.id)
     session.add(
         JobEvent(
             job_id=job.id,

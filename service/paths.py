@@ -3,6 +3,7 @@
 resolved, lie under CASP_ALLOWED_MODEL_ROOTS (data set files: or CASP_DATASETS_DIR); anything else is a Hugging
 Face id, which casp_core loads from the hub cache only, or a named data set installed under the datasets dir."""
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,10 @@ from service.settings import Settings
 DATASET_FILE_SUFFIXES = (".txt", ".jsonl")
 # Recovery also reads Alpaca's own .json array.
 TRAINING_FILE_SUFFIXES = (".txt", ".jsonl", ".json")
+
+# The longest file name and path this system takes, in bytes (PATH_MAX counts the terminating NUL).
+NAME_MAX = os.pathconf("/", "PC_NAME_MAX")
+PATH_MAX = os.pathconf("/", "PC_PATH_MAX")
 
 Loc = tuple[str | int, ...]
 RECOVERY_DATASET: Loc = ("recovery", "dataset")
@@ -45,11 +50,23 @@ class InputRefused(CaspError):
             self.code = code
 
 
+def _check_lengths(value: str, loc: Loc) -> None:
+    """The file system's own limits, checked before it is asked (it would answer ENAMETOOLONG)."""
+    encoded = os.fsencode(value)
+    if len(encoded) >= PATH_MAX:
+        raise InputRefused(loc, f"the path is longer than the system's limit of {PATH_MAX - 1} bytes")
+    longest = max(encoded.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        raise InputRefused(loc, f"a path component is longer than the system's limit of {NAME_MAX} bytes")
+
+
 def _under_roots(value: str, loc: Loc, roots: list[Path], roots_setting: str) -> Path:
     if not value.startswith("/"):
         raise InputRefused(loc, "local paths must be absolute")
+    _check_lengths(value, loc)
     # Resolved first, so `..` and symbolic links cannot lead outside the allowed roots.
     path = Path(value).resolve()
+    _check_lengths(str(path), loc)  # symbolic links may lead somewhere longer
     if not any(path.is_relative_to(root) for root in roots):
         allowed = ":".join(map(str, roots)) or "none configured"
         raise InputRefused(loc, f"local paths must lie under {roots_setting} ({allowed})")

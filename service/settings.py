@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     # running at once, and jobs submitted in any 60 s. Not applied with CASP_AUTH=none (there are no keys).
     max_active_jobs: int = Field(default=8, ge=1)
     max_submissions_per_minute: int = Field(default=30, ge=1)
+    # Event streams (`/v1/jobs/{id}/events?stream=true`) one key may hold open at once, per API process; they
+    # cost no database connection while they wait, but a client that opens them by the thousand is told to poll.
+    max_streams_per_key: int = Field(default=20, ge=1)
     # Artifacts of a succeeded job are deleted this long after it finished; a job may ask for another time
     # (`retention_seconds`) up to the maximum.
     artifact_retention_seconds: int = Field(default=7 * 86400, gt=0)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -79,6 +80,27 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
             return value
         time.sleep(interval)
     raise TimeoutError(f"gave up after {timeout:.0f} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """`app` behind a real uvicorn server on a loopback port, in a thread: for tests that need requests at the same
+    time, or streams held open (the TestClient runs one request to its end before the next); yields its URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), 60, "uvicorn")
+        assert thread.is_alive(), "uvicorn stopped at start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 def _services_up() -> bool:

@@ -1,19 +1,18 @@
 """/v1/jobs: submit, inspect, page, cancel, list and delete artifacts."""
 
-import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import EventSourceResponse
 
 from api.deps import CallerDep, DispatcherDep, SessionDep, SettingsDep, StorageDep
 from api.errors import ApiError, artifacts_expired, responses
+from api.json_body import JsonRoute
 from api.schemas import (
     MAX_EVENT_ID,
     ArtifactList,
@@ -27,6 +26,7 @@ from api.schemas import (
     JobList,
     JobOut,
 )
+from api.streams import StreamResponse, StreamSlots, event_stream
 from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset
@@ -42,11 +42,7 @@ from service.settings import Settings
 from service.tables import JOB_STATUSES, Job, JobEvent, utcnow
 from service.webhooks import WebhookRefused, check_webhook_url
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422))
-
-# How often a stream of events looks for new ones, and sends a comment that keeps proxies from closing it.
-STREAM_POLL_SECONDS = 0.5
-PING_SECONDS = 15
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422), route_class=JsonRoute)
 
 
 def invalid(loc: Loc, message: str) -> RequestValidationError:
@@ -263,37 +259,54 @@ def events_since(settings: Settings, job_id: str, after: int | None) -> tuple[li
         return [event_out(e) for e in rows], done
 
 
-async def event_stream(settings: Settings, job_id: str, after: int | None) -> AsyncIterator[ServerSentEvent]:
-    """Every event as it is written, until the job has finished and its events so far are sent. The database is
-    read in a worker thread, every STREAM_POLL_SECONDS while nothing new comes."""
-    while True:
-        events, done = await run_in_threadpool(events_since, settings, job_id, after)
-        for event in events:
-            yield ServerSentEvent(data=event.model_dump_json(), id=str(event.id), event=event.kind)
-        if events:
-            after = events[-1].id
-        elif done:
-            return
-        else:
-            await asyncio.sleep(STREAM_POLL_SECONDS)
+def last_event_id(header: str | None) -> int | None:
+    """The id a reconnecting EventSource sends. One that is not an event id (absent, `null`, out of range) starts
+    the stream from the beginning, as the SSE specification has a client do with an id it cannot use."""
+    text = (header or "").strip()
+    if not (text.isascii() and text.isdigit()):  # `²` is a digit to str.isdigit, and no number to int
+        return None
+    value = int(text)
+    return value if value <= MAX_EVENT_ID else None
 
 
 STREAM_DESCRIPTION = (
-    "With `stream=true`: Server-Sent Events, one per job event (`id`: the event id, `event`: its kind, `data`: the"
-    " event as JSON), from `after` or the `Last-Event-ID` header; the stream ends once the job has finished."
+    "With `stream=true`: Server-Sent Events (`text/event-stream`), one per job event (`id`: the event id,"
+    " `event`: its kind, `data`: the event as JSON, an EventOut), from `after` or the `Last-Event-ID` header, and a"
+    " `: ping` comment every 15 s; the stream ends once the job has finished. A key holds at most"
+    " CASP_MAX_STREAMS_PER_KEY streams at once: past that, 429 with Retry-After, and the client polls instead."
 )
+# The SSE body as OpenAPI 3.1 describes a stream of events: text, whose items are the events.
+EVENT_STREAM_CONTENT = {
+    "text/event-stream": {
+        "schema": {"type": "string", "contentMediaType": "text/event-stream"},
+        "itemSchema": {
+            "type": "object",
+            "required": ["id", "event", "data"],
+            "properties": {
+                "id": {"type": "string", "description": "the event's id"},
+                "event": {"type": "string", "description": "its kind: status, progress, warning or webhook"},
+                "data": {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": {"$ref": "#/components/schemas/EventOut"},
+                },
+            },
+        },
+    }
+}
 
 
 @router.get(
     "/{job_id}/events",
     response_model=EventList,
     responses={
-        **responses(404),
-        200: {"description": STREAM_DESCRIPTION, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+        **responses(404, 429),
+        200: {"description": STREAM_DESCRIPTION, "content": EVENT_STREAM_CONTENT},
     },
 )
 def list_events(
     job_id: JobId,
+    request: Request,
     session: SessionDep,
     caller: CallerDep,
     settings: SettingsDep,
@@ -302,13 +315,30 @@ def list_events(
         int | None, Query(ge=0, le=MAX_EVENT_ID, description="id of the last event of the previous page")
     ] = None,
     stream: Annotated[bool, Query(description="follow the events as Server-Sent Events")] = False,
-    last_event_id: Annotated[int | None, Header(ge=0, le=MAX_EVENT_ID)] = None,
+    last_event_id_header: Annotated[
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            max_length=64,
+            description="with `stream=true`: the id of the last event seen, as a reconnecting EventSource sends"
+            " it; one that is not an event id starts from the beginning",
+        ),
+    ] = None,
 ) -> EventList | EventSourceResponse:
     visible_job(session, caller, job_id)
     if stream:
-        # The session is not held for the stream's life: each read opens its own.
+        # The session is not held for the stream's life: each read opens its own, after a notification.
         session.close()
-        return EventSourceResponse(event_stream(settings, job_id, last_event_id or after), ping=PING_SECONDS)
+        slots: StreamSlots = request.app.state.stream_slots
+        slots.take(caller.key_id)
+        start = last_event_id(last_event_id_header)
+        events = event_stream(
+            request.app.state.watches,
+            job_id,
+            after if start is None else start,
+            lambda job, since: events_since(settings, job, since),
+        )
+        return StreamResponse(events, on_close=lambda: slots.give_back(caller.key_id))
     rows, has_more = jobs.list_events(session, job_id, limit=limit, after=after)
     return EventList(data=[event_out(e) for e in rows], has_more=has_more)
 

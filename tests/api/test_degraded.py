@@ -8,10 +8,11 @@ from typing import Any
 import psycopg
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from api.main import create_app
 from service import jobs
-from service.db import session_scope
+from service.db import get_engine, session_scope
 from service.migrate import upgrade
 from service.settings import Settings
 from service.storage import S3Storage, make_storage
@@ -60,6 +61,28 @@ def test_a_database_that_goes_away_answers_503_with_retry_after(pg_database: Cal
         assert client.get("/healthz").status_code == 200
         ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+
+
+def test_an_exhausted_connection_pool_is_a_503_that_says_so(
+    pg_database: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = pg_database()
+    settings = embedded_settings(tmp_path, database_url=database)
+    engine = get_engine(database)
+    # The pool's wait for a free connection (30 s by default), shortened so that the test takes a second.
+    monkeypatch.setattr(engine.pool, "_timeout", 0.5)
+    held = []
+    with pytest.raises(PoolTimeout):
+        while True:  # every connection the pool has, overflow included
+            held.append(engine.connect())
+    with TestClient(create_app(settings)) as client:
+        response = client.get("/v1/jobs")
+        assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+        assert response.json()["error"]["code"] == "database_pool_exhausted"
+        assert "every database connection of its pool is in use" in response.json()["error"]["message"]
+        for connection in held:
+            connection.close()
+        assert client.get("/v1/jobs").status_code == 200
 
 
 def test_readyz_checks_storage_room_and_writability_and_details_need_a_key(tmp_path: Path) -> None:

@@ -88,6 +88,72 @@ def test_a_named_data_set_that_is_not_installed_is_refused_at_submit(
     assert error["param"] == param and missing in error["message"] and "none exists" in error["message"], error
 
 
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"model": f"{DEMO_MODEL.parent}/{'b' * 300}"}, "model"),
+        (
+            {"calibration": {**PARKED["calibration"], "dataset": f"{FIXTURE_DATA}/{'b' * 300}.txt"}},
+            "calibration.dataset",
+        ),
+        # Bytes count, not characters: 200 two-byte characters are 400 bytes.
+        ({"evaluation": {"perplexity": [f"{FIXTURE_DATA}/{'é' * 200}.txt"]}}, "evaluation.perplexity.0"),
+    ],
+)
+def test_a_path_component_longer_than_the_system_takes_is_422(
+    api: TestClient, keys: dict[str, dict[str, str]], change: dict[str, Any], param: str
+) -> None:
+    error = refusal(api.post("/v1/jobs", json={**PARKED, **change}, headers=keys["alice"]))
+    assert error["param"] == param and "longer than the system's limit of 255 bytes" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"ratio": "0.2"}, "ratio"),
+        ({"calibration": {**PARKED["calibration"], "seed": "0"}}, "calibration.seed"),
+        ({"evaluation": {**PARKED["evaluation"], "limit": 8.0}}, "evaluation.limit"),
+        ({"recovery": {"gradient_checkpointing": "true"}}, "recovery.gradient_checkpointing"),
+    ],
+)
+def test_settings_are_strictly_typed(
+    api: TestClient, keys: dict[str, dict[str, str]], change: dict[str, Any], param: str
+) -> None:
+    error = refusal(api.post("/v1/jobs", json={**PARKED, **change}, headers=keys["alice"]))
+    assert error["param"] == param and error["message"].startswith(f"{param}: Input should be a valid"), error
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"ratio": 0.2,\n "model" "x"}', "Expecting ':' delimiter at line 2 column 10 (char 24)"),
+        (b"[" * 10_000, "nested 10000 levels deep, too deep to read, the deepest at line 1 column 10000 (char 9999)"),
+        (
+            b'{"ratio": 0.2, "calibration": {"seed": ' + b"7" * 5000 + b"}}",
+            "an integer longer than 4300 digits at line 1 column 40 (char 39)",
+        ),
+        (b'{"model": "\xff"}', "not UTF-8 at byte 11"),
+    ],
+)
+def test_a_body_that_is_not_readable_json_says_where(
+    api: TestClient, keys: dict[str, dict[str, str]], body: bytes, reason: str
+) -> None:
+    headers = {**keys["alice"], "Content-Type": "application/json"}
+    error = refusal(api.post("/v1/jobs", content=body, headers=headers))
+    assert error["code"] == "invalid_request" and error["param"] is None
+    assert error["message"] == f"the body is not JSON the service can read: {reason}", error
+
+
+def test_options_and_405_list_every_method_of_the_path(api: TestClient, keys: dict[str, dict[str, str]]) -> None:
+    job_path = f"/v1/jobs/{'0' * 32}"
+    for path, methods in ((job_path, "GET, DELETE, OPTIONS"), ("/v1/jobs", "GET, POST, OPTIONS")):
+        options = api.options(path)
+        assert options.status_code == 204 and options.headers["Allow"] == methods
+    refused = api.put(job_path, headers=keys["alice"])
+    assert refusal(refused, 405)["code"] == "method_not_allowed" and refused.headers["Allow"] == "GET, DELETE, OPTIONS"
+    assert api.options("/no/such/route").status_code == 404
+
+
 def test_a_body_over_the_limit_is_413(
     api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings
 ) -> None:
