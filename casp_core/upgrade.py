@@ -43,15 +43,15 @@ SOURCE_ROOT = Path(casp_core.__file__).resolve().parents[1]
 
 def current_files(checkpoint: Path) -> dict[str, bytes]:
     """config.json and the modeling file, as the current class writes them for this checkpoint's config."""
+    # The model is built on the meta device (no memory, no weights) to state its class in auto_map as
+    # save_pretrained does, and to check that the current class builds every layer this config describes.
     try:
         config = CaspLlamaConfig.from_pretrained(checkpoint)
-    except (ValueError, TypeError, KeyError) as error:
-        message = f"{checkpoint}: the current casp_llama config cannot read {CONFIG_FILE}: {error}"
+        with torch.device("meta"):
+            model = CaspLlamaForCausalLM(config)
+    except (ValueError, TypeError, KeyError, IndexError) as error:
+        message = f"{checkpoint}: the current casp_llama class cannot read its {CONFIG_FILE}: {error}"
         raise UnsupportedModel(message) from error
-    # Built on the meta device (no memory, no weights) to state the model class in auto_map as save_pretrained
-    # does, and to check that the current class builds every layer this config describes.
-    with torch.device("meta"):
-        model = CaspLlamaForCausalLM(config)
     config.auto_map = {}  # only the current classes' entries
     with tempfile.TemporaryDirectory() as staging:
         custom_object_save(model, staging, config=config)
