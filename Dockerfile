@@ -14,10 +14,12 @@ WORKDIR /app
 
 # CUDA torch first: PyPI's Linux x86_64 torch is the CUDA build, and its nvidia-* wheels carry the CUDA runtime
 # (the host needs only the driver and the NVIDIA container toolkit). TORCH_INDEX_URL picks another build, e.g.
-# https://download.pytorch.org/whl/cu128. constraints.txt pins the version, which the CUDA build satisfies.
+# https://download.pytorch.org/whl/cu128. constraints.txt (the lock: every package at an exact version) pins the
+# version without the +cpu label, which the CUDA build satisfies.
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 COPY requirements.txt constraints.txt ./
-RUN pip install "torch==2.13.0" --index-url "${TORCH_INDEX_URL}" \
+RUN pip install -c constraints.txt pip \
+    && pip install "torch==2.13.0" --index-url "${TORCH_INDEX_URL}" \
     && pip install -r requirements.txt -c constraints.txt
 
 COPY alembic.ini pyproject.toml ./

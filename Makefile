@@ -1,30 +1,64 @@
 # The two commands of the README: `make demo` (the main job on the embedded default) and `make test`.
-# Both build .venv on first use: pip, with torch pinned to the CPU wheel by constraints.txt.
+# Both build .venv on first use with pip, every package at the version constraints.txt locks (`make lock` writes it).
+# The demo installs the runtime alone; the tests add the development requirements (llama-cpp-python builds from
+# source, about 5 minutes on 2 cores) and the lowest supported transformers, beside the venv.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.runtime-installed
+DEV_STAMP := $(VENV)/.installed
+# The lowest transformers that requirements.txt admits, with the hub and tokenizers it takes, installed apart:
+# tests/core/test_generation.py runs the written checkpoints under it in a fresh process.
+LOWEST := $(VENV)/transformers-lowest
+# The CPU wheel on local disk in dev and CI; any other torch pulls a multi-GB CUDA build.
+TORCH_VERSION := 2.13.0
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The tests that exercise the libraries whose releases change under us: transformers, peft, lm-eval, gguf, llama.cpp.
+LIBRARY_TESTS := tests/core/test_generation.py tests/core/test_families.py tests/core/test_surgery.py \
+	tests/core/test_uniform_shape.py tests/core/test_gguf.py tests/core/test_recovery.py tests/core/eval
 
-.PHONY: demo test lint bench install
+.PHONY: demo test lint install lock test-latest
 
-install: $(STAMP)
+install: $(DEV_STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+$(RUNTIME_STAMP): requirements.txt constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements-dev.txt -c constraints.txt
+	$(BIN)/python -m pip install -q -c constraints.txt pip
+	$(BIN)/python -m pip install -q -r requirements.txt -c constraints.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
-	touch $(STAMP)
+	touch $(RUNTIME_STAMP)
 
-demo: $(STAMP)
+$(DEV_STAMP): $(RUNTIME_STAMP) requirements-dev.txt requirements-lowest.txt
+	$(BIN)/python -m pip install -q -r requirements-dev.txt -c constraints.txt
+	rm -rf $(LOWEST)
+	$(BIN)/python -m pip install -q --no-deps --target $(LOWEST) -r requirements-lowest.txt
+	touch $(DEV_STAMP)
+
+demo: $(RUNTIME_STAMP)
 	$(OFFLINE) $(BIN)/casp demo
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	bash scripts/services.sh
 	$(OFFLINE) $(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Regenerates constraints.txt: the newest releases requirements*.txt allow, resolved in a scratch venv. Review the
+# diff, run `make test`, and commit it as one change.
+lock:
+	bash scripts/lock.sh $(PYTHON) $(TORCH_VERSION)
+
+# The newest releases requirements*.txt allow, in a scratch venv (.venv-latest), against the library tests:
+# what `make lock` would bring, tried before it is locked.
+test-latest:
+	rm -rf .venv-latest
+	$(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install -q --upgrade pip
+	.venv-latest/bin/python -m pip install -q torch==$(TORCH_VERSION) -r requirements-dev.txt
+	.venv-latest/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	.venv-latest/bin/python -m pip list 2>/dev/null | grep -iE '^(transformers|peft|lm.eval|gguf|llama.cpp.python|tokenizers|huggingface.hub) '
+	bash scripts/services.sh
+	$(OFFLINE) .venv-latest/bin/python -m pytest -q -k "not lowest" $(LIBRARY_TESTS)

@@ -175,7 +175,7 @@ def run_job(
         report = write_job_report(
             model, config, pruned, evaluation, recovery, exports, run, device=str(device), dtype=dtype, out=staging
         )
-    run.report("report", 1.0, f"written to {out_dir}")
+    run.report("report", 1.0, "report.json, report.md and the model card written")
     return report
 
 
@@ -183,7 +183,7 @@ def load_dense(
     model: str, revision: str | None, config: PruneConfig, run: Run
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The dense model, its tokenizer and its dtype's name; the ratio is checked reachable before any work."""
-    run.report("load", 0.0, f"loading {model}")
+    run.report("load", 0.0, f"loading {public_name(model)}")
     dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype)
     check_reachable(dense, config)
     warning = speed_warning([layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to)
@@ -370,7 +370,7 @@ def recover_checkpoint(
     with staged_output(out_dir) as staging:
         run.time_on(resolve_device(device))
         with run.stage("load"):
-            run.report("load", 0.0, f"loading {checkpoint}")
+            run.report("load", 0.0, f"loading {public_name(str(checkpoint))}")
             model, tokenizer = load_pruned(checkpoint)
         with run.stage("calibration_data"):
             run.report("calibration", 0.0, f"reading {config.dataset}")
@@ -393,5 +393,5 @@ def recover_checkpoint(
         summary["plots"] = [str(plot_recovery_curve(recovery.curve, staging / RECOVERY_CURVE).relative_to(staging))]
         summary["timings"] = run.timer.stages
         (staging / "recovery.json").write_text(json.dumps(summary, indent=2) + "\n")
-    run.report("checkpoint", 1.0, f"written to {out_dir}")
+    run.report("checkpoint", 1.0, "the recovered checkpoint written")
     return summary

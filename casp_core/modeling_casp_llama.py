@@ -12,15 +12,16 @@ within a sliding window, Qwen2 biases q/k/v but not o (and may slide on some lay
 query and key head (RMSNorm over head_dim) and sets head_dim apart from hidden_size / heads.
 """
 
+import inspect
+
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import LlamaConfig
 from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
@@ -28,10 +29,9 @@ from transformers.models.llama.modeling_llama import (
     LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
 )
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 
 @strict
@@ -77,18 +77,44 @@ def even_group_size(kv_of_query: list[int], num_kv_heads: int) -> int | None:
     return group if list(kv_of_query) == [q // group for q in range(len(kv_of_query))] else None
 
 
-class CaspLlamaAttention(LlamaAttention):
+# transformers 5.24 renamed the attention's cache argument from `past_key_values` to `cache` (the decoder layer passes
+# it by name): the installed version's own attention says which name it reads.
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(Qwen3Attention.forward).parameters else "past_key_values"
+
+
+class KeyValueGather:
+    """Stands in for the cache in the upstream attention's forward on a layer whose query heads read their key/value
+    heads in uneven groups: the cache (if any) stores only the kept key/value heads, and attention is handed one
+    key/value head per query head, after which every group has size 1."""
+
+    def __init__(self, cache: Cache | None, kv_of_query: list[int]) -> None:
+        self.cache = cache
+        self.kv_of_query = kv_of_query
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cache is not None:
+            key, value = self.cache.update(key, value, *args, **kwargs)
+        index = torch.tensor(self.kv_of_query, device=key.device)
+        return key.index_select(1, index), value.index_select(1, index)
+
+
+class CaspLlamaAttention(Qwen3Attention):
+    """Qwen3's attention is Llama's plus the two things some families need: per-head q/k norms (identities where the
+    family has none) and the layer's own sliding window. Only the head counts and the biases differ, so only
+    `__init__` is new; `forward` is upstream's, except on the two layer shapes upstream cannot express: uneven
+    key/value groups (repeat_kv needs equal contiguous groups) and a layer that kept no head."""
+
     def __init__(self, config: CaspLlamaConfig, layer_idx: int) -> None:
         nn.Module.__init__(self)
         self.config = config
         self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
         self.head_dim = config.head_dim
         self.kv_of_query = list(config.layer_kv_of_query[layer_idx])
         self.num_heads = len(self.kv_of_query)
         self.num_kv_heads = config.layer_num_kv_heads[layer_idx]
         group = even_group_size(self.kv_of_query, self.num_kv_heads)
-        # Uneven groups: key/value heads are gathered per query head, after which every group has size 1.
-        self.gather_kv = group is None
+        self.gather_kv = group is None and self.num_heads > 0
         self.num_key_value_groups = 1 if group is None else group
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
@@ -98,59 +124,27 @@ class CaspLlamaAttention(LlamaAttention):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_o_bias)
-        if config.qk_norm:
-            # Shared by all heads of the layer, so removing heads leaves them whole.
-            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if sliding else None
+        # Qwen3's norms are over head_dim and shared by all heads of the layer, so removing heads leaves them whole.
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        query = self.q_proj(hidden_states).view(*input_shape, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden_states).view(*input_shape, self.num_kv_heads, self.head_dim)
-        if self.config.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)
-        value = self.v_proj(hidden_states).view(*input_shape, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.num_heads == 0:
-            if past_key_values is not None:
-                # transformers reads the cached length from the entries and counts an empty one as 0: a
-                # one-channel placeholder keeps the positions of later tokens right.
-                placeholder = hidden_states.new_zeros(*input_shape[:-1], 1, input_shape[-1], 1)
-                past_key_values.update(placeholder, placeholder, self.layer_idx)
-            return self.o_proj(hidden_states.new_zeros(*input_shape, 0)), None
-        if past_key_values is not None:
-            # The cache holds only the kept key/value heads: pruning shrinks it too.
-            key, value = past_key_values.update(key, value, self.layer_idx)
+            return self.forward_without_heads(hidden_states, kwargs.get(CACHE_ARGUMENT))
         if self.gather_kv:
-            index = torch.tensor(self.kv_of_query, device=key.device)
-            key, value = key.index_select(1, index), value.index_select(1, index)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-        attn_output = attn_output.reshape(*input_shape, self.num_heads * self.head_dim).contiguous()
-        return self.o_proj(attn_output), attn_weights
+            kwargs[CACHE_ARGUMENT] = KeyValueGather(kwargs.get(CACHE_ARGUMENT), self.kv_of_query)
+        return super().forward(hidden_states, **kwargs)
+
+    def forward_without_heads(self, hidden_states: torch.Tensor, cache: Cache | None) -> tuple[torch.Tensor, None]:
+        """o_proj's bias (or zeros): no head is left to attend."""
+        input_shape = hidden_states.shape[:-1]
+        if cache is not None:
+            # transformers reads the cached length from the entries and counts an empty one as 0: a one-channel
+            # placeholder keeps the positions of later tokens right.
+            placeholder = hidden_states.new_zeros(*input_shape[:-1], 1, input_shape[-1], 1)
+            cache.update(placeholder, placeholder, self.layer_idx)
+        return self.o_proj(hidden_states.new_zeros(*input_shape, 0)), None
 
 
 class CaspLlamaMLP(LlamaMLP):

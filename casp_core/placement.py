@@ -174,12 +174,12 @@ class Placement:
     def message(self) -> str:
         where = f"{self.device}" + (f", {byte_size(self.limit)} allowed" if self.limit is not None else "")
         if self.device == CPU:
-            return f"placement: the CPU holds the model ({byte_size(self.estimate.model_weights)} of weights)"
+            return f"the CPU holds the model ({byte_size(self.estimate.model_weights)} of weights)"
         if self.mode == RESIDENT:
             peak = byte_size(self.estimate.resident_peak)
-            return f"placement: resident, the whole model on {where} (estimated peak {peak})"
+            return f"resident, the whole model on {where} (estimated peak {peak})"
         return (
-            f"placement: offload, one decoder layer at a time on {where} (estimated peak "
+            f"offload, one decoder layer at a time on {where} (estimated peak "
             f"{byte_size(self.estimate.offload_peak)}; resident would need {byte_size(self.estimate.resident_peak)})"
         )
 

@@ -206,6 +206,8 @@ RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resume
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
     keys = ("achieved_ratio", "params", "perplexity", "zero_shot", "warnings")
     summary = {key: report[key] for key in keys if key in report}
+    # For display (0.30000000000000004 reads as a defect); report.json keeps the exact ratio.
+    summary["achieved_ratio"] = round(report["achieved_ratio"], 6)
     if "recovery" in report:
         recovery = report["recovery"]
         summary["recovery"] = {key: recovery[key] for key in RECOVERY_SUMMARY}

@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from casp_core.config import GGUF_TYPES
 from casp_core.errors import InvalidConfig, ModelNotFound, UnsupportedModel
-from casp_core.export.tokenizer import write_vocabulary
+from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
 
 _QUANT = {
     "f32": gguf.GGMLQuantizationType.F32,
@@ -305,6 +305,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
     window = _sliding_window(config)
     context_length = min(config["max_position_embeddings"], window or config["max_position_embeddings"])
     embedding = checkpoint.tensor("model.embed_tokens.weight")
+    vocabulary = read_vocabulary(checkpoint_dir, embedding.shape[0])
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
@@ -325,7 +326,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
         writer.add_rope_freq_base(_rope_theta(config))
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
         writer.add_vocab_size(embedding.shape[0])
-        tokenizer_caveat = write_vocabulary(writer, checkpoint_dir, embedding.shape[0])
+        write_vocabulary(writer, vocabulary)
 
         tensors.add("token_embd.weight", embedding)
         for index, shape in enumerate(shapes):
@@ -362,7 +363,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
         q8_0_fallback=tuple(tensors.fallback),
         kv_repeated_layers=tuple(kv_repeated),
         context_length=context_length,
-        tokenizer_caveat=tokenizer_caveat,
+        tokenizer_caveat=vocabulary.caveat,
     )
 
 

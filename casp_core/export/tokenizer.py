@@ -1,41 +1,87 @@
 """The tokenizer inside a GGUF file, for llama.cpp to tokenize text exactly as transformers does.
 
-Supported: a `tokenizer.json` BPE in the SentencePiece style (Metaspace pre-tokenizer, optionally after a split
-that isolates newlines; byte fallback or an `<unk>` token), as LLaMA-2, Mistral and both fixture models use.
-It is written as llama.cpp's `llama` (SentencePiece) tokenizer, which merges the adjacent pair whose joined text
-is the highest-scoring token: scoring each token by minus the rank of the merge that makes it turns that into
-BPE's lowest-rank-first order. gguf's `LlamaHfVocab` scores every token -1000, which merges left to right
-instead, so the scores are computed here. Byte-level BPE (GPT-2 / LLaMA-3 / Qwen style) needs llama.cpp's
-regex pre-tokenizers and is refused.
+The tokenizer is read as transformers loads it, not from `tokenizer.json`: a `LlamaTokenizer` checkpoint gets
+transformers' own normalisation whatever the file says (a Metaspace pre-tokenizer with `prepend_scheme`
+"first", or "always" with `legacy: true`, in place of a Llama-2 style normalizer).
 
-Without byte fallback (ptbwiki-7M's tokenizer) transformers turns a character outside the vocabulary into
-`<unk>`, while llama.cpp's SentencePiece tokenizer looks for byte tokens that do not exist and throws, which
-stops the process. Text made of the vocabulary's characters tokenizes the same; `write_vocabulary` returns
-that caveat so the caller can show it and the file carries it (`casp.tokenizer_caveat`).
+Supported: SentencePiece-style BPE (a Metaspace pre-tokenizer, optionally after a split that isolates newlines,
+or the Llama-2 normalizer that prepends ▁ and replaces spaces; byte fallback or an `<unk>` token), as LLaMA-2,
+Mistral and both fixture models use. It is written as llama.cpp's `llama` (SentencePiece) tokenizer, which
+merges the adjacent pair whose joined text is the highest-scoring token: scoring each token by minus the rank
+of the merge that makes it turns that into BPE's lowest-rank-first order. gguf's `LlamaHfVocab` scores every
+token -1000, which merges left to right instead, so the scores are computed here. Byte-level BPE (GPT-2 /
+LLaMA-3 / Qwen style) needs llama.cpp's regex pre-tokenizers and is refused.
+
+The space prefix. llama.cpp has one setting, `add_space_prefix`: prepend ▁ to every text, or never. The Llama-2
+normalizer does the former, Metaspace with `prepend_scheme` "never" the latter: both are reproduced exactly.
+Metaspace "first" and "always" prepend ▁ unless the text already begins with one, which no llama.cpp tokenizer
+type can do: the token texts of a SentencePiece tokenization spell its input, and transformers gives " x" and
+"x" the same ids while llama.cpp spells them "▁▁x" and "▁x". The export writes `add_space_prefix` (every text
+without a leading space tokenizes the same) and says what differs: a text that begins with a space gets one more
+▁ in llama.cpp, and the same ids as transformers without that first space.
+
+What llama.cpp cannot reproduce but text can avoid is returned as the caveat, which the caller shows and the
+file carries (`casp.tokenizer_caveat`): that space prefix; NFC normalisation (llama.cpp does not normalise);
+no byte fallback (ptbwiki-7M's tokenizer), where transformers turns a character outside the vocabulary into
+`<unk>` while llama.cpp's SentencePiece tokenizer looks for byte tokens that do not exist and throws, which stops
+the process. Anything else that would tokenize differently is refused before the file is written.
 """
 
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 
 from casp_core.errors import UnsupportedModel
+from casp_core.model import load_tokenizer
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-# Normalizers that leave already-normalised text unchanged; llama.cpp does not normalise.
-_ACCEPTED_NORMALIZERS = (None, "NFC")
+_METASPACE = "▁"
+# Llama-2 / Mistral's tokenizer.json: SentencePiece's dummy prefix on every text, spaces as ▁.
+_SENTENCEPIECE_NORMALIZER = [
+    {"type": "Prepend", "prepend": _METASPACE},
+    {"type": "Replace", "pattern": {"String": " "}, "content": _METASPACE},
+]
+LEADING_SPACE_CAVEAT = (
+    "llama.cpp prepends ▁ to every text, transformers not to one that begins with a space, so such a text gets "
+    "one more ▁ token at its start in llama.cpp: drop its first space before llama.cpp tokenizes it"
+)
+NFC_CAVEAT = "transformers normalises text to NFC, llama.cpp does not: give llama.cpp NFC text"
+NO_BYTE_FALLBACK_CAVEAT = (
+    "the tokenizer has no byte fallback: llama.cpp cannot tokenize a character outside the vocabulary "
+    "(transformers gives <unk>), so such text stops llama.cpp; feed it token ids or in-vocabulary text"
+)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Everything the file's tokenizer keys hold, read and checked before the file is opened."""
+
+    checkpoint: Path
+    tokens: list[str]
+    scores: list[float]
+    token_types: list[gguf.TokenType]
+    add_space_prefix: bool
+    bos_id: int | None  # the token transformers puts before every text, None when it adds none
+    eos_id: int | None  # the one it puts after
+    caveat: str | None  # what llama.cpp tokenizes differently, "; "-joined; None when nothing
 
 
 def _refuse(what: str) -> UnsupportedModel:
     return UnsupportedModel(f"GGUF export: llama.cpp cannot reproduce this tokenizer: {what}")
 
 
-def _metaspace(pre_tokenizer: dict[str, Any] | None) -> dict[str, Any]:
-    """The Metaspace step, after checking that any other step only isolates newlines."""
-    steps = [] if pre_tokenizer is None else pre_tokenizer.get("pretokenizers", [pre_tokenizer])
+def _pre_tokenizer_steps(pre_tokenizer: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return [] if pre_tokenizer is None else pre_tokenizer.get("pretokenizers", [pre_tokenizer])
+
+
+def _metaspace(pre_tokenizer: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """The Metaspace step, and whether a step before it isolates newlines (the only other step accepted)."""
+    steps = _pre_tokenizer_steps(pre_tokenizer)
     metaspace = [step for step in steps if step.get("type") == "Metaspace"]
     others = [step for step in steps if step.get("type") != "Metaspace"]
     if len(metaspace) != 1:
@@ -48,9 +94,48 @@ def _metaspace(pre_tokenizer: dict[str, Any] | None) -> dict[str, Any]:
         isolates_newline = isolates_newline and step.get("pattern") == {"String": "\n"}
         if not isolates_newline:
             raise _refuse(f"pre-tokenizer step {step.get('type')} {step.get('pattern', '')}")
-    if metaspace[0].get("replacement", "▁") != "▁":
+    if metaspace[0].get("replacement", _METASPACE) != _METASPACE:
         raise _refuse(f"Metaspace replacement {metaspace[0]['replacement']!r}")
-    return metaspace[0]
+    return metaspace[0], bool(others)
+
+
+def _space_prefix(tokenizer: dict[str, Any]) -> tuple[bool, list[str]]:
+    """llama.cpp's `add_space_prefix` for this normalizer and pre-tokenizer, and the caveats it leaves."""
+    normalizer = tokenizer.get("normalizer")
+    if normalizer is not None and normalizer.get("normalizers") == _SENTENCEPIECE_NORMALIZER:
+        if tokenizer.get("pre_tokenizer") is not None:
+            kinds = ", ".join(step.get("type", "?") for step in _pre_tokenizer_steps(tokenizer["pre_tokenizer"]))
+            raise _refuse(f"pre-tokenizer {kinds} after a normalizer that prepends ▁")
+        return True, []  # llama.cpp's own SentencePiece behaviour
+    normalizer_type = (normalizer or {}).get("type")
+    if normalizer_type not in (None, "NFC"):
+        raise _refuse(f"normalizer {normalizer_type}")
+    caveats = [NFC_CAVEAT] if normalizer_type == "NFC" else []
+    metaspace, splits_newlines = _metaspace(tokenizer.get("pre_tokenizer"))
+    scheme = metaspace.get("prepend_scheme", "always")
+    if scheme == "never":
+        return False, caveats
+    if scheme == "always" and splits_newlines:
+        raise _refuse(
+            "Metaspace prepend_scheme 'always' after a split at newlines: transformers prepends ▁ to every "
+            "line, llama.cpp only to the start of the text"
+        )
+    return True, [LEADING_SPACE_CAVEAT, *caveats]
+
+
+def _added_specials(tokenizer: Any) -> tuple[int | None, int | None]:
+    """The token transformers adds before and after a text, as llama.cpp's BOS and EOS."""
+    bare = tokenizer("a", add_special_tokens=False).input_ids
+    full = tokenizer("a").input_ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            before, after = full[:start], full[start + len(bare) :]
+            break
+    else:
+        raise _refuse(f"its special tokens change the text's own ids ({bare} alone, {full} with them)")
+    if len(before) > 1 or len(after) > 1:
+        raise _refuse(f"it adds {before} before and {after} after a text; llama.cpp adds one BOS and one EOS")
+    return (before[0] if before else None), (after[0] if after else None)
 
 
 def _token_types(tokenizer: dict[str, Any], vocab: dict[str, int]) -> dict[int, gguf.TokenType]:
@@ -67,21 +152,19 @@ def _token_types(tokenizer: dict[str, Any], vocab: dict[str, int]) -> dict[int, 
     return types
 
 
-def write_vocabulary(writer: gguf.GGUFWriter, checkpoint: Path, vocab_size: int) -> str | None:
-    """Tokens, scores, types and special tokens; `vocab_size` rows of the embedding, padded as llama.cpp expects.
-
-    Returns what llama.cpp's tokenizer does differently, or None when it tokenizes every text the same."""
-    path = checkpoint / "tokenizer.json"
-    if not path.is_file():
-        raise _refuse(f"no tokenizer.json in {checkpoint}")
-    tokenizer = json.loads(path.read_text(encoding="utf-8"))
+def read_vocabulary(checkpoint: Path, vocab_size: int) -> Vocabulary:
+    """The checkpoint's tokenizer as llama.cpp will hold it, `vocab_size` rows of the embedding padded as
+    llama.cpp expects; refused when llama.cpp would tokenize a text differently in a way text cannot avoid."""
+    loaded = load_tokenizer(str(checkpoint))
+    backend = getattr(loaded, "backend_tokenizer", None)
+    if backend is None:
+        raise _refuse(f"{type(loaded).__name__} has no tokenizers backend (tokenizer.json)")
+    tokenizer = json.loads(backend.to_str())
     model = tokenizer["model"]
     if model.get("type") != "BPE" or model.get("ignore_merges") or model.get("continuing_subword_prefix"):
         raise _refuse(f"model type {model.get('type')} (only SentencePiece-style BPE is supported)")
-    normalizer = (tokenizer.get("normalizer") or {}).get("type")
-    if normalizer not in _ACCEPTED_NORMALIZERS:
-        raise _refuse(f"normalizer {normalizer}")
-    metaspace = _metaspace(tokenizer.get("pre_tokenizer"))
+    add_space_prefix, caveats = _space_prefix(tokenizer)
+    bos_id, eos_id = _added_specials(loaded)
 
     vocab: dict[str, int] = dict(model["vocab"])
     for added in tokenizer.get("added_tokens", []):
@@ -104,25 +187,33 @@ def write_vocabulary(writer: gguf.GGUFWriter, checkpoint: Path, vocab_size: int)
         else:  # embedding rows beyond the tokenizer, as llama.cpp's converter pads them
             tokens.append(f"[PAD{index}]")
             token_types.append(gguf.TokenType.UNUSED)
+    if not model.get("byte_fallback"):
+        caveats.append(NO_BYTE_FALLBACK_CAVEAT)
+    return Vocabulary(
+        checkpoint, tokens, scores, token_types, add_space_prefix, bos_id, eos_id, "; ".join(caveats) or None
+    )
 
+
+def write_vocabulary(writer: gguf.GGUFWriter, vocabulary: Vocabulary) -> None:
+    """Tokens, scores, types, the space prefix, special tokens and the caveat."""
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(token_types)
-    writer.add_add_space_prefix(metaspace.get("prepend_scheme", "always") != "never")
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_scores(vocabulary.scores)
+    writer.add_token_types(vocabulary.token_types)
+    writer.add_add_space_prefix(vocabulary.add_space_prefix)
     vocab_log = logging.getLogger("gguf.vocab")
     level = vocab_log.level
     vocab_log.setLevel(logging.ERROR)  # it warns about the sentence-pair template, which llama.cpp never uses
     try:
-        gguf.SpecialVocab(checkpoint, load_merges=False, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+        special = gguf.SpecialVocab(vocabulary.checkpoint, load_merges=False, n_vocab=len(vocabulary.tokens))
+        # What transformers does, not what the files say: llama.cpp adds BOS and EOS by these keys.
+        special.add_special_token = {"bos": vocabulary.bos_id is not None, "eos": vocabulary.eos_id is not None}
+        for name, token_id in (("bos", vocabulary.bos_id), ("eos", vocabulary.eos_id)):
+            if token_id is not None:
+                special.special_token_ids[name] = token_id
+        special.add_to_gguf(writer, quiet=True)
     finally:
         vocab_log.setLevel(level)
-    if model.get("byte_fallback"):
-        return None
-    caveat = (
-        "the tokenizer has no byte fallback: llama.cpp cannot tokenize a character outside the vocabulary "
-        "(transformers gives <unk>), so such text stops llama.cpp; feed it token ids or in-vocabulary text"
-    )
-    writer.add_string("casp.tokenizer_caveat", caveat)
-    return caveat
+    if vocabulary.caveat is not None:
+        writer.add_string("casp.tokenizer_caveat", vocabulary.caveat)

@@ -7,12 +7,14 @@ The bounds for the lossy settings were measured on these checkpoints (docs/servi
 
 import hashlib
 import json
+import unicodedata
 from pathlib import Path
 
 import gguf
 import llama_cpp
 import numpy as np
 import pytest
+import tokenizers
 import torch
 
 from casp_core.checkpoint import load_pruned, save_pruned
@@ -21,7 +23,8 @@ from casp_core.config import CalibrationConfig
 from casp_core.data import evaluation_source, load_rows
 from casp_core.errors import InvalidConfig, UnsupportedModel
 from casp_core.export.gguf import LayerShape, attention_layout, export_gguf
-from casp_core.model import load_model
+from casp_core.export.tokenizer import LEADING_SPACE_CAVEAT, NFC_CAVEAT, NO_BYTE_FALLBACK_CAVEAT
+from casp_core.model import load_model, load_tokenizer
 from casp_core.prune import prune
 from casp_core.surgery import LayerPruning, remove_units
 from tests.conftest import DATASETS_DIR, PTBWIKI, STORIES, small_config
@@ -170,52 +173,189 @@ def in_vocabulary(text: str, tokenizer) -> bool:
     return set(text) <= characters
 
 
+# Leading, double and trailing spaces, newlines, digits, non-ASCII (beyond ptbwiki-7M's vocabulary: filtered).
+PROBE_TEXTS = (
+    "the cat sat",
+    " the cat sat",
+    "  the cat sat",
+    "the  cat   sat",
+    "the cat sat ",
+    "the cat\nsat",
+    "the cat\n sat\n",
+    "\nthe cat",
+    " \n\nthe cat",
+    "the 12 cats and 345 dogs in 1984",
+    " 7 days",
+    "naïve café, déjà vu",
+    " über straße",
+    "日本語のテキスト",
+    "  ",
+    "",
+)
+
+
+def mismatches(llm: llama_cpp.Llama, tokenizer, texts: list[str], caveat: str | None) -> list[str]:
+    """The texts whose llama.cpp ids differ from transformers' after what the caveat says to do (its drop of a
+    leading space is checked to be needed: the plain text must differ)."""
+    drops_leading_space = caveat is not None and LEADING_SPACE_CAVEAT in caveat
+    wrong = []
+    for text in texts:
+        expected = tokenizer(text).input_ids
+        given = text
+        if drops_leading_space and text.startswith(" "):
+            if llm.tokenize(text.encode("utf-8"), add_bos=True) == expected:
+                wrong.append(f"{text!r} (the same ids with its leading space)")
+            given = text[1:]
+        if llm.tokenize(given.encode("utf-8"), add_bos=True) != expected:
+            wrong.append(repr(text))
+    return wrong
+
+
 def comparable(text: str, tokenizer) -> bool:
-    """Text outside the two documented differences: no leading space, no special token written out."""
-    return not text.startswith(" ") and not any(special in text for special in tokenizer.all_special_tokens)
+    """Text without a special token written out: transformers reads `<unk>` as the token, llama.cpp as text."""
+    return not any(special in text for special in tokenizer.all_special_tokens)
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_llama_cpp_tokenizes_the_test_texts_as_transformers_does(tmp_path, name):
+def test_llama_cpp_tokenizes_as_transformers_does_or_as_the_caveat_says(tmp_path, name):
     dense_dir = MODELS[name][0]
     exported = export_gguf(dense_dir, tmp_path / "model.gguf", "f16")
     _, tokenizer = load_model(str(dense_dir))
     llm = llama_cpp.Llama(model_path=str(exported.path), vocab_only=True, verbose=False)
     rows = [row for source in ("wikitext2", "ptb") for row in load_rows(evaluation_source(source), str(DATASETS_DIR))]
-    texts = [row.lstrip(" ") for row in rows if row.strip()][:2000]
-    texts.append("\n".join(rows[:200]).lstrip(" "))
+    texts = [row for row in rows if row.strip()][:2000]  # WikiText-2's rows begin with a space, PTB's do not
+    texts += ["\n".join(rows[:200]), *PROBE_TEXTS]
     texts = [text for text in texts if comparable(text, tokenizer)]
-    if exported.tokenizer_caveat:  # ptbwiki-7M: no byte fallback, so only text of the vocabulary's characters
+    if NO_BYTE_FALLBACK_CAVEAT in exported.tokenizer_caveat:  # ptbwiki-7M: only text of the vocabulary's characters
         texts = [text for text in texts if in_vocabulary(text, tokenizer)]
-    assert len(texts) >= 1000
-    mismatches = [
-        text for text in texts if llm.tokenize(text.encode("utf-8"), add_bos=True) != tokenizer(text).input_ids
-    ]
+    assert len(texts) >= 1000 and sum(text.startswith(" ") for text in texts) >= 300
+    assert LEADING_SPACE_CAVEAT in exported.tokenizer_caveat  # both: Metaspace, prepend_scheme "first"
+    wrong = mismatches(llm, tokenizer, texts, exported.tokenizer_caveat)
+    # A text of one space: transformers gives ▁ alone, llama.cpp ▁▁ for it and nothing for the empty text.
+    assert llm.tokenize(b" ", add_bos=True) == [*tokenizer(" ").input_ids, tokenizer.convert_tokens_to_ids("▁")]
     llm.close()
-    assert not mismatches, f"{len(mismatches)} of {len(texts)} differ, first: {mismatches[0]!r}"
+    assert not wrong, f"{len(wrong)} of {len(texts)} differ, first: {wrong[:3]}"
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_the_documented_tokenizer_differences_are_still_the_only_ones(tmp_path, name):
-    """docs/serving.md names them; if llama.cpp ever tokenizes these like transformers, the docs must change."""
-    dense_dir = MODELS[name][0]
-    exported = export_gguf(dense_dir, tmp_path / "model.gguf", "f16")
-    _, tokenizer = load_model(str(dense_dir))
+def test_a_special_token_written_out_is_text_to_llama_cpp(tmp_path):
+    """docs/serving.md names this difference; if llama.cpp ever tokenizes it like transformers, the docs must change."""
+    exported = export_gguf(PTBWIKI, tmp_path / "model.gguf", "f16")
+    _, tokenizer = load_model(str(PTBWIKI))
     llm = llama_cpp.Llama(model_path=str(exported.path), vocab_only=True, verbose=False)
-    space = tokenizer.convert_tokens_to_ids("▁")
-    text = "the cat sat"
-    assert llm.tokenize(f" {text}".encode(), add_bos=True) == [1, space, *tokenizer(text).input_ids[1:]]
-    assert tokenizer(f" {text}").input_ids == tokenizer(text).input_ids  # transformers: no second ▁
     unk = "the <unk> sat"
     assert tokenizer(unk).input_ids.count(tokenizer.unk_token_id) == 1
     assert tokenizer.unk_token_id not in llm.tokenize(unk.encode(), add_bos=True, special=False)
     llm.close()
 
 
-def test_a_tokenizer_without_byte_fallback_is_exported_with_its_caveat(tmp_path):
-    assert export_gguf(STORIES, tmp_path / "stories.gguf").tokenizer_caveat is None
+def tokenizer_variant(directory: Path, source: Path, edit: dict, config: dict) -> Path:
+    """`source`'s weights with its tokenizer.json changed by `edit` (top-level keys) and `config` as its
+    tokenizer_config.json (PreTrainedTokenizerFast: transformers takes tokenizer.json as it is)."""
+    directory.mkdir()
+    for item in source.iterdir():
+        if item.name not in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+            (directory / item.name).symlink_to(item.resolve())
+    tokenizer = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    (directory / "tokenizer.json").write_text(json.dumps({**tokenizer, **edit}), encoding="utf-8")
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **config}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
+
+
+FAST = {"tokenizer_class": "PreTrainedTokenizerFast"}
+SENTENCEPIECE_NORMALIZER = {
+    "type": "Sequence",
+    "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+    ],
+}
+METASPACE = {"type": "Metaspace", "replacement": "▁", "split": False}
+WITH_EOS = {
+    "type": "TemplateProcessing",
+    "single": [
+        {"SpecialToken": {"id": "<s>", "type_id": 0}},
+        {"Sequence": {"id": "A", "type_id": 0}},
+        {"SpecialToken": {"id": "</s>", "type_id": 0}},
+    ],
+    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+    "special_tokens": {
+        token: {"id": token, "ids": [index], "tokens": [token]} for token, index in (("<s>", 1), ("</s>", 2))
+    },
+}
+# stories260K's tokenizer.json and tokenizer_config.json changed, and what llama.cpp then tokenizes differently.
+VARIANTS = {
+    "llama2_normalizer": ({"normalizer": SENTENCEPIECE_NORMALIZER, "pre_tokenizer": None}, FAST, []),
+    "prepend_never": ({"pre_tokenizer": {**METASPACE, "prepend_scheme": "never"}}, FAST, []),
+    "prepend_always": ({"pre_tokenizer": {**METASPACE, "prepend_scheme": "always"}}, FAST, [LEADING_SPACE_CAVEAT]),
+    "adds_eos": ({"post_processor": WITH_EOS}, FAST, [LEADING_SPACE_CAVEAT]),
+    # no BOS either: llama.cpp's SentencePiece tokenizer adds one unless the file says not to
+    "adds_nothing": ({"post_processor": None}, FAST, [LEADING_SPACE_CAVEAT]),
+    "nfc": ({"normalizer": {"type": "NFC"}}, FAST, [LEADING_SPACE_CAVEAT, NFC_CAVEAT]),
+    # transformers' LlamaTokenizer replaces the file's normalizer by Metaspace "first" (or "always" with legacy)
+    "llama_tokenizer_class": (
+        {"normalizer": SENTENCEPIECE_NORMALIZER, "pre_tokenizer": None},
+        {"tokenizer_class": "LlamaTokenizer", "legacy": True},
+        [LEADING_SPACE_CAVEAT],
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_space_prefix_and_specials_follow_the_tokenizer_as_transformers_loads_it(tmp_path, variant):
+    edit, config, caveats = VARIANTS[variant]
+    directory = tokenizer_variant(tmp_path / variant, STORIES, edit, config)
+    exported = export_gguf(directory, tmp_path / "model.gguf", "f16")
+    tokenizer = load_tokenizer(str(directory))
+    assert exported.tokenizer_caveat == ("; ".join(caveats) or None)
+    llm = llama_cpp.Llama(model_path=str(exported.path), vocab_only=True, verbose=False)
+    texts = list(PROBE_TEXTS)
+    if NFC_CAVEAT in caveats:
+        decomposed = "cafe\u0301"  # transformers composes é; llama.cpp takes e and the accent apart
+        assert llm.tokenize(decomposed.encode(), add_bos=True) != tokenizer(decomposed).input_ids
+        texts.append(unicodedata.normalize("NFC", decomposed))
+    if variant == "adds_eos":
+        assert tokenizer("a").input_ids[-1] == tokenizer.eos_token_id
+    if variant == "adds_nothing":
+        assert tokenizer("a").input_ids == tokenizer("a", add_special_tokens=False).input_ids
+    wrong = mismatches(llm, tokenizer, texts, exported.tokenizer_caveat)
+    llm.close()
+    assert not wrong, wrong
+
+
+def test_a_tokenizer_llama_cpp_cannot_reproduce_is_refused_naming_the_difference(tmp_path):
+    always = {"pre_tokenizer": json.loads((PTBWIKI / "tokenizer.json").read_text())["pre_tokenizer"]}
+    always["pre_tokenizer"]["pretokenizers"][1]["prepend_scheme"] = "always"  # ▁ on every line
+    directory = tokenizer_variant(tmp_path / "always", PTBWIKI, always, FAST)
+    tokenizer = load_tokenizer(str(directory))
+    assert tokenizer.convert_ids_to_tokens(tokenizer("a\nb").input_ids) == ["<s>", "▁a", "▁", "\n", "▁b"]
+    with pytest.raises(UnsupportedModel, match="prepend_scheme 'always' after a split at newlines"):
+        export_gguf(directory, tmp_path / "always.gguf")
+    assert not (tmp_path / "always.gguf").exists()
+
+
+def test_a_byte_level_bpe_tokenizer_is_refused_naming_the_difference(tmp_path):
+    byte_level = tokenizers.Tokenizer(tokenizers.models.BPE())
+    byte_level.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet, show_progress=False
+    )
+    byte_level.train_from_iterator(load_rows(evaluation_source("wikitext2"), str(DATASETS_DIR))[:500], trainer)
+    edit = json.loads(byte_level.to_str())
+    directory = tokenizer_variant(tmp_path / "byte_level", STORIES, edit, FAST)
+    tokenizer = load_tokenizer(str(directory))
+    assert tokenizer(" the cat").input_ids[:2] == [1, tokenizer.convert_tokens_to_ids("Ġthe")]  # byte-level indeed
+    with pytest.raises(UnsupportedModel, match="pre-tokenizer ByteLevel"):
+        export_gguf(directory, tmp_path / "byte_level.gguf")
+    assert not (tmp_path / "byte_level.gguf").exists()
+
+
+def test_the_caveats_are_returned_and_written_into_the_file(tmp_path):
+    assert export_gguf(STORIES, tmp_path / "stories.gguf").tokenizer_caveat == LEADING_SPACE_CAVEAT
     exported = export_gguf(PTBWIKI, tmp_path / "ptbwiki.gguf")
-    assert "no byte fallback" in exported.tokenizer_caveat
+    assert exported.tokenizer_caveat == f"{LEADING_SPACE_CAVEAT}; {NFC_CAVEAT}; {NO_BYTE_FALLBACK_CAVEAT}"
     assert gguf.GGUFReader(exported.path).get_field("casp.tokenizer_caveat").contents() == exported.tokenizer_caveat
 
 

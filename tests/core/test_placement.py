@@ -84,7 +84,7 @@ def test_offloaded_prune_keeps_one_decoder_layer_on_the_device_in_every_stage(st
     assert result.placement is not None and result.placement.mode == OFFLOAD
     assert result.placement.home == torch.device("cpu")
     assert ("placement", result.placement.message()) in events
-    assert result.placement.message().startswith("placement: offload, one decoder layer at a time on cpu:0")
+    assert result.placement.message().startswith("offload, one decoder layer at a time on cpu:0")
     # The head comes for the gradient at the top of each chunk, and for alpha "auto"'s held-out losses.
     assert recorder.arrivals["head"] == 2 + ("alpha" in overrides)
 
@@ -226,7 +226,7 @@ def test_a_job_records_its_placement(tmp_path):
     assert (placement["mode"], placement["device"], placement["limit_bytes"]) == (OFFLOAD, "cpu:0", 2**30)
     assert 0 < placement["offload_peak"] < placement["resident_peak"]
     messages = [message for stage, message in events if stage == "placement"]
-    assert len(messages) == 1 and messages[0].startswith("placement: offload, one decoder layer at a time on cpu:0")
+    assert len(messages) == 1 and messages[0].startswith("offload, one decoder layer at a time on cpu:0")
     assert "- device cpu:0 (offload: estimated peak" in (tmp_path / "out" / "report.md").read_text()
 
 
