@@ -45,3 +45,14 @@ def small_config(ratio: float, **overrides):
     settings = {"ratio": ratio, "calibration": calibration, "evaluation": evaluation, "datasets_dir": str(DATASETS_DIR)}
     settings.update(overrides)
     return PruneConfig(**settings)
+
+
+def tiny_config(ratio: float, **overrides):
+    """A whole job in seconds, for tests of what it writes rather than of the method: 2 windows of 32 tokens, the
+    diagonal solver, uniform allocation, no perplexity."""
+    from casp_core.config import CalibrationConfig, EvaluationConfig
+
+    calibration = CalibrationConfig(dataset="wikitext2:validation", n_samples=2, seq_len=32, batch_size=2)
+    evaluation = EvaluationConfig(perplexity=[], seq_len=32, limit=1)
+    settings = {"solver": "diagonal", "allocation": "uniform", "calibration": calibration, "evaluation": evaluation}
+    return small_config(ratio, **{**settings, **overrides})

@@ -18,6 +18,7 @@ from casp_core.cli.export import add_export_parser, warn_about
 from casp_core.cli.progress import StageBars
 from casp_core.cli.recover import add_recover_parser
 from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, settings_from_args
+from casp_core.cli.upgrade import add_upgrade_parser
 from casp_core.config import PruneConfig
 from casp_core.errors import CaspError
 
@@ -118,7 +119,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 Register = Callable[[argparse._SubParsersAction], None]
-LIBRARY_COMMANDS: list[Register] = [add_prune_parser, add_eval_parser, add_export_parser, add_recover_parser]
+LIBRARY_COMMANDS: list[Register] = [
+    add_prune_parser,
+    add_eval_parser,
+    add_export_parser,
+    add_recover_parser,
+    add_upgrade_parser,
+]
 
 
 def build_parser(extensions: Sequence[Register] = ()) -> argparse.ArgumentParser:

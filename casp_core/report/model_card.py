@@ -145,6 +145,9 @@ def _settings(report: dict[str, Any]) -> list[str]:
 def _usage(model_type: str, name: str, exported: Sequence[str]) -> list[str]:
     per_layer = model_type == CaspLlamaConfig.model_type
     gguf = next((file for file in exported if file.endswith(".gguf")), None)
+    # AutoTokenizer reads config.json too, whose model type transformers knows only from the modeling file here:
+    # without the flag it asks on stdin whether to run that file.
+    remote_code = ", trust_remote_code=True" if per_layer else ""
     lines = [
         f"`{name}` below is this folder, or the repository it was uploaded to.",
         "",
@@ -159,8 +162,10 @@ def _usage(model_type: str, name: str, exported: Sequence[str]) -> list[str]:
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
-        f'model = AutoModelForCausalLM.from_pretrained("{name}"' + (", trust_remote_code=True)" if per_layer else ")"),
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}"{remote_code})',
+        f'model = AutoModelForCausalLM.from_pretrained("{name}"{remote_code})',
+        'inputs = tokenizer("Once upon a time", return_tensors="pt")',
+        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32, do_sample=False)[0]))",
         "```",
         "",
         "**llama.cpp**",
