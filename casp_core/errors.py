@@ -61,3 +61,9 @@ class DeviceMemoryTooSmall(CaspError):
     on the device, or a resident model was asked for that does not fit: refused before any work."""
 
     code = "device_memory_too_small"
+
+
+class CheckpointNotWritable(CaspError):
+    """`casp upgrade` could not write into the checkpoint (read-only folder or file, full disk)."""
+
+    code = "checkpoint_not_writable"

@@ -30,7 +30,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 import casp_core
 from casp_core import checkpoint_probe
-from casp_core.errors import ModelNotFound, UnsupportedModel, VerificationFailed
+from casp_core.errors import CheckpointNotWritable, ModelNotFound, UnsupportedModel, VerificationFailed
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
 
 CONFIG_FILE = "config.json"
@@ -143,12 +143,21 @@ def upgrade_checkpoint(checkpoint: Path) -> dict[str, Any]:
         message = f"{checkpoint} does not run as it is ({error.message}); nothing was changed"
         raise VerificationFailed(message) from error
     backup = checkpoint / BACKUP_DIR / datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    backup.mkdir(parents=True)
-    for name in written:
-        if (checkpoint / name).is_file():
-            shutil.copy2(checkpoint / name, backup / name)
-    for name in written:
-        (checkpoint / name).write_bytes(files[name])
+    replaced: list[str] = []  # put back if writing fails midway: only what was already overwritten
+    try:
+        backup.mkdir(parents=True)
+        for name in written:
+            if (checkpoint / name).is_file():
+                shutil.copy2(checkpoint / name, backup / name)
+        for name in written:
+            replaced.append(name)
+            (checkpoint / name).write_bytes(files[name])
+    except OSError as error:
+        if backup.is_dir():
+            restore(checkpoint, backup, replaced)
+        raise CheckpointNotWritable(
+            f"cannot upgrade {checkpoint} in place: {error.strerror or error} ({error.filename}); nothing was changed"
+        ) from error
     try:
         difference = compare(before, run_probe(checkpoint))
     except VerificationFailed as error:

@@ -154,3 +154,24 @@ def test_a_plain_checkpoint_needs_no_upgrade_and_a_folder_without_config_gets_on
     status, out, err = upgrade(tmp_path, capsys)
     assert status == 2 and out == ""
     assert err == f"casp: error: model_not_found: {tmp_path} is not a checkpoint directory (no config.json)\n"
+
+
+def test_a_checkpoint_that_cannot_be_written_gets_one_line_and_keeps_its_files(
+    old: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing the new modeling file fails (a read-only file, a full disk): one line, the backup removed."""
+    before = files(old)
+    writes: list[str] = []
+
+    def refused(path: Path, data: bytes) -> int:
+        writes.append(path.name)
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "write_bytes", refused)
+    status, out, err = upgrade(old, capsys)
+    monkeypatch.undo()
+    assert writes == [MODELING_FILE]
+    assert status == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"casp: error: checkpoint_not_writable: cannot upgrade {old} in place")
+    assert err.endswith("nothing was changed\n")
+    assert files(old) == before
