@@ -172,6 +172,8 @@ def test_a_checkpoint_that_cannot_be_written_gets_one_line_and_keeps_its_files(
     monkeypatch.undo()
     assert writes == [MODELING_FILE]
     assert status == 1 and out == ""
-    assert err.count("\n") == 1 and err.startswith(f"casp: error: checkpoint_not_writable: cannot upgrade {old} in place")
+    assert err.count("\n") == 1 and err.startswith(
+        f"casp: error: checkpoint_not_writable: cannot upgrade {old} in place"
+    )
     assert err.endswith("nothing was changed\n")
     assert files(old) == before
