@@ -98,7 +98,7 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
         (checkpoint / artifact["name"]).write_bytes(response.content)
 
     report = json.loads((checkpoint / "report.json").read_text())
-    assert report["achieved_ratio"] == pytest.approx(result["achieved_ratio"])
+    assert round(report["achieved_ratio"], 6) == result["achieved_ratio"]  # the result rounds it for display
     assert report["params"] == result["params"]
 
     model, tokenizer = load_pruned(checkpoint)
