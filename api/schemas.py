@@ -66,9 +66,9 @@ class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
     webhook_url: Annotated[str, Printable] | None = Field(
         None,
         max_length=2048,
-        description="posted the job (its JSON, as GET returns it) when it ends, signed (header `Casp-Signature`:"
-        " `t=<unix time>,v1=<hex HMAC-SHA256 of '<t>.<body>'>` with the server's CASP_WEBHOOK_SECRET); its host"
-        " must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
+        description="posted the job (its JSON, as GET returns it) when it ends, signed as Standard Webhooks have it"
+        " (headers `webhook-id`, `webhook-timestamp`, `webhook-signature`) with the server's CASP_WEBHOOK_SECRET;"
+        " its host must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
     )
 
     @field_validator("model")
