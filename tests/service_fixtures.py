@@ -41,6 +41,8 @@ if not FIXTURE_DATA.is_dir():
 PG_ADMIN_URL = os.environ.get("CASP_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CASP_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 S3_ACCESS, S3_SECRET = "casp-test-access", "casp-test-secret"
+# A bucket of models beside the artifacts' (tests/worker/test_model_sources.py), of which jobs may read one folder.
+MODELS_BUCKET, ALLOWED_MODELS_PREFIX = "casp-models", "allowed"
 JOB_TIMEOUT = 300.0
 
 # Small settings that still run every stage of the real pipeline on the real demo model in seconds; the
@@ -237,6 +239,7 @@ def distributed_settings(
         s3_access_key_id=S3_ACCESS,
         s3_secret_access_key=S3_SECRET,
         allowed_model_roots=[REPO / "demo"],
+        allowed_model_buckets=[f"{MODELS_BUCKET}/{ALLOWED_MODELS_PREFIX}"],
         datasets_dir=FIXTURE_DATA,
         auth="apikey",
         secret_key="test-signing-secret",
@@ -321,8 +324,10 @@ def settings_env(settings: Settings) -> dict[str, str]:
             continue
         if name == "allowed_model_roots":
             value = ":".join(map(str, value))
-        elif name == "previous_secret_keys":
+        elif isinstance(value, list):  # the comma-separated settings
             value = ",".join(value)
+        elif isinstance(value, dict):  # JSON, as pydantic-settings reads it
+            value = json.dumps(value)
         env[f"CASP_{name.upper()}"] = str(value)
     env["PYTHONPATH"] = str(REPO)
     return env
