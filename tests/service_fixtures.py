@@ -223,6 +223,28 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
 
 
 @pytest.fixture(scope="session")
+def models_bucket(s3_server: dict[str, str]) -> tuple[Any, Any]:
+    """(a boto3 client, its credentials) of MODELS_BUCKET on the test S3 server, the bucket created."""
+    from service.settings import S3Credentials
+    from service.storage import s3_client
+
+    credentials = S3Credentials(
+        endpoint_url=s3_server["endpoint"], access_key_id=S3_ACCESS, secret_access_key=S3_SECRET
+    )
+    client = s3_client(credentials)
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=MODELS_BUCKET)
+    return client, credentials
+
+
+def put_model(models_bucket: tuple[Any, Any], prefix: str, folder: Path = DEMO_MODEL) -> None:
+    """The model folder's files as objects under `prefix/` of MODELS_BUCKET."""
+    client, _ = models_bucket
+    for path in sorted(folder.iterdir()):
+        client.upload_file(str(path), MODELS_BUCKET, f"{prefix}/{path.name}")
+
+
+@pytest.fixture(scope="session")
 def distributed_settings(
     pg_database: Callable[[], str], s3_server: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Settings:

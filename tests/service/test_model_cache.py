@@ -9,28 +9,16 @@ import pytest
 from casp_core.errors import Cancelled
 from service.model_sources import PARTIAL_PREFIX, ModelCache
 from service.settings import S3Credentials
-from service.storage import S3Location, s3_client
-from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET, S3_ACCESS, S3_SECRET
+from service.storage import S3Location
+from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET
+from tests.service_fixtures import put_model as put_objects
 
 pytestmark = pytest.mark.service
 
 
-@pytest.fixture(scope="module")
-def bucket(s3_server: dict[str, str]) -> tuple[Any, S3Credentials]:
-    credentials = S3Credentials(endpoint_url=s3_server["endpoint"], access_key_id=S3_ACCESS, secret_access_key=S3_SECRET)
-    client = s3_client(credentials)
-    try:
-        client.create_bucket(Bucket=MODELS_BUCKET)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
-    return client, credentials
-
-
-def put_model(bucket: tuple[Any, S3Credentials], prefix: str) -> S3Location:
-    client, credentials = bucket
-    for path in sorted(DEMO_MODEL.iterdir()):
-        client.upload_file(str(path), MODELS_BUCKET, f"{prefix}/{path.name}")
-    return S3Location(MODELS_BUCKET, prefix, credentials)
+def put_model(models_bucket: tuple[Any, S3Credentials], prefix: str) -> S3Location:
+    put_objects(models_bucket, prefix)
+    return S3Location(MODELS_BUCKET, prefix, models_bucket[1])
 
 
 def model_bytes() -> int:
@@ -52,9 +40,9 @@ def entries(root: Path) -> list[str]:
 
 
 def test_a_model_is_downloaded_once_and_again_when_its_objects_change(
-    bucket: tuple[Any, S3Credentials], tmp_path: Path
+    models_bucket: tuple[Any, S3Credentials], tmp_path: Path
 ) -> None:
-    location = put_model(bucket, "cache-test/stories260K")
+    location = put_model(models_bucket, "cache-test/stories260K")
     cache = ModelCache(tmp_path, max_bytes=10 * model_bytes())
     first = Recorder()
     with cache.folder(location, first, lambda: False) as folder:
@@ -71,7 +59,7 @@ def test_a_model_is_downloaded_once_and_again_when_its_objects_change(
     assert again.messages == [f"{location}: in the model cache, its objects unchanged; nothing downloaded"]
 
     # A changed object has a new ETag: the model is downloaded anew, into a new entry.
-    client, _ = bucket
+    client, _ = models_bucket
     client.put_object(Bucket=MODELS_BUCKET, Key=f"{location.prefix}/generation_config.json", Body=b"{}")
     changed = Recorder()
     with cache.folder(location, changed, lambda: False) as folder:
@@ -80,8 +68,8 @@ def test_a_model_is_downloaded_once_and_again_when_its_objects_change(
     assert len(entries(tmp_path)) == 2
 
 
-def test_a_download_cut_short_never_enters_the_cache(bucket: tuple[Any, S3Credentials], tmp_path: Path) -> None:
-    location = put_model(bucket, "cache-test/cut/stories260K")
+def test_a_download_cut_short_never_enters_the_cache(models_bucket: tuple[Any, S3Credentials], tmp_path: Path) -> None:
+    location = put_model(models_bucket, "cache-test/cut/stories260K")
     cache = ModelCache(tmp_path, max_bytes=10 * model_bytes())
     polls = iter([False, False, True])  # cancelled while the third chunk comes in
     with pytest.raises(Cancelled), cache.folder(location, Recorder(), lambda: next(polls)):
@@ -104,9 +92,9 @@ def fetch(cache: ModelCache, location: S3Location) -> str:
 
 
 def test_the_least_recently_used_model_goes_first_unless_a_job_uses_it(
-    bucket: tuple[Any, S3Credentials], tmp_path: Path
+    models_bucket: tuple[Any, S3Credentials], tmp_path: Path
 ) -> None:
-    first, second, third = (put_model(bucket, f"cache-test/lru-{i}/stories260K") for i in range(3))
+    first, second, third = (put_model(models_bucket, f"cache-test/lru-{i}/stories260K") for i in range(3))
     room_for_two = 2 * model_bytes() + 1000
     cache = ModelCache(tmp_path / "lru", room_for_two)
     assert [fetch(cache, first), fetch(cache, second), fetch(cache, first)] == ["downloaded", "downloaded", "found"]
