@@ -407,7 +407,10 @@ def register(subparsers: Any) -> None:
     )
     _client_options(p)
     p.add_argument("--json", help="a file with the whole request body (the other options are ignored)")
-    p.add_argument("--model", help="Hugging Face id or a path under the server's allowed roots")
+    p.add_argument(
+        "--model",
+        help="Hugging Face id, a path under the server's allowed roots, s3://bucket/prefix or casp://models/<id>",
+    )
     p.add_argument("--revision")
     p.add_argument("--device", choices=DEVICES)
     add_setting_flags(p)
