@@ -13,7 +13,7 @@ from api import errors, unavailable
 from api.limits import RequestBodyLimit
 from api.log_context import JobLogContext
 from api.methods import Options
-from api.routes import files, health, jobs, usage
+from api.routes import files, health, jobs, models, usage
 from api.streams import StreamSlots, watches_for
 from service.dispatch import Dispatcher, make_dispatcher
 from service.settings import Settings, local_devices, resolve_device
@@ -68,10 +68,13 @@ def create_app(settings: Settings | None = None, background: BackgroundServices 
     app.state.watches = watches_for(settings.database)
     errors.install(app)
     unavailable.install(app)
-    app.add_middleware(RequestBodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        RequestBodyLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes
+    )
     app.add_middleware(JobLogContext)
     app.add_middleware(Options)
     app.include_router(jobs.router)
+    app.include_router(models.router)
     app.include_router(usage.router)
     app.include_router(files.router)
     app.include_router(health.router)

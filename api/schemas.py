@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from casp_core.config import Printable, PruneSettings
 from casp_core.model import is_local_reference
+from service.paths import S3_SCHEME, UPLOAD_SCHEME
 from service.settings import DEVICES
 from service.tables import JOB_STATUSES
 
@@ -48,7 +49,10 @@ class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
     descriptions), validated strictly; the fields here are the service's: what to prune, where, and labels."""
 
     model: Annotated[str, Printable] = Field(
-        min_length=1, max_length=1024, description="Hugging Face id `org/name` or an absolute local path"
+        min_length=1,
+        max_length=1024,
+        description="Hugging Face id `org/name`, an absolute local path, `s3://bucket/prefix` (a bucket the server"
+        " allows) or `casp://models/<id>` (a model this key uploaded)",
     )
     revision: Annotated[str, Printable] | None = Field(None, min_length=1, max_length=200)
     device: Literal[DEVICES] | None = Field(  # type: ignore[valid-type]
@@ -66,19 +70,21 @@ class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
     webhook_url: Annotated[str, Printable] | None = Field(
         None,
         max_length=2048,
-        description="posted the job (its JSON, as GET returns it) when it ends, signed (header `Casp-Signature`:"
-        " `t=<unix time>,v1=<hex HMAC-SHA256 of '<t>.<body>'>` with the server's CASP_WEBHOOK_SECRET); its host"
-        " must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
+        description="posted the job (its JSON, as GET returns it) when it ends, signed as Standard Webhooks have it"
+        " (headers `webhook-id`, `webhook-timestamp`, `webhook-signature`) with the server's CASP_WEBHOOK_SECRET;"
+        " its host must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
     )
 
     @field_validator("model")
     @classmethod
     def _model_shape(cls, value: str) -> str:
-        if value.startswith("/") or HUB_ID.match(value):
+        if value.startswith(("/", S3_SCHEME, UPLOAD_SCHEME)) or HUB_ID.match(value):
             return value
         if is_local_reference(value):
             raise ValueError("local paths must be absolute")
-        raise ValueError("must be a Hugging Face id `org/name` or an absolute local path")
+        raise ValueError(
+            "must be a Hugging Face id `org/name`, an absolute local path, `s3://bucket/prefix` or `casp://models/<id>`"
+        )
 
     def settings(self) -> dict[str, Any]:
         """The pruning settings alone, as PruneSettings has them."""
@@ -161,3 +167,24 @@ class UsageOut(BaseModel):
     submissions_last_minute: int
     storage_bytes: int = Field(description="size of the artifacts kept for the key's jobs")
     artifact_files: int
+
+
+# An uploaded model's folder name: what its model card calls it.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+ModelId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{32}$", description="the uploaded model's id")]
+
+
+class ModelOut(BaseModel):
+    id: str
+    model: str = Field(description="what a job names as its `model` to prune this one: `casp://models/<id>`")
+    name: str = Field(description="the folder's name, as the pruned model's card calls it")
+    model_type: str
+    size: int = Field(description="bytes of all its files")
+    files: int
+    created_at: datetime
+    expires_at: datetime = Field(description="when it is deleted (after CASP_ARTIFACT_RETENTION_SECONDS or its own)")
+
+
+class ModelList(BaseModel):
+    data: list[ModelOut]
+    has_more: bool

@@ -3,10 +3,12 @@ commands."""
 
 import hashlib
 import json
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import tenacity
@@ -113,6 +115,28 @@ class ArtifactError(Exception):
         self.message = message
 
 
+class ReadProgress:
+    """A file whose reads are counted (httpx reads a multipart file in chunks): `on_read` gets the bytes read."""
+
+    def __init__(self, file: IO[bytes], on_read: Callable[[int], None]) -> None:
+        self.file = file
+        self.on_read = on_read
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self.file.read(size)
+        self.on_read(len(chunk))
+        return chunk
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+
 class CaspClient:
     """Every request goes through a RetryingTransport: `retries` more attempts after a connection error or a 503,
     the first after about `backoff` seconds."""
@@ -182,6 +206,42 @@ class CaspClient:
 
     def delete(self, job_id: str) -> None:
         self._call("DELETE", f"/v1/jobs/{job_id}")
+
+    def upload_model(
+        self,
+        folder: Path,
+        name: str | None = None,
+        retention_seconds: int | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Packs the model's folder as a tar (its files at the top) and uploads it; `on_progress(sent, total)` as the
+        bytes go. Returns the uploaded model (`model`: what a job names to prune it)."""
+        form = {"name": name or folder.resolve().name}
+        if retention_seconds is not None:
+            form["retention_seconds"] = str(retention_seconds)
+        with tempfile.TemporaryFile() as packed:
+            with tarfile.open(fileobj=packed, mode="w") as tar:
+                for path in sorted(folder.iterdir()):
+                    tar.add(path, arcname=path.name)
+            total = packed.tell()
+            packed.seek(0)
+            sent = 0
+
+            def counted(size: int) -> None:
+                nonlocal sent
+                sent += size
+                if on_progress:
+                    on_progress(min(sent, total), total)
+
+            files = {"file": ("model.tar", ReadProgress(packed, counted), "application/x-tar")}
+            return self._call("POST", "/v1/models", files=files, data=form)
+
+    def models(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+        params = {"limit": limit, **({"after": after} if after else {})}
+        return self._call("GET", "/v1/models", params=params)
+
+    def delete_model(self, model_id: str) -> None:
+        self._call("DELETE", f"/v1/models/{model_id}")
 
     def wait(
         self,

@@ -1,9 +1,10 @@
 """The `casp` command: the library's commands (casp_core.cli: prune, eval) and the service's: serve, demo, keys
-(create, revoke, list), worker, and submit, status, wait, download through the client. `python -m casp_cli.main ...`
-runs it.
+(create, revoke, list, set-hub-token), worker, and submit, status, wait, download, models (upload, list, delete)
+through the client. `python -m casp_cli.main ...` runs it.
 """
 
 import argparse
+import getpass
 import json
 import os
 import socket
@@ -119,6 +120,32 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_set_hub_token(args: argparse.Namespace) -> int:
+    from service import jobs
+    from service.db import session_scope
+    from service.security import encrypt_hub_token
+
+    settings = Settings()
+    prepare(settings)
+    token = None
+    if not args.clear:
+        # Read from the terminal without echo, or from a pipe: never from the command line, where `ps` and the
+        # shell's history would keep it.
+        token = (getpass.getpass("hub token: ") if sys.stdin.isatty() else sys.stdin.readline()).strip()
+        if not token:
+            print("casp: error: invalid_request: no token given on stdin (use --clear to remove one)", file=sys.stderr)
+            return 2
+    encrypted = encrypt_hub_token(settings.verification_keys, token) if token else None
+    with session_scope(settings.database) as session:
+        row = jobs.set_hub_token(session, args.key_id, encrypted)
+        if row is None:
+            print(f"casp: error: not_found: no API key with id {args.key_id} (see casp keys list)", file=sys.stderr)
+            return 1
+        done = "removed" if args.clear else "stored encrypted; used for this key's jobs only"
+        print(f"hub token of key {row.id} ({row.name}) {done}", file=sys.stderr)
+    return 0
+
+
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from service import jobs
     from service.db import session_scope
@@ -128,7 +155,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     with session_scope(settings.database) as session:
         for row in jobs.list_api_keys(session):
             state = "revoked" if jobs.is_revoked(row) else "active"
-            print(f"{row.id}  {state:<7}  {row.created_at:%Y-%m-%d %H:%M}  {row.name}")
+            hub = "hub-token" if row.hub_token else "-"
+            print(f"{row.id}  {state:<7}  {row.created_at:%Y-%m-%d %H:%M}  {hub:<9}  {row.name}")
     return 0
 
 
@@ -283,6 +311,37 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_upload(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    folder = Path(args.path)
+    if not folder.is_dir():
+        print(f"casp: error: invalid_request: {args.path} is not a model folder", file=sys.stderr)
+        return 2
+    with client_of(args) as client, tqdm(unit="B", unit_scale=True, desc="uploading", file=sys.stderr) as bar:
+
+        def show(sent: int, total: int) -> None:
+            bar.total = total
+            bar.update(sent - bar.n)
+
+        uploaded = client.upload_model(folder, args.name, args.retention_seconds, on_progress=show)
+    print(json.dumps(uploaded, indent=2))
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    with client_of(args) as client:
+        print(json.dumps(client.models(), indent=2))
+    return 0
+
+
+def cmd_models_delete(args: argparse.Namespace) -> int:
+    with client_of(args) as client:
+        client.delete_model(args.model_id)
+    print(f"deleted uploaded model {args.model_id}", file=sys.stderr)
+    return 0
+
+
 # --- wiring ------------------------------------------------------------------------------------------
 
 
@@ -333,7 +392,14 @@ def register(subparsers: Any) -> None:
     p = keys.add_parser("revoke", help="revoke an API key at once (its jobs and artifacts stay)")
     p.add_argument("key_id", help="the id `casp keys create` printed (or `casp keys list` shows)")
     p.set_defaults(run=cmd_keys_revoke)
-    p = keys.add_parser("list", help="list API keys: id, active or revoked, created, name")
+    p = keys.add_parser(
+        "set-hub-token",
+        help="give a key a Hugging Face token for private repositories (read from stdin, stored encrypted)",
+    )
+    p.add_argument("key_id", help="the id `casp keys create` printed (or `casp keys list` shows)")
+    p.add_argument("--clear", action="store_true", help="remove the key's hub token")
+    p.set_defaults(run=cmd_keys_set_hub_token)
+    p = keys.add_parser("list", help="list API keys: id, active or revoked, created, whether it has a hub token, name")
     p.set_defaults(run=cmd_keys_list)
 
     p = subparsers.add_parser(
@@ -341,7 +407,10 @@ def register(subparsers: Any) -> None:
     )
     _client_options(p)
     p.add_argument("--json", help="a file with the whole request body (the other options are ignored)")
-    p.add_argument("--model", help="Hugging Face id or a path under the server's allowed roots")
+    p.add_argument(
+        "--model",
+        help="Hugging Face id, a path under the server's allowed roots, s3://bucket/prefix or casp://models/<id>",
+    )
     p.add_argument("--revision")
     p.add_argument("--device", choices=DEVICES)
     add_setting_flags(p)
@@ -357,6 +426,24 @@ def register(subparsers: Any) -> None:
         if name == "wait":
             p.add_argument("--timeout", type=float)
         p.set_defaults(run=func)
+
+    models = subparsers.add_parser("models", help="models uploaded to the service, for jobs to prune")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    p = models_commands.add_parser(
+        "upload", help="upload a model folder (checked by the service); jobs name it as the `model` it prints"
+    )
+    _client_options(p)
+    p.add_argument("path", help="the model's folder: config.json, the tokenizer, *.safetensors")
+    p.add_argument("--name", help="the model's name (its pruned model card's); default: the folder's name")
+    p.add_argument("--retention-seconds", type=positive_int, help="how long it is kept; default: the server's")
+    p.set_defaults(run=cmd_models_upload)
+    p = models_commands.add_parser("list", help="the models this key uploaded")
+    _client_options(p)
+    p.set_defaults(run=cmd_models_list)
+    p = models_commands.add_parser("delete", help="delete an uploaded model now")
+    _client_options(p)
+    p.add_argument("model_id")
+    p.set_defaults(run=cmd_models_delete)
 
     p = subparsers.add_parser("download", help="download a job's artifacts, checking each sha256")
     _client_options(p)

@@ -128,12 +128,14 @@ def run_job(
     revision: str | None = None,
     recovery_state: Path | None = None,
     on_recovery_state_saved: Callable[[Path], None] | None = None,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """The whole job; `out_dir` ends up holding the checkpoint with its model card (README.md), report.json and
     report.md, or nothing. Nothing written there names a local path other than by its last part, and the
     report returned is the one written. `recovery_state` is where a job with recovery saves its pruned model (a
     `pruned_snapshot`, after the pruned model's evaluation) and the recovery stage its training state, and where a
-    retry resumes from both; `on_recovery_state_saved` is called with the path of each save (see `recover`)."""
+    retry resumes from both; `on_recovery_state_saved` is called with the path of each save (see `recover`).
+    `token`: a Hugging Face token for a private repository; it reaches the loader alone, nothing written or reported."""
     config.validate()
     check_model_reference(model)
     run = run or Run()
@@ -149,7 +151,7 @@ def run_job(
         with run.stage("load"):
             snapshot = retry.pruned_snapshot()
             if snapshot is None:
-                dense, tokenizer, dtype = load_dense(model, revision, config, run)
+                dense, tokenizer, dtype = load_dense(model, revision, config, run, token)
                 # Refused here when even one layer cannot fit on the device, before hours of evaluation.
                 placement = choose_placement(dense, config, device)
             else:
@@ -180,11 +182,11 @@ def run_job(
 
 
 def load_dense(
-    model: str, revision: str | None, config: PruneConfig, run: Run
+    model: str, revision: str | None, config: PruneConfig, run: Run, token: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The dense model, its tokenizer and its dtype's name; the ratio is checked reachable before any work."""
     run.report("load", 0.0, f"loading {public_name(model)}")
-    dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype)
+    dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
     check_reachable(dense, config)
     warning = speed_warning([layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to)
     if warning:

@@ -19,6 +19,7 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -98,21 +99,27 @@ HUB_FILES = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.safetensors"]
 HUB_SKIPPED = ["original/*", "consolidated*"]
 
 
-def model_source(name_or_path: str, revision: str | None = None) -> Path:
+def model_source(name_or_path: str, revision: str | None = None, token: str | None = None) -> Path:
     """The local folder to load from. A hub id is resolved through the Hugging Face cache (downloading into it
-    unless HF_HUB_OFFLINE is set), so transformers gets an absolute folder and never reads a same-named
-    relative path from the working directory."""
+    unless HF_HUB_OFFLINE is set, with `token` for a private repository), so transformers gets an absolute folder
+    and never reads a same-named relative path from the working directory."""
     check_model_reference(name_or_path)
     if is_local_reference(name_or_path):
         return Path(name_or_path).expanduser()
     try:
         folder = Path(
-            snapshot_download(name_or_path, revision=revision, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED)
+            snapshot_download(
+                name_or_path, revision=revision, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED, token=token
+            )
         )
         if not any(folder.glob("*.safetensors")):
             folder = Path(
                 snapshot_download(
-                    name_or_path, revision=revision, allow_patterns=[*HUB_FILES, "*.bin"], ignore_patterns=HUB_SKIPPED
+                    name_or_path,
+                    revision=revision,
+                    allow_patterns=[*HUB_FILES, "*.bin"],
+                    ignore_patterns=HUB_SKIPPED,
+                    token=token,
                 )
             )
     except (OSError, ValueError) as error:  # not cached offline, unknown repository or revision, no network
@@ -147,15 +154,17 @@ def load_config(name_or_path: str, *, revision: str | None = None) -> Pretrained
 
 
 def load_model(
-    name_or_path: str, *, revision: str | None = None, dtype: str = "auto"
+    name_or_path: str, *, revision: str | None = None, dtype: str = "auto", token: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load weights on the CPU; the pipeline moves one decoder layer at a time to the accelerator."""
-    source = str(model_source(name_or_path, revision))  # a hub id: its folder in the cache, never the cwd
+    """Load weights on the CPU; the pipeline moves one decoder layer at a time to the accelerator. `token`: a
+    Hugging Face token for a private repository, handed to the hub's calls only (never kept or written)."""
+    # A hub id: its folder in the cache, never the cwd.
+    source = str(model_source(name_or_path, revision, token))
     config = load_config(source)
     tokenizer = load_tokenizer(source)  # cheap, so a missing one fails first
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch_dtype, token=token)
     except OSError as error:
         raise ModelNotFound(f"cannot load the weights of model {name_or_path!r}: {_first_line(error)}") from error
     model.eval()
@@ -176,6 +185,47 @@ def load_tokenizer(name_or_path: str, *, revision: str | None = None) -> PreTrai
             f"cannot load the tokenizer of model {name_or_path!r}: the folder has none of {', '.join(vocabulary_files)}"
         )
     return tokenizer
+
+
+# A weight mismatch names at most this many tensors.
+MISMATCHES_NAMED = 3
+
+
+def check_model_folder(folder: Path) -> PretrainedConfig:
+    """A model folder fit to prune, from its files' headers alone: a config of a supported family
+    (`load_config`), a tokenizer, and safetensors weights that are exactly the tensors that config's model has, in
+    its shapes (no weight is read). Raises ModelNotFound or UnsupportedModel saying what is wrong."""
+    config = load_config(str(folder))
+    load_tokenizer(str(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        advice = ""
+        if any(folder.glob("*.bin")):
+            advice = " (PyTorch *.bin pickles are not read: convert them to safetensors)"
+        raise ModelNotFound(f"the folder has no *.safetensors weights{advice}")
+    with torch.device("meta"):  # the model's tensors with their shapes, and no memory
+        expected = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as weights:  # reads the header only
+                found |= {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
+        except SafetensorError as error:
+            raise ModelNotFound(f"{file.name} is not readable safetensors: {error}") from error
+    if config.tie_word_embeddings:  # the head is the embedding: files hold it once
+        expected.pop("lm_head.weight", None)
+        found.pop("lm_head.weight", None)
+    problems = [f"{name} is missing" for name in sorted(expected.keys() - found.keys())]
+    problems += [f"{name} is not a weight of {config.model_type}" for name in sorted(found.keys() - expected.keys())]
+    problems += [
+        f"{name} has shape {list(found[name])}, config.json makes it {list(shape)}"
+        for name, shape in sorted(expected.items())
+        if name in found and found[name] != shape
+    ]
+    if problems:
+        more = f" (and {len(problems) - MISMATCHES_NAMED} more)" if len(problems) > MISMATCHES_NAMED else ""
+        raise UnsupportedModel(f"the weights do not match config.json: {'; '.join(problems[:MISMATCHES_NAMED])}{more}")
+    return config
 
 
 def _check_model_type(model_type: object) -> None:

@@ -19,7 +19,17 @@ from service.metrics import WEBHOOK_EVENT_KIND, WEBHOOK_FAILURE_PREFIX
 from service.security import hash_api_key, new_api_key
 from service.settings import Settings
 from service.storage import StoredFile
-from service.tables import FINISHED_STATUSES, ApiKey, Artifact, Job, JobEvent, StageTiming, new_id, utcnow
+from service.tables import (
+    FINISHED_STATUSES,
+    ApiKey,
+    Artifact,
+    Job,
+    JobEvent,
+    StageTiming,
+    UploadedModel,
+    new_id,
+    utcnow,
+)
 
 ACTIVE_STATUSES = ("queued", "running")
 # Submissions per minute are counted over the last 60 s (a sliding window, from the jobs' own rows).
@@ -70,6 +80,15 @@ def revoke_api_key(session: Session, key_id: str) -> ApiKey | None:
     row = session.get(ApiKey, key_id)
     if row is not None:
         row.key_hash = REVOKED_MARK + row.id
+        session.flush()
+    return row
+
+
+def set_hub_token(session: Session, key_id: str, encrypted: str | None) -> ApiKey | None:
+    """Stores the key's encrypted hub token (None removes it); None when there is no such key."""
+    row = session.get(ApiKey, key_id)
+    if row is not None:
+        row.hub_token = encrypted
         session.flush()
     return row
 
@@ -319,6 +338,52 @@ def forget_artifacts(session: Session, job: Job) -> None:
     session.execute(delete(Artifact).where(Artifact.job_id == job.id))
     job.artifacts_deleted = True
     job.expires_at = utcnow()
+
+
+# --- uploaded models ------------------------------------------------------------------------------------
+
+
+def _sees_upload(caller: Caller) -> Any:
+    return True if caller.key_id is None else UploadedModel.owner_id == caller.key_id
+
+
+def add_uploaded_model(session: Session, caller: Caller, **fields: Any) -> UploadedModel:
+    row = UploadedModel(owner_id=caller.key_id, created_at=utcnow(), **fields)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_uploaded_model(session: Session, caller: Caller, model_id: str) -> UploadedModel | None:
+    return session.scalar(select(UploadedModel).where(UploadedModel.id == model_id, _sees_upload(caller)))
+
+
+def list_uploaded_models(
+    session: Session, caller: Caller, *, limit: int, after: str | None
+) -> tuple[Sequence[UploadedModel], bool]:
+    """Newest first; `after` is the id of the last model of the previous page."""
+    query = select(UploadedModel).where(_sees_upload(caller))
+    if after:
+        anchor = session.get(UploadedModel, after)
+        if anchor is not None:
+            query = query.where(
+                or_(
+                    UploadedModel.created_at < anchor.created_at,
+                    and_(UploadedModel.created_at == anchor.created_at, UploadedModel.id < anchor.id),
+                )
+            )
+    order = (UploadedModel.created_at.desc(), UploadedModel.id.desc())
+    rows = session.scalars(query.order_by(*order).limit(limit + 1)).all()
+    return rows[:limit], len(rows) > limit
+
+
+def expired_uploads(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
+    query = select(UploadedModel.id).where(UploadedModel.expires_at <= now)
+    return session.scalars(query.order_by(UploadedModel.expires_at).limit(limit)).all()
+
+
+def forget_upload(session: Session, model_id: str) -> None:
+    session.execute(delete(UploadedModel).where(UploadedModel.id == model_id))
 
 
 # --- retention ------------------------------------------------------------------------------------------

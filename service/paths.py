@@ -1,9 +1,12 @@
 """Where a job may read its model and text from. The API checks at submit, and the worker again before it runs
 (a row may have been written past the API): a local path must be absolute and, with symbolic links and `..`
-resolved, lie under CASP_ALLOWED_MODEL_ROOTS (data set files: or CASP_DATASETS_DIR); anything else is a Hugging
+resolved, lie under CASP_ALLOWED_MODEL_ROOTS (data set files: or CASP_DATASETS_DIR); a model in a bucket,
+`s3://bucket/prefix`, must lie under one of CASP_ALLOWED_MODEL_BUCKETS; `casp://models/<id>` is a model the job's
+key uploaded (whose owner the API and the worker check against the uploads' table); anything else is a Hugging
 Face id, which casp_core loads from the hub cache only, or a named data set installed under the datasets dir."""
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +30,12 @@ PATH_MAX = os.pathconf("/", "PC_PATH_MAX")
 
 Loc = tuple[str | int, ...]
 RECOVERY_DATASET: Loc = ("recovery", "dataset")
+
+S3_SCHEME = "s3://"
+UPLOAD_SCHEME = "casp://models/"
+# S3's bucket naming rules (3 to 63 lower-case letters, digits, dots and hyphens, a letter or digit at each end).
+BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+UPLOAD_ID = re.compile(r"^[0-9a-f]{32}$")
 
 # Messages quote at most this much of a caller's input (the API's error answers too).
 EXCERPT_CHARS = 64
@@ -73,8 +82,50 @@ def _under_roots(value: str, loc: Loc, roots: list[Path], roots_setting: str) ->
     return path
 
 
+def is_remote_model(model: str) -> bool:
+    """A model the worker fetches into a local folder before casp_core loads it."""
+    return model.startswith((S3_SCHEME, UPLOAD_SCHEME))
+
+
+def bucket_and_prefix(reference: str) -> tuple[str, list[str]]:
+    """`s3://bucket/some/prefix` as ("bucket", ["some", "prefix"]); a prefix's parts are folder names, never empty,
+    `.` or `..` (S3 would take them as they are; a local folder made from them would not)."""
+    bucket, _, prefix = reference.removeprefix(S3_SCHEME).partition("/")
+    if not BUCKET_NAME.match(bucket):
+        raise InputRefused(("model",), f"not an S3 bucket name: {excerpt(bucket)}")
+    parts = prefix.rstrip("/").split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise InputRefused(("model",), "an S3 model is `s3://bucket/prefix`, the prefix's parts not empty, . or ..")
+    return bucket, parts
+
+
+def check_s3_model(reference: str, settings: Settings) -> str:
+    """`s3://bucket/prefix` under one of the allowed buckets and prefixes, without a trailing slash."""
+    bucket, parts = bucket_and_prefix(reference)
+    for entry in settings.allowed_model_buckets:
+        allowed_bucket, _, allowed_prefix = entry.partition("/")
+        allowed_parts = [part for part in allowed_prefix.split("/") if part]
+        if bucket == allowed_bucket and parts[: len(allowed_parts)] == allowed_parts:
+            return f"{S3_SCHEME}{bucket}/{'/'.join(parts)}"
+    allowed = ", ".join(settings.allowed_model_buckets) or "none configured"
+    raise InputRefused(("model",), f"S3 models must lie under CASP_ALLOWED_MODEL_BUCKETS ({allowed})")
+
+
+def upload_id_of(reference: str) -> str:
+    model_id = reference.removeprefix(UPLOAD_SCHEME)
+    if not UPLOAD_ID.match(model_id):
+        raise InputRefused(("model",), "an uploaded model is `casp://models/<id>`, with the id POST /v1/models gave")
+    return model_id
+
+
 def check_model(model: str, settings: Settings) -> str:
-    """The model as the job stores it: a hub id as given, a local folder resolved."""
+    """The model as the job stores it: a hub id as given, a local folder resolved, a bucket's prefix normalised. An
+    upload's id is checked for its form only: whose it is, the caller checks."""
+    if model.startswith(S3_SCHEME):
+        return check_s3_model(model, settings)
+    if model.startswith(UPLOAD_SCHEME):
+        upload_id_of(model)
+        return model
     if not is_local_reference(model):
         try:
             validate_repo_id(model)

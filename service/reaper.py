@@ -106,6 +106,26 @@ def sweep_expired(settings: Settings, storage: Storage) -> list[str]:
     return swept
 
 
+def sweep_expired_uploads(settings: Settings, storage: Storage) -> list[str]:
+    """Uploaded models past their expiry: files first, then the row (as for artifacts, a stop between the two only
+    means the next round deletes again)."""
+    with session_scope(settings.database) as session:
+        expired = jobs.expired_uploads(session, utcnow())
+    swept = []
+    for model_id in expired:
+        try:
+            storage.delete_model(model_id)
+        except Exception as exc:  # the storage is away: the next round tries again
+            log.warning("retention: could not delete the uploaded model %s: %s", model_id, exc)
+            continue
+        with session_scope(settings.database) as session:
+            jobs.forget_upload(session, model_id)
+        swept.append(model_id)
+    if swept:
+        log.info("retention: deleted the expired uploaded models %s", swept)
+    return swept
+
+
 class Reaper(threading.Thread):
     def __init__(self, settings: Settings, dispatcher: Dispatcher, storage: Storage) -> None:
         super().__init__(name="casp-reaper", daemon=True)
@@ -126,5 +146,6 @@ class Reaper(threading.Thread):
                 log.warning("reaper round failed: %s: %s", type(exc).__name__, exc)
             try:
                 sweep_expired(self.settings, self.storage)
+                sweep_expired_uploads(self.settings, self.storage)
             except Exception as exc:  # the database may be briefly away; try again next round
                 log.warning("retention sweep failed: %s: %s", type(exc).__name__, exc)

@@ -6,7 +6,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.logs import LogFormat
@@ -15,6 +15,17 @@ DEVICES = ("cpu", "cuda")
 # "auto": the device of the machine the job lands on. Resolved where that is known (the embedded service at
 # start, a worker for what it serves); the distributed API sends such jobs to the queue every worker reads.
 AUTO = "auto"
+
+
+class S3Credentials(BaseModel):
+    """Where and as whom to reach an S3 API: the artifact storage's (CASP_S3_*), or a model bucket's own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint_url: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    region: str = "us-east-1"
 
 
 class Settings(BaseSettings):
@@ -36,6 +47,18 @@ class Settings(BaseSettings):
     # NoDecode: the variable is colon-separated like PATH, not JSON.
     allowed_model_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     datasets_dir: Path | None = None
+    # Buckets jobs may read models from (`s3://bucket/prefix`), comma-separated: `bucket` (all of it) or
+    # `bucket/prefix` (what lies under that folder); like CASP_ALLOWED_MODEL_ROOTS for local paths.
+    allowed_model_buckets: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Credentials of model buckets that the artifact storage's (CASP_S3_*) cannot read, by bucket name (JSON:
+    # {"models": {"endpoint_url": ..., "access_key_id": ..., "secret_access_key": ..., "region": ...}}).
+    model_bucket_credentials: dict[str, S3Credentials] = Field(default_factory=dict)
+    # Where workers keep models downloaded from buckets (and uploads on S3 storage), by the objects' ETags; the
+    # least recently used go once the cache holds more than its bound.
+    model_cache_dir: Path | None = None
+    model_cache_max_bytes: int = Field(default=100 << 30, ge=0)
+    # A model upload (`POST /v1/models`, a tar of its folder) may be this large; other requests CASP_MAX_REQUEST_BYTES.
+    max_upload_bytes: int = Field(default=50 << 30, ge=1024)
     auth: Literal["apikey", "none"] = "apikey"
     secret_key: str | None = None
     # Secrets used before `secret_key`, comma-separated: links they signed stay valid until they expire, so
@@ -85,7 +108,7 @@ class Settings(BaseSettings):
             return [part for part in value.split(":") if part]
         return value
 
-    @field_validator("webhook_allowed_hosts", "previous_secret_keys", mode="before")
+    @field_validator("webhook_allowed_hosts", "previous_secret_keys", "allowed_model_buckets", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
@@ -103,6 +126,23 @@ class Settings(BaseSettings):
     @property
     def storage(self) -> str:
         return self.storage_url or f"file://{self.home / 'artifacts'}"
+
+    @property
+    def model_cache(self) -> Path:
+        return self.model_cache_dir or self.home / "model-cache"
+
+    @property
+    def storage_credentials(self) -> S3Credentials:
+        return S3Credentials(
+            endpoint_url=self.s3_endpoint_url,
+            access_key_id=self.s3_access_key_id,
+            secret_access_key=self.s3_secret_access_key,
+            region=self.s3_region,
+        )
+
+    def bucket_credentials(self, bucket: str) -> S3Credentials:
+        """A model bucket's own credentials where set, else the artifact storage's."""
+        return self.model_bucket_credentials.get(bucket) or self.storage_credentials
 
     @cached_property
     def signing_key(self) -> bytes:

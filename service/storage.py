@@ -17,7 +17,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from service.security import sign_download
-from service.settings import Settings
+from service.settings import S3Credentials, Settings
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,30 @@ def copy_whole(source: Path, target: Path) -> None:
     partial.replace(target)
 
 
+@dataclass(frozen=True)
+class S3Location:
+    """A model folder in a bucket: the objects under `prefix/`, read with `credentials`."""
+
+    bucket: str
+    prefix: str
+    credentials: S3Credentials
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def s3_client(credentials: S3Credentials) -> Any:
+    return boto3.client(
+        "s3",
+        endpoint_url=credentials.endpoint_url,
+        aws_access_key_id=credentials.access_key_id,
+        aws_secret_access_key=credentials.secret_access_key,
+        region_name=credentials.region,
+        # Path-style addressing: S3-compatible servers (MinIO, SeaweedFS) rarely have bucket DNS names.
+        config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
+    )
+
+
 class Storage(Protocol):
     def upload_dir(self, job_id: str, directory: Path) -> list[StoredFile]:
         """Uploads every file; uploading the same job again overwrites, so a rerun is safe."""
@@ -64,6 +88,14 @@ class Storage(Protocol):
     def check_writable(self, min_free_bytes: int) -> None:
         """Raises unless a file can be written, and (where the storage has a size) at least `min_free_bytes`
         are free."""
+
+    def put_model(self, model_id: str, name: str, directory: Path) -> None:
+        """Stores an uploaded model's folder as `models/<id>/<name>/` (its row, written after, makes it usable)."""
+
+    def delete_model(self, model_id: str) -> None: ...
+
+    def model_location(self, model_id: str, name: str) -> Path | S3Location:
+        """Where a worker reads the uploaded model: a local folder, or a bucket's prefix it downloads."""
 
 
 class LocalStorage:
@@ -113,6 +145,15 @@ class LocalStorage:
     def delete_work(self, job_id: str) -> None:
         shutil.rmtree(self.root / "work" / job_id, ignore_errors=True)
 
+    def put_model(self, model_id: str, name: str, directory: Path) -> None:
+        shutil.copytree(directory, self.model_location(model_id, name), dirs_exist_ok=True)
+
+    def delete_model(self, model_id: str) -> None:
+        shutil.rmtree(self.root / "models" / model_id, ignore_errors=True)
+
+    def model_location(self, model_id: str, name: str) -> Path:
+        return self.root / "models" / model_id / name
+
     def check_writable(self, min_free_bytes: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         probe = self.root / f".ready-{uuid.uuid4().hex}"
@@ -127,21 +168,10 @@ class S3Storage:
     def __init__(self, bucket: str, prefix: str, settings: Settings) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.client = self._client(settings, settings.s3_endpoint_url)
+        self.credentials = settings.storage_credentials
+        self.client = s3_client(self.credentials)
         public = settings.s3_public_endpoint_url
-        self.presigner = self._client(settings, public) if public else self.client
-
-    @staticmethod
-    def _client(settings: Settings, endpoint_url: str | None) -> Any:
-        return boto3.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            aws_access_key_id=settings.s3_access_key_id,
-            aws_secret_access_key=settings.s3_secret_access_key,
-            region_name=settings.s3_region,
-            # Path-style addressing: S3-compatible servers (MinIO, SeaweedFS) rarely have bucket DNS names.
-            config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
-        )
+        self.presigner = s3_client(self.credentials.model_copy(update={"endpoint_url": public})) if public else None
 
     def key(self, job_id: str, name: str = "", folder: str = "jobs") -> str:
         return "/".join(part for part in (self.prefix, folder, job_id, name) if part)
@@ -155,7 +185,7 @@ class S3Storage:
         return stored
 
     def url(self, job_id: str, name: str, ttl_seconds: int, base_url: str) -> str:
-        return self.presigner.generate_presigned_url(
+        return (self.presigner or self.client).generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self.key(job_id, name)}, ExpiresIn=ttl_seconds
         )
 
@@ -187,6 +217,16 @@ class S3Storage:
             objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
             if objects:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+
+    def put_model(self, model_id: str, name: str, directory: Path) -> None:
+        for relative, source in files_of(directory):
+            self.client.upload_file(str(source), self.bucket, self.key(model_id, f"{name}/{relative}", "models"))
+
+    def delete_model(self, model_id: str) -> None:
+        self._delete_under(self.key(model_id, folder="models") + "/")
+
+    def model_location(self, model_id: str, name: str) -> S3Location:
+        return S3Location(self.bucket, self.key(model_id, name, "models"), self.credentials)
 
     def check_writable(self, min_free_bytes: int) -> None:
         # A bucket has no free space to read: only writing is checked.

@@ -35,6 +35,9 @@ class ApiKey(Base):
     # This key's own fair-use limits; None: the server's (CASP_MAX_ACTIVE_JOBS, CASP_MAX_SUBMISSIONS_PER_MINUTE).
     max_active_jobs: Mapped[int | None]
     max_submissions_per_minute: Mapped[int | None]
+    # The key's Hugging Face token for private repositories, encrypted (Fernet) with a key derived from the server's
+    # secret (service.security): used for this key's jobs only.
+    hub_token: Mapped[str | None] = mapped_column(Text)
 
 
 class Job(Base):
@@ -120,3 +123,23 @@ class StageTiming(Base):
     attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
     stage: Mapped[str] = mapped_column(String(32), primary_key=True)
     seconds: Mapped[float] = mapped_column(Float)
+
+
+class UploadedModel(Base):
+    """A model folder a key uploaded (`POST /v1/models`), kept in the artifact storage under `models/<id>/<name>/`
+    and used by that key's jobs as `casp://models/<id>`. Deleted (row and files) when it expires or on DELETE."""
+
+    __tablename__ = "uploaded_models"
+    __table_args__ = (
+        Index("ix_uploaded_models_owner_created", "owner_id", "created_at", "id"),
+        Index("ix_uploaded_models_expires_at", "expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(100))  # the folder's name: what the model card calls the model
+    model_type: Mapped[str] = mapped_column(String(32))
+    size: Mapped[int] = mapped_column(BigInteger)  # bytes of all its files
+    files: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]

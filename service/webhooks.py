@@ -1,13 +1,18 @@
-"""A job's end posted to its `webhook_url`: the job's JSON, signed with HMAC-SHA256 over a timestamp and the body
-(as Stripe does), retried with backoff; every attempt an event of the job.
+"""A job's end posted to its `webhook_url`: the job's JSON, signed in the form of the Standard Webhooks specification
+(https://www.standardwebhooks.com, with its reference package), retried with backoff; every attempt an event of the
+job.
 
 Deliveries are read from the job rows (`webhook_state` "pending" once the job has finished), so a webhook is
 not lost when the process that would send it stops: a notifier holds one with a lease, and another takes it
 over, counting on from the attempts recorded, once the lease has run out.
 
 Headers of each POST:
-- `Casp-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" with CASP_WEBHOOK_SECRET>`
+- `webhook-id: <job id>.<event>` (the same on every attempt, so a receiver can drop a repeat),
+  `webhook-timestamp: <unix seconds>`, `webhook-signature: v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`
+  keyed with CASP_WEBHOOK_SECRET's UTF-8 bytes
 - `Casp-Event: job.succeeded` (or `job.failed`, `job.cancelled`)
+- `Casp-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`: casp's own header before Standard
+  Webhooks, kept for one release so that receivers can switch
 """
 
 import hashlib
@@ -20,12 +25,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlparse
 
 import httpx
 import tenacity
+from standardwebhooks import Webhook
 
 from service import jobs
 from service.db import session_scope
@@ -34,6 +40,7 @@ from service.tables import Job, utcnow
 
 log = logging.getLogger(__name__)
 
+# casp's own signature header (replaced by the Standard Webhooks headers; sent until the next release).
 SIGNATURE_HEADER = "Casp-Signature"
 EVENT_HEADER = "Casp-Event"
 MAX_BACKOFF_SECONDS = 60.0
@@ -74,10 +81,18 @@ def check_webhook_url(url: str, settings: Settings) -> None:
 
 
 def signature(secret: str, timestamp: int, body: bytes) -> str:
+    """The legacy `Casp-Signature`'s v1: HMAC-SHA256 of "<timestamp>.<body>" keyed with the secret's UTF-8 bytes."""
     return hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
 
 
-def post_signed(settings: Settings, url: str, body: bytes, event: str) -> tuple[bool, str]:
+def standard_headers(secret: str, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    """`webhook-id`, `webhook-timestamp` and `webhook-signature`, signed by the specification's reference code with
+    the secret's UTF-8 bytes as the key (in the libraries' own notation: `whsec_` and the base64 of those bytes)."""
+    signed = Webhook(secret.encode()).sign(message_id, datetime.fromtimestamp(timestamp, UTC), body.decode())
+    return {"webhook-id": message_id, "webhook-timestamp": str(timestamp), "webhook-signature": signed}
+
+
+def post_signed(settings: Settings, url: str, body: bytes, event: str, message_id: str) -> tuple[bool, str]:
     """One attempt: (delivered, what happened)."""
     assert settings.webhook_secret is not None  # no job has a webhook without one (checked at submit)
     try:
@@ -87,6 +102,7 @@ def post_signed(settings: Settings, url: str, body: bytes, event: str) -> tuple[
     timestamp = int(time.time())
     headers = {
         "Content-Type": "application/json",
+        **standard_headers(settings.webhook_secret, message_id, timestamp, body),
         EVENT_HEADER: event,
         SIGNATURE_HEADER: f"t={timestamp},v1={signature(settings.webhook_secret, timestamp, body)}",
     }
@@ -112,7 +128,7 @@ def deliver(settings: Settings, job_body: JobBody, job_id: str, stopped: threadi
 
     def attempt() -> bool:
         number = next(numbers)
-        delivered, message = post_signed(settings, url, body, event)
+        delivered, message = post_signed(settings, url, body, event, f"{job_id}.{event}")
         state = "delivered" if delivered else "failed" if number >= settings.webhook_max_attempts else "pending"
         with session_scope(settings.database) as session:
             jobs.webhook_attempted(session, job_id, message, state=state)

@@ -41,6 +41,8 @@ if not FIXTURE_DATA.is_dir():
 PG_ADMIN_URL = os.environ.get("CASP_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CASP_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 S3_ACCESS, S3_SECRET = "casp-test-access", "casp-test-secret"
+# A bucket of models beside the artifacts' (tests/worker/test_model_sources.py), of which jobs may read one folder.
+MODELS_BUCKET, ALLOWED_MODELS_PREFIX = "casp-models", "allowed"
 JOB_TIMEOUT = 300.0
 
 # Small settings that still run every stage of the real pipeline on the real demo model in seconds; the
@@ -221,6 +223,28 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
 
 
 @pytest.fixture(scope="session")
+def models_bucket(s3_server: dict[str, str]) -> tuple[Any, Any]:
+    """(a boto3 client, its credentials) of MODELS_BUCKET on the test S3 server, the bucket created."""
+    from service.settings import S3Credentials
+    from service.storage import s3_client
+
+    credentials = S3Credentials(
+        endpoint_url=s3_server["endpoint"], access_key_id=S3_ACCESS, secret_access_key=S3_SECRET
+    )
+    client = s3_client(credentials)
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=MODELS_BUCKET)
+    return client, credentials
+
+
+def put_model(models_bucket: tuple[Any, Any], prefix: str, folder: Path = DEMO_MODEL) -> None:
+    """The model folder's files as objects under `prefix/` of MODELS_BUCKET."""
+    client, _ = models_bucket
+    for path in sorted(folder.iterdir()):
+        client.upload_file(str(path), MODELS_BUCKET, f"{prefix}/{path.name}")
+
+
+@pytest.fixture(scope="session")
 def distributed_settings(
     pg_database: Callable[[], str], s3_server: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Settings:
@@ -237,6 +261,7 @@ def distributed_settings(
         s3_access_key_id=S3_ACCESS,
         s3_secret_access_key=S3_SECRET,
         allowed_model_roots=[REPO / "demo"],
+        allowed_model_buckets=[f"{MODELS_BUCKET}/{ALLOWED_MODELS_PREFIX}"],
         datasets_dir=FIXTURE_DATA,
         auth="apikey",
         secret_key="test-signing-secret",
@@ -321,8 +346,10 @@ def settings_env(settings: Settings) -> dict[str, str]:
             continue
         if name == "allowed_model_roots":
             value = ":".join(map(str, value))
-        elif name == "previous_secret_keys":
+        elif isinstance(value, list):  # the comma-separated settings
             value = ",".join(value)
+        elif isinstance(value, dict):  # JSON, as pydantic-settings reads it
+            value = json.dumps(value)
         env[f"CASP_{name.upper()}"] = str(value)
     env["PYTHONPATH"] = str(REPO)
     return env

@@ -3,13 +3,14 @@
 Shared by the Celery task (distributed mode) and the in-process worker threads (embedded mode).
 """
 
+import contextlib
 import contextvars
 import logging
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from casp_core.run import Run
 from service import jobs
 from service.db import session_scope
 from service.logs import add_log_context, job_log_context
-from service.paths import check_job_inputs
+from service.model_sources import local_folder, locate
+from service.paths import check_job_inputs, is_remote_model
+from service.security import decrypt_hub_token
 from service.settings import AUTO, Settings
 from service.storage import Storage
 from service.tables import ApiKey, Job
@@ -35,9 +38,10 @@ log = logging.getLogger(__name__)
 
 # The share of the overall 0-100 progress each stage gets, in the order run_job reports them (casp_core's
 # STAGES, where "evaluation" comes for the dense, the pruned (with recovery) and the published model), then
-# "upload", the service's own. A job without recovery skips its segments. The e2e test checks this order against
-# the real pipeline.
+# "upload", the service's own; "download" (a model from a bucket or an upload) comes first. A job without
+# recovery skips its segments. The e2e test checks this order against the real pipeline.
 STAGE_WEIGHTS = {
+    "download": 5,
     "load": 5,
     "calibration": 5,
     "evaluation": 10,
@@ -111,7 +115,7 @@ class Attempt:
     _last_poll: float = 0.0
     _stop: bool = False
 
-    def report(self, stage: str, fraction: float, message: str = "") -> None:
+    def report(self, stage: str, fraction: float, message: str = "", always_event: bool = False) -> None:
         now = time.monotonic()
         self.segment = self.segments.next(stage, self.segment)
         progress = max(self.progress, self.segments.progress(self.segment, fraction))
@@ -122,7 +126,7 @@ class Attempt:
             add_log_context(stage=stage)
             log.info("stage %s started", stage)
         self.progress = progress
-        event = changed or progress - self._last_event_progress >= 1.0
+        event = changed or always_event or progress - self._last_event_progress >= 1.0
         if not (event or now - self._last_write >= WRITE_INTERVAL_SECONDS):
             return
         self._last_write = now
@@ -240,9 +244,10 @@ def execute(
                 log.info("job %s is not queued; nothing to do", job_id)
                 return None
             config = job_config(job, settings)
-            model, revision, number = job.model, job.revision, job.attempts
+            model, revision, number, owner_id = job.model, job.revision, job.attempts, job.owner_id
             owner = session.get(ApiKey, job.owner_id) if job.owner_id else None
             log_context.key_name = owner.name if owner else None
+            hub_token = owner.hub_token if owner else None
 
         attempt = Attempt(
             settings,
@@ -250,7 +255,7 @@ def execute(
             number,
             deadline=time.monotonic() + settings.job_time_limit_seconds,
             stop_requested=stop_requested,
-            segments=Segments.of(job_stages(config)),
+            segments=Segments.of((*(("download",) if is_remote_model(model) else ()), *job_stages(config))),
         )
         out_dir = settings.home / "work" / job_id / f"attempt-{number}"
         shutil.rmtree(out_dir, ignore_errors=True)  # a rerun starts clean: nothing half-written is kept
@@ -259,7 +264,7 @@ def execute(
         heartbeat.start()
         status = None
         try:
-            status = _run(attempt, model, revision, config, out_dir, storage)
+            status = _run(attempt, JobModel(model, revision, owner_id, hub_token), config, out_dir, storage)
             return status
         finally:
             heartbeat.done.set()
@@ -278,12 +283,42 @@ def peak_gpu_memory(device: torch.device) -> dict[str, int]:
     return {"peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device)}
 
 
-def _run(
-    attempt: Attempt, model: str, revision: str | None, config: PruneConfig, out_dir: Path, storage: Storage
-) -> str | None:
+@dataclass(frozen=True)
+class JobModel:
+    """What the job prunes, and what its key gives to read it with."""
+
+    reference: str  # as the job stores it: a hub id, a local folder, `s3://...` or `casp://models/<id>`
+    revision: str | None
+    owner_id: str | None
+    hub_token: str | None  # the key's, encrypted (service.security); decrypted only to hand it to the loader
+
+    def __repr__(self) -> str:  # in no log or traceback, even encrypted
+        return f"JobModel({self.reference!r})"
+
+
+@contextlib.contextmanager
+def model_folder(attempt: Attempt, model: JobModel, storage: Storage) -> Iterator[str]:
+    """What casp_core loads: a bucket's or an upload's model as a local folder (downloaded into the model cache,
+    its progress the "download" stage's), anything else as the job names it."""
+    if not is_remote_model(model.reference):
+        yield model.reference
+        return
+    with session_scope(attempt.settings.database) as session:
+        source = locate(session, model.reference, model.owner_id, storage, attempt.settings)
+
+    def progress(fraction: float, message: str) -> None:
+        attempt.report("download", fraction, message, always_event=fraction >= 1.0)
+
+    with local_folder(source, attempt.settings, progress, attempt.should_cancel) as folder:
+        yield str(folder)
+
+
+def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, storage: Storage) -> str | None:
     try:
         # Checked again here: the row may have been written past the API, or the roots changed since.
-        check_job_inputs(model, config, attempt.settings)
+        check_job_inputs(model.reference, config, attempt.settings)
+        keys = attempt.settings.verification_keys
+        token = decrypt_hub_token(keys, model.hub_token) if model.hub_token else None
         # A device this machine lacks fails the job here, with casp_core's device_unavailable.
         device = resolve_device(config.device)
         if device.type == "cuda":
@@ -291,15 +326,17 @@ def _run(
         state_dir = out_dir.parent / RECOVERY_STATE
         if "recovery" in attempt.segments.stages:
             _restore_recovery_state(storage, attempt.job_id, state_dir)
-        report = run_job(
-            model,
-            config,
-            out_dir,
-            Run(progress=attempt.report, should_cancel=attempt.should_cancel, on_warning=attempt.warn),
-            revision=revision,
-            recovery_state=state_dir,
-            on_recovery_state_saved=lambda path: _keep_recovery_state(storage, attempt.job_id, path),
-        )
+        with model_folder(attempt, model, storage) as folder:
+            report = run_job(
+                folder,
+                config,
+                out_dir,
+                Run(progress=attempt.report, should_cancel=attempt.should_cancel, on_warning=attempt.warn),
+                revision=model.revision,
+                recovery_state=state_dir,
+                on_recovery_state_saved=lambda path: _keep_recovery_state(storage, attempt.job_id, path),
+                token=token,
+            )
         if attempt.should_cancel():
             raise Cancelled("the job was cancelled")
         attempt.report("upload", 0.0, "uploading artifacts")

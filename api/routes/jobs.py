@@ -37,7 +37,17 @@ from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
 from service.logs import add_log_context
-from service.paths import InputRefused, Loc, check_dataset, check_model, check_training_data
+from service.paths import (
+    UPLOAD_SCHEME,
+    InputRefused,
+    Loc,
+    check_dataset,
+    check_model,
+    check_training_data,
+    excerpt,
+    is_remote_model,
+    upload_id_of,
+)
 from service.settings import Settings
 from service.tables import JOB_STATUSES, Job, JobEvent, utcnow
 from service.webhooks import WebhookRefused, check_webhook_url
@@ -50,11 +60,14 @@ def invalid(loc: Loc, message: str) -> RequestValidationError:
     return RequestValidationError([{"type": "value_error", "loc": ("body", *loc), "msg": message}])
 
 
-def resolve_model(body: JobCreate, settings: Settings) -> str:
-    if is_local_reference(body.model) and body.revision is not None:
+def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, caller: jobs.Caller) -> str:
+    if (is_local_reference(body.model) or is_remote_model(body.model)) and body.revision is not None:
         raise invalid(("revision",), "only a Hugging Face id takes a revision")
     try:
         model = check_model(body.model, settings)
+        if model.startswith(UPLOAD_SCHEME) and jobs.get_uploaded_model(session, caller, upload_id_of(model)) is None:
+            # Another key's upload answers exactly like a missing one.
+            raise InputRefused(("model",), f"no uploaded model {excerpt(model)} for this key (see GET /v1/models)")
     except InputRefused as exc:
         raise invalid(exc.loc, exc.message) from exc
     if is_local_reference(model):
@@ -144,15 +157,16 @@ def job_out(job: Job) -> JobOut:
     )
 
 
-def retention_of(body: JobCreate, settings: Settings) -> int:
-    if body.retention_seconds is None:
+def retention_of(requested: int | None, settings: Settings) -> int:
+    """How long artifacts (or an uploaded model) are kept: what the request asks, within the server's maximum."""
+    if requested is None:
         return settings.artifact_retention_seconds
-    if body.retention_seconds > settings.max_artifact_retention_seconds:
+    if requested > settings.max_artifact_retention_seconds:
         raise invalid(
             ("retention_seconds",),
             f"at most {settings.max_artifact_retention_seconds} s on this server (CASP_MAX_ARTIFACT_RETENTION_SECONDS)",
         )
-    return body.retention_seconds
+    return requested
 
 
 def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
@@ -183,14 +197,14 @@ def create_job(
         raise invalid(("device",), f"the job {why} {device}; this server runs jobs on {', '.join(devices)}")
     dispatched_at = utcnow()
     fields = {
-        "model": resolve_model(body, settings),
+        "model": resolve_model(body, settings, session, caller),
         "revision": body.revision,
         "device": device,
         "queue": queue_for(device),
         "config": build_config(body, settings).to_dict(),
         "metadata_": body.metadata,
         "dispatched_at": dispatched_at,
-        "retention_seconds": retention_of(body, settings),
+        "retention_seconds": retention_of(body.retention_seconds, settings),
     }
     webhook_url = check_webhook(body, settings)
     if webhook_url:

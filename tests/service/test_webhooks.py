@@ -4,20 +4,23 @@ see the retries, each an event; against PostgreSQL and Redis with the API's noti
 import hashlib
 import hmac
 import json
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
 
 from casp_cli.app import service_app
 from service.settings import Settings
 from tests.api.test_api import PARKED, refusal
-from tests.service_fixtures import wait_for
+from tests.service_fixtures import REPO, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -71,6 +74,16 @@ def hooked(distributed_settings: Settings) -> Settings:
     )
 
 
+def documented_receiver() -> Callable[[bytes, dict[str, str], bytes], bool]:
+    """The receiver docs/service.md shows (standard library only), run as it is written there."""
+    text = (REPO / "docs" / "service.md").read_text()
+    code = re.search(r"```python\n(# A receiver of casp's webhooks.*?)```", text, re.S)
+    assert code, "docs/service.md has no webhook receiver example"
+    namespace: dict[str, Any] = {}
+    exec(code.group(1), namespace)
+    return namespace["verified"]
+
+
 def webhook_events(api: TestClient, job_id: str) -> list[str]:
     events = api.get(f"/v1/jobs/{job_id}/events").json()["data"]
     return [e["message"] for e in events if e["kind"] == "webhook"]
@@ -96,8 +109,23 @@ def test_the_end_of_a_job_is_posted_signed_and_retried(hooked: Settings, receive
     # Waits that double: 0.3 s, then 0.6 s.
     times = [at for at, _, _ in receiver.received]
     assert times[1] - times[0] >= 0.3 and times[2] - times[1] >= 0.6
+    verified = documented_receiver()
     for _, headers, body in receiver.received:
         assert headers["Casp-Event"] == "job.cancelled" and headers["Content-Type"] == "application/json"
+        # Standard Webhooks: the specification's reference verifier takes it, and the documented receiver too; the
+        # id is the same on every attempt, so a receiver can drop a repeat.
+        assert headers["webhook-id"] == f"{job['id']}.job.cancelled"
+        assert Webhook(SECRET.encode()).verify(body, headers)["id"] == job["id"]
+        assert verified(SECRET.encode(), headers, body)
+        tampered = body.replace(b'"cancelled"', b'"succeeded"', 1)
+        assert tampered != body
+        with pytest.raises(WebhookVerificationError):
+            Webhook(SECRET.encode()).verify(tampered, headers)
+        assert not verified(SECRET.encode(), headers, tampered)
+        with pytest.raises(WebhookVerificationError):
+            Webhook(b"another secret").verify(body, headers)
+        assert not verified(b"another secret", headers, body)
+        # The header casp used before, kept for one release.
         fields = dict(part.split("=", 1) for part in headers["Casp-Signature"].split(","))
         expected = hmac.new(SECRET.encode(), f"{fields['t']}.".encode() + body, hashlib.sha256).hexdigest()
         assert hmac.compare_digest(fields["v1"], expected)

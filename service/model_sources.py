@@ -1,0 +1,192 @@
+"""A job's model from a bucket (`s3://bucket/prefix`) or an upload (`casp://models/<id>`), made a local folder for
+casp_core on the worker.
+
+An upload on local storage is a folder already. Anything in a bucket is downloaded into the worker's model cache
+(CASP_MODEL_CACHE_DIR): one entry per set of objects, named by a digest of their keys, sizes and ETags, so a model
+whose objects are unchanged is read from S3 once, and one whose objects changed is downloaded anew. A download goes
+to a partial folder first and is renamed into the cache whole, so a download cut short never enters it. When the
+cache holds more than CASP_MODEL_CACHE_MAX_BYTES, the least recently used entries go, except those a job is using
+(each job holds a shared lock on its entry; eviction takes an exclusive one or leaves the entry).
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from casp_core.errors import Cancelled, ModelNotFound
+from service.paths import S3_SCHEME, bucket_and_prefix, upload_id_of
+from service.settings import Settings
+from service.storage import S3Location, Storage, s3_client
+from service.tables import UploadedModel
+
+# (fraction done, message) as the download goes; the worker turns it into the job's progress and events.
+Progress = Callable[[float, str], None]
+CHUNK_BYTES = 8 << 20
+PARTIAL_PREFIX = ".partial-"
+LOCKS = ".locks"
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    relative: str  # path under the model's prefix, with forward slashes
+    size: int
+    etag: str
+
+
+def locate(
+    session: Session, model: str, owner_id: str | None, storage: Storage, settings: Settings
+) -> Path | S3Location:
+    """Where a bucket's or an upload's model is. An upload must still exist and be the job's key's own."""
+    if model.startswith(S3_SCHEME):
+        bucket, parts = bucket_and_prefix(model)
+        return S3Location(bucket, "/".join(parts), settings.bucket_credentials(bucket))
+    row = session.get(UploadedModel, upload_id_of(model))
+    if row is None or row.owner_id != owner_id:
+        raise ModelNotFound(f"the uploaded model {model} does not exist (deleted or expired) or is another key's")
+    return storage.model_location(row.id, row.name)
+
+
+def list_objects(client: object, location: S3Location) -> list[StoredObject]:
+    """The objects of the model's folder; the folder markers some tools write (keys ending in `/`) are skipped."""
+    objects = []
+    paginator = client.get_paginator("list_objects_v2")  # type: ignore[attr-defined]
+    for page in paginator.paginate(Bucket=location.bucket, Prefix=location.prefix + "/"):
+        for item in page.get("Contents", []):
+            relative = item["Key"][len(location.prefix) + 1 :]
+            if relative and not relative.endswith("/"):
+                if any(part in ("", ".", "..") for part in relative.split("/")):
+                    raise ModelNotFound(f"{location}: the object name {relative!r} cannot be a file name")
+                objects.append(StoredObject(relative, item["Size"], item["ETag"]))
+    if not objects:
+        raise ModelNotFound(f"{location}: no objects under this prefix")
+    return sorted(objects, key=lambda stored: stored.relative)
+
+
+def entry_name(location: S3Location, objects: list[StoredObject]) -> str:
+    described = [str(location), *(f"{o.relative}\n{o.size}\n{o.etag}" for o in objects)]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:32]
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+class ModelCache:
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """One process at a time adds, takes or evicts entries (workers of one machine may share the cache)."""
+        (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
+        with (self.root / LOCKS / "cache").open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    def _lock_path(self, entry: str) -> Path:
+        return self.root / LOCKS / entry
+
+    @contextlib.contextmanager
+    def folder(self, location: S3Location, progress: Progress, should_cancel: Callable[[], bool]) -> Iterator[Path]:
+        """The model's local folder, `<entry>/<the prefix's last part>` (casp_core names a local model by its
+        folder's last part), held in the cache while the block runs."""
+        name = location.prefix.rsplit("/", 1)[-1]
+        client = s3_client(location.credentials)
+        objects = list_objects(client, location)
+        entry = entry_name(location, objects)
+        with self._exclusive():
+            cached = (self.root / entry).is_dir()
+        if cached:
+            progress(1.0, f"{location}: in the model cache, its objects unchanged; nothing downloaded")
+        else:
+            self._download(client, location, objects, entry, name, progress, should_cancel)
+        with self._exclusive():
+            if not (self.root / entry).is_dir():  # evicted between the two locks: rare, and a retry downloads it
+                raise ModelNotFound(f"{location}: evicted from the model cache before the job could use it")
+            use = self._lock_path(entry).open("a")
+            fcntl.flock(use, fcntl.LOCK_SH)
+            os.utime(self.root / entry)  # least recently used goes first: the modification time is the use
+            self._evict(keep=entry)
+        try:
+            yield self.root / entry / name
+        finally:
+            use.close()
+
+    def _download(
+        self,
+        client: object,
+        location: S3Location,
+        objects: list[StoredObject],
+        entry: str,
+        name: str,
+        progress: Progress,
+        should_cancel: Callable[[], bool],
+    ) -> None:
+        total = sum(stored.size for stored in objects) or 1
+        done = 0
+        partial = self.root / f"{PARTIAL_PREFIX}{uuid.uuid4().hex}"
+        try:
+            for stored in objects:
+                target = partial / name / stored.relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                key = f"{location.prefix}/{stored.relative}"
+                body = client.get_object(Bucket=location.bucket, Key=key)["Body"]  # type: ignore[attr-defined]
+                with target.open("wb") as out:
+                    for chunk in body.iter_chunks(CHUNK_BYTES):
+                        if should_cancel():
+                            raise Cancelled("the job was cancelled")
+                        out.write(chunk)
+                        done += len(chunk)
+                        progress(done / total, f"downloading {location}: {megabytes(done)} of {megabytes(total)}")
+            with self._exclusive():
+                # Another worker of this machine may have downloaded it meanwhile: that copy is as good.
+                if not (self.root / entry).is_dir():
+                    partial.rename(self.root / entry)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        progress(1.0, f"downloaded {location}: {len(objects)} files, {megabytes(total)}")
+
+    def _evict(self, keep: str) -> None:
+        """Least recently used entries out, until the cache is within its bound; entries in use stay."""
+        entries = [path for path in self.root.iterdir() if path.is_dir() and not path.name.startswith(".")]
+        sizes = {path: sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) for path in entries}
+        total = sum(sizes.values())
+        for path in sorted(entries, key=lambda p: p.stat().st_mtime):
+            if total <= self.max_bytes:
+                return
+            if path.name == keep:
+                continue
+            with self._lock_path(path.name).open("a") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a job is reading it
+                    continue
+                shutil.rmtree(path)
+                self._lock_path(path.name).unlink()
+            total -= sizes[path]
+
+
+@contextlib.contextmanager
+def local_folder(
+    source: Path | S3Location, settings: Settings, progress: Progress, should_cancel: Callable[[], bool]
+) -> Iterator[Path]:
+    """The folder casp_core loads: a local upload as it is, a bucket's model from the cache."""
+    if isinstance(source, Path):
+        if not source.is_dir():
+            raise ModelNotFound("the uploaded model's files are gone from storage")
+        progress(1.0, "the uploaded model is on this machine's storage; nothing downloaded")
+        yield source
+        return
+    cache = ModelCache(settings.model_cache, settings.model_cache_max_bytes)
+    with cache.folder(source, progress, should_cancel) as folder:
+        yield folder

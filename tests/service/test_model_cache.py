@@ -1,0 +1,111 @@
+"""The workers' model cache against the real S3 server: a download enters it whole or not at all, unchanged objects
+are not read again, changed ones are, and the least recently used entry goes first, unless a job is using it."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from casp_core.errors import Cancelled
+from service.model_sources import PARTIAL_PREFIX, ModelCache
+from service.settings import S3Credentials
+from service.storage import S3Location
+from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET
+from tests.service_fixtures import put_model as put_objects
+
+pytestmark = pytest.mark.service
+
+
+def put_model(models_bucket: tuple[Any, S3Credentials], prefix: str) -> S3Location:
+    put_objects(models_bucket, prefix)
+    return S3Location(MODELS_BUCKET, prefix, models_bucket[1])
+
+
+def model_bytes() -> int:
+    return sum(path.stat().st_size for path in DEMO_MODEL.iterdir())
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.fractions: list[float] = []
+
+    def __call__(self, fraction: float, message: str) -> None:
+        self.fractions.append(fraction)
+        self.messages.append(message)
+
+
+def entries(root: Path) -> list[str]:
+    return sorted(path.name for path in root.iterdir() if not path.name.startswith("."))
+
+
+def test_a_model_is_downloaded_once_and_again_when_its_objects_change(
+    models_bucket: tuple[Any, S3Credentials], tmp_path: Path
+) -> None:
+    location = put_model(models_bucket, "cache-test/stories260K")
+    cache = ModelCache(tmp_path, max_bytes=10 * model_bytes())
+    first = Recorder()
+    with cache.folder(location, first, lambda: False) as folder:
+        assert folder.name == "stories260K"  # the model card names a local model by its folder
+        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in DEMO_MODEL.iterdir())
+        assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
+        weights = (folder / "model.safetensors").stat()
+    assert first.messages[-1] == f"downloaded {location}: 6 files, {model_bytes() / 1e6:.1f} MB"
+    assert first.fractions == sorted(first.fractions) and first.fractions[-1] == 1.0
+
+    again = Recorder()
+    with cache.folder(location, again, lambda: False) as folder:
+        assert (folder / "model.safetensors").stat().st_ino == weights.st_ino  # the same file: nothing was read
+    assert again.messages == [f"{location}: in the model cache, its objects unchanged; nothing downloaded"]
+
+    # A changed object has a new ETag: the model is downloaded anew, into a new entry.
+    client, _ = models_bucket
+    client.put_object(Bucket=MODELS_BUCKET, Key=f"{location.prefix}/generation_config.json", Body=b"{}")
+    changed = Recorder()
+    with cache.folder(location, changed, lambda: False) as folder:
+        assert (folder / "generation_config.json").read_bytes() == b"{}"
+    assert changed.messages[-1].startswith("downloaded")
+    assert len(entries(tmp_path)) == 2
+
+
+def test_a_download_cut_short_never_enters_the_cache(models_bucket: tuple[Any, S3Credentials], tmp_path: Path) -> None:
+    location = put_model(models_bucket, "cache-test/cut/stories260K")
+    cache = ModelCache(tmp_path, max_bytes=10 * model_bytes())
+    polls = iter([False, False, True])  # cancelled while the third chunk comes in
+    with pytest.raises(Cancelled), cache.folder(location, Recorder(), lambda: next(polls)):
+        pass
+    assert entries(tmp_path) == []
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(PARTIAL_PREFIX)]
+    # The next job downloads it whole.
+    recorder = Recorder()
+    with cache.folder(location, recorder, lambda: False) as folder:
+        assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
+    assert recorder.messages[-1].startswith("downloaded")
+
+
+def fetch(cache: ModelCache, location: S3Location) -> str:
+    """What the cache said of the model: downloaded, or found."""
+    recorder = Recorder()
+    with cache.folder(location, recorder, lambda: False):
+        pass
+    return "found" if recorder.messages[-1].endswith("nothing downloaded") else "downloaded"
+
+
+def test_the_least_recently_used_model_goes_first_unless_a_job_uses_it(
+    models_bucket: tuple[Any, S3Credentials], tmp_path: Path
+) -> None:
+    first, second, third = (put_model(models_bucket, f"cache-test/lru-{i}/stories260K") for i in range(3))
+    room_for_two = 2 * model_bytes() + 1000
+    cache = ModelCache(tmp_path / "lru", room_for_two)
+    assert [fetch(cache, first), fetch(cache, second), fetch(cache, first)] == ["downloaded", "downloaded", "found"]
+    fetch(cache, third)  # the second is the least recently used now
+    assert len(entries(tmp_path / "lru")) == 2
+    assert [fetch(cache, first), fetch(cache, third), fetch(cache, second)] == ["found", "found", "downloaded"]
+
+    cache = ModelCache(tmp_path / "held", room_for_two)
+    with cache.folder(first, Recorder(), lambda: False) as held:
+        fetch(cache, second)
+        fetch(cache, third)  # the first is the least recently used, but a job holds it: the second goes
+        assert (held / "model.safetensors").is_file()
+    assert len(entries(tmp_path / "held")) == 2
+    assert [fetch(cache, first), fetch(cache, third)] == ["found", "found"]

@@ -1,0 +1,202 @@
+"""Models from where teams keep them, through the API and a real Celery worker (PostgreSQL, Redis, SeaweedFS S3):
+a model in a bucket (downloaded once, then read from the worker's cache), a model uploaded as a tar (its key's
+alone, checked before it is kept), and what is refused at submit with a 422 naming `model`."""
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from casp_cli.app import service_app
+from service.settings import Settings
+from tests.api.test_api import refusal
+from tests.service_fixtures import (
+    ALLOWED_MODELS_PREFIX,
+    DEMO_MODEL,
+    MODELS_BUCKET,
+    REPO,
+    TINY_JOB,
+    WorkerProcess,
+    download,
+    finished,
+    put_model,
+    serving,
+    settings_env,
+    wait_job,
+)
+
+pytestmark = pytest.mark.service
+
+S3_MODEL = f"s3://{MODELS_BUCKET}/{ALLOWED_MODELS_PREFIX}/stories260K"
+
+
+def events_of(api: TestClient, job_id: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    return api.get(f"/v1/jobs/{job_id}/events", headers=headers).json()["data"]
+
+
+def run(api: TestClient, headers: dict[str, str], model: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    created = api.post("/v1/jobs", json={**TINY_JOB, "model": model}, headers=headers)
+    assert created.status_code == 201, created.text
+    job = wait_job(api, created.json()["id"], headers, finished, "the job to finish")
+    assert job["status"] == "succeeded", job["error"]
+    return job, events_of(api, job["id"], headers)
+
+
+def test_a_model_in_a_bucket_is_pruned_and_read_from_s3_once(
+    api: TestClient,
+    worker: WorkerProcess,
+    keys: dict[str, dict[str, str]],
+    models_bucket: tuple[Any, Any],
+    distributed_settings: Settings,
+) -> None:
+    put_model(models_bucket, S3_MODEL.removeprefix(f"s3://{MODELS_BUCKET}/"))
+    alice = keys["alice"]
+    first, first_events = run(api, alice, S3_MODEL)
+    assert first["model"] == S3_MODEL and abs(first["result"]["achieved_ratio"] - 0.3) < 0.02
+    downloads = [e for e in first_events if e["stage"] == "download"]
+    assert downloads[-1]["message"] == f"downloaded {S3_MODEL}: 6 files, 1.1 MB"
+    # The download comes first, and its progress is the job's: then loading, at a higher percentage.
+    load = next(e for e in first_events if e["stage"] == "load")
+    assert downloads[0]["progress"] < load["progress"] and load["id"] > downloads[-1]["id"]
+    # The model card and the report name the model by its folder, not by the worker's cache.
+    listed = api.get(f"/v1/jobs/{first['id']}/artifacts", headers=alice).json()["data"]
+    artifacts = {a["name"]: a["url"] for a in listed}
+    assert json.loads(download(artifacts["report.json"]).text)["model"] == "stories260K"
+    assert "model-cache" not in download(artifacts["README.md"]).text
+
+    second, second_events = run(api, alice, S3_MODEL)
+    assert [e["message"] for e in second_events if e["stage"] == "download"] == [
+        f"{S3_MODEL}: in the model cache, its objects unchanged; nothing downloaded"
+    ]
+    assert second["result"]["params"] == first["result"]["params"]
+    cache = distributed_settings.home / "model-cache"
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (f"s3://other-bucket/{ALLOWED_MODELS_PREFIX}/stories260K", "CASP_ALLOWED_MODEL_BUCKETS"),
+        (f"s3://{MODELS_BUCKET}/elsewhere/stories260K", "CASP_ALLOWED_MODEL_BUCKETS"),
+        # Prefixes are folders: `allowed-not` is not under `allowed`.
+        (f"s3://{MODELS_BUCKET}/{ALLOWED_MODELS_PREFIX}-not/stories260K", "CASP_ALLOWED_MODEL_BUCKETS"),
+        (f"s3://{MODELS_BUCKET}/{ALLOWED_MODELS_PREFIX}/../x", "not empty, . or .."),
+        ("s3://No_Bucket/x", "not an S3 bucket name"),
+        ("casp://models/" + "0" * 32, "no uploaded model"),
+        ("casp://models/nope", "an uploaded model is `casp://models/<id>`"),
+    ],
+)
+def test_models_the_server_does_not_allow_are_refused_at_submit(
+    api: TestClient, keys: dict[str, dict[str, str]], model: str, reason: str
+) -> None:
+    error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": model}, headers=keys["alice"]))
+    assert error["param"] == "model" and reason in error["message"], error
+
+
+def model_tar(folder: Path = DEMO_MODEL, *, top: str | None = None, change: dict[str, bytes] | None = None) -> bytes:
+    """The folder as a tar: its files at the top, or under one folder `top`; `change` replaces files' contents."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(folder.iterdir()):
+            data = (change or {}).get(path.name, path.read_bytes())
+            info = tarfile.TarInfo(f"{top}/{path.name}" if top else path.name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def config_with(**changes: Any) -> bytes:
+    return json.dumps({**json.loads((DEMO_MODEL / "config.json").read_text()), **changes}).encode()
+
+
+def upload(api: TestClient, headers: dict[str, str], archive: bytes, **form: str) -> Any:
+    return api.post("/v1/models", headers=headers, files={"file": ("model.tar", archive)}, data=form)
+
+
+def test_an_uploaded_model_is_its_keys_alone_and_pruned_by_its_jobs(
+    api: TestClient, worker: WorkerProcess, keys: dict[str, dict[str, str]]
+) -> None:
+    alice, bob = keys["alice"], keys["bob"]
+    created = upload(api, alice, model_tar(top="tiny-stories"))
+    assert created.status_code == 201, created.text
+    uploaded = created.json()
+    assert (uploaded["name"], uploaded["model_type"], uploaded["files"]) == ("tiny-stories", "llama", 6)
+    assert uploaded["model"] == f"casp://models/{uploaded['id']}"
+    assert uploaded["size"] == sum(path.stat().st_size for path in DEMO_MODEL.iterdir())
+
+    listed = [m["id"] for m in api.get("/v1/models", headers=alice).json()["data"]]
+    assert uploaded["id"] in listed
+    assert uploaded["id"] not in [m["id"] for m in api.get("/v1/models", headers=bob).json()["data"]]
+    error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": uploaded["model"]}, headers=bob))
+    assert error["param"] == "model" and "no uploaded model" in error["message"]
+    assert api.delete(f"/v1/models/{uploaded['id']}", headers=bob).status_code == 404
+
+    job, events = run(api, alice, uploaded["model"])
+    assert abs(job["result"]["achieved_ratio"] - 0.3) < 0.02
+    assert [e["message"] for e in events if e["stage"] == "download"][-1].startswith("downloaded s3://")
+
+    assert api.delete(f"/v1/models/{uploaded['id']}", headers=alice).status_code == 204
+    assert uploaded["id"] not in [m["id"] for m in api.get("/v1/models", headers=alice).json()["data"]]
+    error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": uploaded["model"]}, headers=alice))
+    assert error["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("archive", "reason"),
+    [
+        (b"not a tar at all", "not a readable tar archive"),
+        (model_tar(change={"config.json": config_with(model_type="gpt2")}), "unsupported_model: model type 'gpt2'"),
+        (
+            model_tar(change={"config.json": config_with(intermediate_size=176)}),
+            "unsupported_model: the weights do not match config.json: model.layers.0.mlp.down_proj.weight has shape"
+            " [64, 172], config.json makes it [64, 176]",
+        ),
+        (
+            model_tar(change={"config.json": config_with(num_hidden_layers=6)}),
+            "model.layers.5.input_layernorm.weight is missing",
+        ),
+        (model_tar(change={"model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}"}), "model_not_found"),
+    ],
+)
+def test_a_bad_upload_is_refused_with_the_reason(
+    api: TestClient, keys: dict[str, dict[str, str]], archive: bytes, reason: str
+) -> None:
+    before = api.get("/v1/models", headers=keys["alice"]).json()["data"]
+    error = refusal(upload(api, keys["alice"], archive))
+    assert error["param"] == "file" and reason in error["message"], error
+    assert "/tmp" not in error["message"] and "uploads" not in error["message"]  # no server path
+    assert api.get("/v1/models", headers=keys["alice"]).json()["data"] == before
+
+
+def test_casp_models_upload_shows_its_progress_and_prints_the_model(
+    distributed_settings: Settings, keys: dict[str, dict[str, str]]
+) -> None:
+    key = keys["alice"]["Authorization"].removeprefix("Bearer ")
+    with serving(service_app(distributed_settings)) as url:
+        done = subprocess.run(
+            [sys.executable, "-m", "casp_cli.main", "models", "upload", str(DEMO_MODEL), "--url", url],
+            cwd=REPO,
+            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        uploaded = json.loads(done.stdout)
+        assert uploaded["name"] == "stories260K" and uploaded["model"].startswith("casp://models/")
+        assert "uploading: 100%" in done.stderr
+        missing = subprocess.run(
+            [sys.executable, "-m", "casp_cli.main", "models", "upload", str(REPO / "nowhere"), "--url", url],
+            cwd=REPO,
+            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0, missing.stderr
