@@ -213,14 +213,15 @@ def artifact_section(artifacts: dict[str, Any]) -> list[str]:
     engine = artifacts.get("engine")
     if engine:
         lines.append(
-            f"GGUF rows measured in {engine['engine']} (llama-cpp-python {engine['llama_cpp_python']}) at "
-            f"{engine['threads']} thread(s), KV cache {engine['kv_cache']}: perplexity on the same windows of the "
-            "same token ids as the transformers figures above, each window from an empty cache; speed: a prefill "
-            f"of {engine['prefill_tokens']} tokens, then {engine['decode_tokens']} tokens decoded one at a time, "
+            f"GGUF rows measured in {engine['engine']} (llama-cpp-python {engine['llama_cpp_python']}), threads: "
+            f"{engine['threads']}, KV cache {engine['kv_cache']}: perplexity on the same windows of the same token "
+            "ids as the transformers figures above, each window from an empty cache; speed: a prefill of "
+            f"{engine['prefill_tokens']} tokens, then {engine['decode_tokens']} tokens decoded one at a time, "
             f"{engine['speed']}."
         )
+        lines.append("")
     if artifacts.get("note"):
-        lines.append(f"**{artifacts['note']}.**")
+        lines += [f"**{artifacts['note']}.**", ""]
     lines.append(
         "Bits per weight: 8 x the bytes of the tensor data / the number of weights, as llama.cpp counts it "
         "(metadata and vocabulary left out)."
