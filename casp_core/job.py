@@ -177,6 +177,7 @@ def run_job(
         evaluation = evaluate_published(pruned, tokenizer, inputs.plan, run)
         published = "recovered" if recovery is not None else "pruned"
         artifacts = evaluate_artifacts(staging, evaluation, published, exports, inputs.plan, run)
+        run.report("report", 0.0, "writing the report")
         report = write_job_report(
             model,
             config,
@@ -322,7 +323,6 @@ def evaluate_published(
     recovered = pruned.pruned_figures is not None
     with run.stage("evaluation_recovered" if recovered else "evaluation_pruned"):
         published = evaluate(pruned.model, tokenizer, plan, run)
-    run.report("report", 0.0, "writing the report")
     if pruned.pruned_figures is None:
         return side_by_side(pruned.dense_figures, published, plan.texts)
     evaluation = side_by_side(pruned.dense_figures, pruned.pruned_figures, plan.texts)
