@@ -4,7 +4,7 @@ Perplexity follows the transformers evaluation exactly (casp_core.eval.perplexit
 windows of the same token ids (the transformers tokenizer's, BOS once at the start of the stream, so llama.cpp's
 own tokenizer plays no part), each window scored on its own from an empty KV cache, exp(mean next-token NLL)
 over `n_windows x (seq_len - 1)` tokens. llama.cpp runs on one thread with every position's logits and its
-default KV cache; the log-softmax is taken here in float64.
+default KV cache (f16); the NLL is taken from its float32 logits as the transformers evaluation takes it.
 
 Speed is llama.cpp's at one thread: a prefill of `PREFILL_TOKENS` tokens, then `DECODE_TOKENS` tokens decoded
 one at a time after it, each the median of `SPEED_REPEATS` runs after one untimed run.
@@ -111,7 +111,9 @@ def window_nll(llm: "llama_cpp.Llama", window: list[int]) -> float:
     """Summed next-token NLL of one window, from an empty KV cache."""
     llm.reset()
     llm.eval(window)
-    logits = torch.from_numpy(np.array(llm.scores[: len(window) - 1], dtype=np.float64))
+    # A view of llama-cpp-python's buffer (no copy: it is n_ctx x the vocabulary), scored as the transformers
+    # evaluation scores its float32 logits.
+    logits = torch.from_numpy(llm.scores[: len(window) - 1])
     return float(torch.nn.functional.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum"))
 
 
