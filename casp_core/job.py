@@ -7,7 +7,7 @@ progress bar is built from it; `job_stages` is the part of it one job reports.
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,9 +344,7 @@ def evaluate_artifacts(
     """One row per file written: the checkpoint with the `published` side's transformers perplexity, each GGUF
     measured in llama.cpp on the same windows (`casp_core.eval.engine`)."""
     perplexity = {name: entry[published] for name, entry in evaluation["perplexity"].items()}
-    if not exports:
-        return artifact_table(staging, perplexity, exports, plan.texts, run)
-    with run.stage("evaluation_gguf"):
+    with run.stage("evaluation_gguf") if exports else nullcontext():  # timed only when there is work
         return artifact_table(staging, perplexity, exports, plan.texts, run)
 
 
