@@ -7,7 +7,7 @@ progress bar is built from it; `job_stages` is the part of it one job reports.
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from casp_core.calibration import calibration_windows
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import PruneConfig, RecoveryConfig
 from casp_core.errors import InvalidConfig
+from casp_core.eval.engine import artifact_table
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
@@ -174,8 +175,21 @@ def run_job(
             )
         exports = save_checkpoint(pruned.model, tokenizer, model, revision, config, run, staging)
         evaluation = evaluate_published(pruned, tokenizer, inputs.plan, run)
+        published = "recovered" if recovery is not None else "pruned"
+        artifacts = evaluate_artifacts(staging, evaluation, published, exports, inputs.plan, run)
+        run.report("report", 0.0, "writing the report")
         report = write_job_report(
-            model, config, pruned, evaluation, recovery, exports, run, device=str(device), dtype=dtype, out=staging
+            model,
+            config,
+            pruned,
+            evaluation,
+            recovery,
+            exports,
+            artifacts,
+            run,
+            device=str(device),
+            dtype=dtype,
+            out=staging,
         )
     run.report("report", 1.0, "report.json, report.md and the model card written")
     return report
@@ -309,7 +323,6 @@ def evaluate_published(
     recovered = pruned.pruned_figures is not None
     with run.stage("evaluation_recovered" if recovered else "evaluation_pruned"):
         published = evaluate(pruned.model, tokenizer, plan, run)
-    run.report("report", 0.0, "writing the report")
     if pruned.pruned_figures is None:
         return side_by_side(pruned.dense_figures, published, plan.texts)
     evaluation = side_by_side(pruned.dense_figures, pruned.pruned_figures, plan.texts)
@@ -320,6 +333,21 @@ def evaluate_published(
     return evaluation
 
 
+def evaluate_artifacts(
+    staging: Path,
+    evaluation: dict[str, Any],
+    published: str,
+    exports: list[GgufExport],
+    plan: EvaluationPlan,
+    run: Run,
+) -> dict[str, Any]:
+    """One row per file written: the checkpoint with the `published` side's transformers perplexity, each GGUF
+    measured in llama.cpp on the same windows (`casp_core.eval.engine`)."""
+    perplexity = {name: entry[published] for name, entry in evaluation["perplexity"].items()}
+    with run.stage("evaluation_gguf") if exports else nullcontext():  # timed only when there is work
+        return artifact_table(staging, perplexity, exports, plan.texts, run)
+
+
 def write_job_report(
     model: str,
     config: PruneConfig,
@@ -327,6 +355,7 @@ def write_job_report(
     evaluation: dict[str, Any],
     recovery: RecoveryResult | None,
     exports: list[GgufExport],
+    artifacts: dict[str, Any],
     run: Run,
     *,
     device: str,
@@ -349,6 +378,7 @@ def write_job_report(
     report["warnings"] = list(run.warnings)
     if exports:
         report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
+    report["artifacts"] = artifacts
     report["plots"] = [str(path.relative_to(out)) for path in write_plots(report, out)]
     report = without_local_paths(report)
     write_report(report, out)

@@ -147,7 +147,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         *(f"- warning: {warning}" for warning in report.get("warnings", [])),
         "",
-        render_evaluation_section({"perplexity": report["perplexity"], **report["evaluation"]}),
+        render_evaluation_section(
+            {"perplexity": report["perplexity"], **report["evaluation"], "artifacts": report.get("artifacts")}
+        ),
         *recovery_section(report),
         "## Objective z'Qz (sum over layers)",
         "",

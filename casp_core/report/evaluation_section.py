@@ -9,6 +9,8 @@ The evaluation dict it renders (each section optional; a side missing from a sec
       "zero_shot": {"dense": evaluate_zero_shot(...), "pruned": evaluate_zero_shot(...)},
       "efficiency": compare_efficiency(...), i.e. {"dense": measure_efficiency(...),
                     "pruned": measure_efficiency(...), "pruned_over_dense": {...} (optional)},
+      "artifacts": casp_core.eval.engine.artifact_table(...), i.e. {"rows": [one per file written: format, type,
+                    bytes, bits per weight, perplexity by data set, tokens/s in llama.cpp], "engine", "note"},
     }
 
 `EvaluationText` is in casp_core.eval.perplexity, `evaluate_zero_shot` in casp_core.eval.zeroshot,
@@ -178,14 +180,64 @@ def efficiency_section(efficiency: dict[str, Any]) -> list[str]:
     return lines
 
 
+def artifact_section(artifacts: dict[str, Any]) -> list[str]:
+    """One row per file as it would be deployed: the checkpoint (transformers) and each GGUF (llama.cpp)."""
+    rows = artifacts["rows"]
+    datasets = list(dict.fromkeys(name for row in rows for name in row["perplexity"]))
+    header = [
+        "file",
+        "format",
+        "type",
+        "bytes",
+        "bits per weight",
+        *(f"{name} perplexity" for name in datasets),
+        "measured in",
+        "prefill tokens/s",
+        "decode tokens/s",
+    ]
+    table = [
+        [
+            f"`{row['file']}`",
+            row["format"],
+            row["type"],
+            f"{row['bytes']:,}",
+            f"{row['bits_per_weight']:.2f}",
+            *(_fixed(row["perplexity"].get(name), 3) for name in datasets),
+            row["perplexity_in"] or DASH,
+            _fixed(row["prefill_tokens_per_s"], 1),
+            _fixed(row["decode_tokens_per_s"], 1),
+        ]
+        for row in rows
+    ]
+    lines = ["### Files as deployed", "", *_table(header, table), ""]
+    engine = artifacts.get("engine")
+    if engine:
+        lines.append(
+            f"GGUF rows measured in {engine['engine']} (llama-cpp-python {engine['llama_cpp_python']}), threads: "
+            f"{engine['threads']}, KV cache {engine['kv_cache']}: perplexity on the same windows of the same token "
+            "ids as the transformers figures above, each window from an empty cache; speed: a prefill of "
+            f"{engine['prefill_tokens']} tokens, then {engine['decode_tokens']} tokens decoded one at a time, "
+            f"{engine['speed']}."
+        )
+        lines.append("")
+    if artifacts.get("note"):
+        lines += [f"**{artifacts['note']}.**", ""]
+    lines.append(
+        "Bits per weight: 8 x the bytes of the tensor data / the number of weights, as llama.cpp counts it "
+        "(metadata and vocabulary left out)."
+    )
+    return lines
+
+
 def render_evaluation_section(evaluation: dict[str, Any], title: str = "Evaluation") -> str:
     """Markdown for report.md and the model card; the sections present in `evaluation`, in the order
-    perplexity, zero-shot, efficiency."""
+    perplexity, zero-shot, efficiency, artifacts."""
     lines = [f"## {title}", ""]
     sections = (
         ("perplexity", perplexity_section),
         ("zero_shot", zero_shot_section),
         ("efficiency", efficiency_section),
+        ("artifacts", artifact_section),
     )
     for key, section in sections:
         if evaluation.get(key):

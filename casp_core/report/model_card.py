@@ -1,7 +1,7 @@
 """The checkpoint's model card, README.md: Hugging Face front matter (base model, tags, a model-index of the
-pruned model's measured figures) and a short body (what was pruned, the settings, dense against pruned, how to
-load it). Written by run_job after the evaluation, from the report; the directory is then ready for
-`huggingface-cli upload` as it is.
+pruned model's measured figures, each exported GGUF's perplexity in llama.cpp among them) and a short body (what
+was pruned, the settings, dense against pruned, the files as deployed, how to load it). Written by run_job after
+the evaluation, from the report; the directory is then ready for `huggingface-cli upload` as it is.
 
 With recovery, the model-index holds the recovered model's figures, and the card shows the recovery (dense,
 pruned and recovered side by side) with its training curve.
@@ -37,27 +37,46 @@ def published_side(report: dict[str, Any]) -> str:
     return "recovered" if report.get("recovery") else "pruned"
 
 
+def _perplexity_result(name: str, entry: dict[str, Any], value: float, metric_name: str) -> EvalResult:
+    """One perplexity figure on data set `name`, measured under `entry`'s convention (the report's perplexity)."""
+    source = evaluation_source(name)
+    hub = None if source.is_file else HUB_SOURCES[source.name]
+    return EvalResult(
+        task_type=PIPELINE_TAG,
+        task_name="Language modelling",
+        dataset_type=hub.path if hub else name,
+        dataset_name=name,
+        dataset_config=hub.name if hub else None,
+        dataset_split=entry.get("split"),
+        metric_type="perplexity",
+        metric_value=value,
+        metric_name=metric_name,
+    )
+
+
 def _perplexity_results(perplexity: dict[str, dict[str, Any]], side: str) -> list[EvalResult]:
-    results = []
-    for name, entry in perplexity.items():
-        if entry.get(side) is None:
-            continue
-        source = evaluation_source(name)
-        hub = None if source.is_file else HUB_SOURCES[source.name]
-        results.append(
-            EvalResult(
-                task_type=PIPELINE_TAG,
-                task_name="Language modelling",
-                dataset_type=hub.path if hub else name,
-                dataset_name=name,
-                dataset_config=hub.name if hub else None,
-                dataset_split=entry.get("split"),
-                metric_type="perplexity",
-                metric_value=entry[side],
-                metric_name=f"perplexity ({entry.get('seq_len', '?')}-token windows)",
-            )
+    return [
+        _perplexity_result(name, entry, entry[side], f"perplexity ({entry.get('seq_len', '?')}-token windows)")
+        for name, entry in perplexity.items()
+        if entry.get(side) is not None
+    ]
+
+
+def _gguf_results(perplexity: dict[str, dict[str, Any]], artifacts: dict[str, Any]) -> list[EvalResult]:
+    """Each GGUF's perplexity in llama.cpp, on the same windows as the transformers figures."""
+    return [
+        _perplexity_result(
+            name,
+            perplexity[name],
+            value,
+            f"perplexity in llama.cpp, {row['file']} ({row['type']}, {perplexity[name].get('seq_len', '?')}-token "
+            "windows)",
         )
-    return results
+        for row in artifacts.get("rows", [])
+        if row["perplexity_in"] == "llama.cpp"
+        for name, value in row["perplexity"].items()
+        if value is not None
+    ]
 
 
 def _zero_shot_results(zero_shot: dict[str, Any], side: str) -> list[EvalResult]:
@@ -87,6 +106,7 @@ def card_data(report: dict[str, Any], *, base_model: str | None, exported: Seque
     evaluation = report.get("evaluation", {})
     side = published_side(report)
     results = _perplexity_results(report["perplexity"], side)
+    results += _gguf_results(report["perplexity"], report.get("artifacts") or {})
     results += _zero_shot_results(evaluation.get("zero_shot") or {}, side)
     return ModelCardData(
         base_model=base_model,
@@ -201,7 +221,11 @@ def render_model_card(
     data = card_data(report, base_model=base_model, exported=exported)
     source = public_name(report["model"])
     base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"A local model, `{source}`"
-    evaluation = {"perplexity": report["perplexity"], **report.get("evaluation", {})}
+    evaluation = {
+        "perplexity": report["perplexity"],
+        **report.get("evaluation", {}),
+        "artifacts": report.get("artifacts"),
+    }
     body = [
         f"# {data.model_name}",
         "",

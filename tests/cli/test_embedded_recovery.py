@@ -46,6 +46,10 @@ def test_embedded_job_with_alpaca_recovery(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["recovery"]["data"]["layout"] == "alpaca" and report["recovery"]["data"]["sequences"] == 64
     load_pruned(tmp_path / "out")
+    # The checkpoint's row of the table of files is the recovered model's (the adapter is not a row of its own).
+    (checkpoint_row,) = report["artifacts"]["rows"]
+    assert checkpoint_row["file"] == "model.safetensors"
+    assert checkpoint_row["perplexity"]["wikitext2"] == report["perplexity"]["wikitext2"]["recovered"]
     # The card publishes the recovered model's figures, and shows the recovery with its curve.
     card = ModelCard.load(tmp_path / "out" / "README.md")
     (result,) = [r for r in card.data.eval_results if r.dataset_name == "wikitext2"]

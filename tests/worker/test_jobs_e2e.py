@@ -66,6 +66,11 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     assert result["achieved_ratio"] == round(result["achieved_ratio"], 6)  # for display; report.json keeps it exact
     ppl = result["perplexity"]["wikitext2"]
     assert ppl["seq_len"] == 128 and 1 < ppl["dense"] < ppl["pruned"] < math.inf
+    # One row per file as deployed: the checkpoint by transformers, the GGUF in llama.cpp on the same windows.
+    checkpoint_row, gguf_row = result["artifacts"]["rows"]
+    assert checkpoint_row["file"] == "model.safetensors" and checkpoint_row["perplexity"]["wikitext2"] == ppl["pruned"]
+    assert gguf_row["file"] == "model-f16.gguf" and gguf_row["perplexity_in"] == "llama.cpp"
+    assert gguf_row["perplexity"]["wikitext2"] == pytest.approx(ppl["pruned"], rel=0.01)
 
     events = events_of(api, job["id"], alice)
     assert [e["id"] for e in events] == sorted(e["id"] for e in events)
@@ -100,6 +105,10 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     report = json.loads((checkpoint / "report.json").read_text())
     assert round(report["achieved_ratio"], 6) == result["achieved_ratio"]  # the result rounds it for display
     assert report["params"] == result["params"]
+    assert report["artifacts"] == result["artifacts"]
+    # Every GGUF written is an artifact, with the digest the export computed.
+    digests = {artifact["name"]: artifact["sha256"] for artifact in artifacts}
+    assert {export["path"]: export["sha256"] for export in report["exports"]}.items() <= digests.items()
 
     model, tokenizer = load_pruned(checkpoint)
     assert sum(p.numel() for p in model.parameters()) == expected_parameters(result)

@@ -1,0 +1,234 @@
+"""Quality and speed in the engine that serves the file: each exported GGUF measured in llama.cpp itself.
+
+Perplexity follows the transformers evaluation exactly (casp_core.eval.perplexity, docs/evaluation.md): the same
+windows of the same token ids (the transformers tokenizer's, BOS once at the start of the stream, so llama.cpp's
+own tokenizer plays no part), each window scored on its own from an empty KV cache, exp(mean next-token NLL)
+over `n_windows x (seq_len - 1)` tokens. llama.cpp runs on one thread with every position's logits and its
+default KV cache (f16); the NLL is taken from its float32 logits as the transformers evaluation takes it.
+
+Speed is llama.cpp's at one thread: a prefill of `PREFILL_TOKENS` tokens, then `DECODE_TOKENS` tokens decoded
+one at a time after it, each the median of `SPEED_REPEATS` runs after one untimed run.
+
+`artifact_table` lays out one row per file the job wrote (the safetensors checkpoint, measured by transformers,
+and each GGUF, measured here): the table of report.json's `artifacts`, the model card and the job's result.
+llama-cpp-python is optional: without it the GGUF rows carry their bytes and bits per weight, no figures, and
+the table says why.
+"""
+
+import json
+import math
+import statistics
+import struct
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import gguf
+import numpy as np
+import torch
+
+from casp_core.eval.perplexity import EvaluationText
+from casp_core.export.gguf import GgufExport
+from casp_core.run import Run
+
+if TYPE_CHECKING:
+    import llama_cpp
+
+ENGINE_THREADS = 1
+PREFILL_TOKENS = 128
+DECODE_TOKENS = 64
+SPEED_REPEATS = 3
+SPEED_SEED = 0
+ENGINE_MISSING = (
+    "llama.cpp figures not measured: llama-cpp-python is not installed on this machine (pip install llama-cpp-python)"
+)
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """One GGUF file measured in llama.cpp."""
+
+    perplexity: dict[str, float]  # by text name: the transformers evaluation's windows and convention
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class ArtifactRow:
+    """One file of the job's output as it would be deployed."""
+
+    file: str
+    format: Literal["safetensors", "gguf"]
+    type: str  # the tensors' dtype (f32, bf16, ...) or the GGUF type asked for (f16, q8_0, ...)
+    bytes: int  # the file(s) on disk
+    bits_per_weight: float  # 8 x tensor data bytes / weights, llama.cpp's BPW (metadata and vocabulary left out)
+    perplexity: dict[str, float | None]  # by text name
+    perplexity_in: Literal["transformers", "llama.cpp"] | None  # None: not measured (see the table's note)
+    prefill_tokens_per_s: float | None = None  # llama.cpp at one thread; GGUF rows only
+    decode_tokens_per_s: float | None = None
+
+
+def llama_cpp_module() -> Any | None:
+    """llama_cpp, or None where it is not installed (it is imported here only: it loads a native library)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp
+
+
+def engine_convention() -> dict[str, Any]:
+    """How the GGUF rows were measured, for the report."""
+    return {
+        "engine": "llama.cpp",
+        "llama_cpp_python": metadata.version("llama-cpp-python"),
+        "threads": ENGINE_THREADS,
+        "kv_cache": "llama.cpp's default (f16)",
+        "prefill_tokens": PREFILL_TOKENS,
+        "decode_tokens": DECODE_TOKENS,
+        "speed": f"median of {SPEED_REPEATS} runs after 1 untimed run",
+    }
+
+
+def _load(path: Path, n_ctx: int, *, all_logits: bool) -> "llama_cpp.Llama":
+    llama_cpp = llama_cpp_module()
+    assert llama_cpp is not None, "callers check llama_cpp_module() first"
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=n_ctx,  # a window is one batch, as it is one forward pass in transformers
+        n_ubatch=n_ctx,
+        logits_all=all_logits,
+        n_threads=ENGINE_THREADS,
+        n_threads_batch=ENGINE_THREADS,
+        verbose=False,
+    )
+
+
+def window_nll(llm: "llama_cpp.Llama", window: list[int]) -> float:
+    """Summed next-token NLL of one window, from an empty KV cache."""
+    llm.reset()
+    llm.eval(window)
+    # A view of llama-cpp-python's buffer (no copy: it is n_ctx x the vocabulary), scored as the transformers
+    # evaluation scores its float32 logits.
+    logits = torch.from_numpy(llm.scores[: len(window) - 1])
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum"))
+
+
+def engine_perplexity(llm: "llama_cpp.Llama", text: EvaluationText, run: Run | None = None) -> float:
+    run = run or Run()
+    windows = text.windows.tolist()
+    total_nll = 0.0
+    for index, window in enumerate(windows):
+        run.check_cancelled()
+        total_nll += window_nll(llm, window)
+        run.report("evaluation", (index + 1) / len(windows), f"llama.cpp perplexity {text.dataset}")
+    return math.exp(total_nll / text.windows[:, 1:].numel())
+
+
+def engine_speed(path: Path) -> tuple[float, float]:
+    """(prefill, decode) tokens per second at one thread; see the module docstring."""
+    llm = _load(path, PREFILL_TOKENS + DECODE_TOKENS, all_logits=False)
+    try:
+        ids = np.random.default_rng(SPEED_SEED).integers(0, llm.n_vocab(), PREFILL_TOKENS + DECODE_TOKENS).tolist()
+        prompt, continuation = ids[:PREFILL_TOKENS], ids[PREFILL_TOKENS:]
+        prefill_runs, decode_runs = [], []
+        for repeat in range(SPEED_REPEATS + 1):
+            llm.reset()
+            start = time.perf_counter()
+            llm.eval(prompt)
+            prefilled = time.perf_counter()
+            for token in continuation:
+                llm.eval([token])
+            if repeat:  # the first run maps the weights in and warms the caches
+                prefill_runs.append(prefilled - start)
+                decode_runs.append(time.perf_counter() - prefilled)
+    finally:
+        llm.close()
+    return PREFILL_TOKENS / statistics.median(prefill_runs), DECODE_TOKENS / statistics.median(decode_runs)
+
+
+def measure_gguf(path: Path, texts: dict[str, EvaluationText], run: Run | None = None) -> EngineFigures:
+    """Perplexity on each text (the same windows as transformers') and speed, in llama.cpp at one thread."""
+    run = run or Run()
+    perplexity = {}
+    if texts:
+        llm = _load(path, max(text.windows.shape[1] for text in texts.values()), all_logits=True)
+        try:
+            for name, text in texts.items():
+                perplexity[name] = engine_perplexity(llm, text, run)
+        finally:
+            llm.close()
+    run.check_cancelled()
+    run.report("evaluation", 0.0, f"llama.cpp speed of {path.name}")
+    prefill, decode = engine_speed(path)
+    return EngineFigures(perplexity, prefill, decode)
+
+
+def gguf_bits_per_weight(path: Path) -> float:
+    tensors = gguf.GGUFReader(path).tensors
+    return 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (its format: an 8-byte little-endian length, then the JSON)."""
+    with path.open("rb") as stream:
+        (length,) = struct.unpack("<Q", stream.read(8))
+        header: dict[str, Any] = json.loads(stream.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def safetensors_row(directory: Path, perplexity: dict[str, float]) -> ArtifactRow:
+    """The checkpoint's row: its weight files (one, or the shards together), measured by transformers."""
+    files = sorted(directory.glob("*.safetensors"))
+    entries = [entry for file in files for entry in _safetensors_header(file).values()]
+    data_bytes = sum(entry["data_offsets"][1] - entry["data_offsets"][0] for entry in entries)
+    weights = sum(math.prod(entry["shape"]) for entry in entries)
+    return ArtifactRow(
+        file=files[0].name if len(files) == 1 else f"{len(files)} safetensors shards",
+        format="safetensors",
+        type="/".join(sorted({entry["dtype"].lower() for entry in entries})),
+        bytes=sum(file.stat().st_size for file in files),
+        bits_per_weight=8 * data_bytes / weights,
+        perplexity=dict(perplexity),
+        perplexity_in="transformers",
+    )
+
+
+def artifact_table(
+    directory: Path,
+    published_perplexity: dict[str, float],
+    exports: list[GgufExport],
+    texts: dict[str, EvaluationText],
+    run: Run | None = None,
+) -> dict[str, Any]:
+    """report.json's `artifacts`: {"rows": [ArtifactRow as a dict], "engine": engine_convention() or None, "note"}.
+
+    `directory` holds the checkpoint, `published_perplexity` is the transformers figure of the model saved there
+    (by text name), `exports` the GGUF files written beside it, measured here on `texts`."""
+    run = run or Run()
+    rows = [safetensors_row(directory, published_perplexity)]
+    measured = exports and llama_cpp_module() is not None
+    note = None
+    if exports and not measured:
+        note = ENGINE_MISSING
+        run.warn(note)
+    for export in exports:
+        figures = measure_gguf(export.path, texts, run) if measured else None
+        rows.append(
+            ArtifactRow(
+                file=export.path.name,
+                format="gguf",
+                type=export.gguf_type,
+                bytes=export.path.stat().st_size,
+                bits_per_weight=gguf_bits_per_weight(export.path),
+                perplexity=dict(figures.perplexity) if figures else dict.fromkeys(texts),
+                perplexity_in="llama.cpp" if figures else None,
+                prefill_tokens_per_s=figures.prefill_tokens_per_s if figures else None,
+                decode_tokens_per_s=figures.decode_tokens_per_s if figures else None,
+            )
+        )
+    return {"rows": [asdict(row) for row in rows], "engine": engine_convention() if measured else None, "note": note}
