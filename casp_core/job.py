@@ -27,6 +27,7 @@ from casp_core.model import check_model_reference, decoder_layers, load_model, r
 from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune
 from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot, snapshot_fingerprint
+from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, QuantizedCheckpoint, check_quantization, quantize
 from casp_core.recovery import ADAPTER_DIR, RecoveryResult, recover
 from casp_core.recovery_data import TrainingData, load_training_data
 from casp_core.report.build import build_report, pruning_section, write_report
@@ -50,16 +51,19 @@ STAGES = (
     "recovery",
     "checkpoint",
     "evaluation",
+    "quantization",
     "report",
 )
 RECOVERY_STAGES = (6, 7)  # the indices in STAGES of the stages only a job with recovery reports
+QUANTIZATION_STAGE = 10  # the index in STAGES of the stage only a job with quantization reports
 
 
 def job_stages(config: PruneConfig) -> tuple[str, ...]:
     """The stages run_job reports for `config`, in order."""
-    if config.recovery.method != "none":
-        return STAGES
-    return tuple(stage for index, stage in enumerate(STAGES) if index not in RECOVERY_STAGES)
+    skipped = set() if config.recovery.method != "none" else set(RECOVERY_STAGES)
+    if config.quantization == NO_QUANTIZATION:
+        skipped.add(QUANTIZATION_STAGE)
+    return tuple(stage for index, stage in enumerate(STAGES) if index not in skipped)
 
 
 @contextmanager
@@ -174,8 +178,25 @@ def run_job(
             )
         exports = save_checkpoint(pruned.model, tokenizer, model, revision, config, run, staging)
         evaluation = evaluate_published(pruned, tokenizer, inputs.plan, run)
+        quantized = None
+        if config.quantization != NO_QUANTIZATION:
+            with run.stage("quantization"):
+                quantized = quantize(
+                    QuantizationInput(pruned.model, tokenizer, staging, config.quantization, inputs.plan), run
+                )
+        run.report("report", 0.0, "writing the report")
         report = write_job_report(
-            model, config, pruned, evaluation, recovery, exports, run, device=str(device), dtype=dtype, out=staging
+            model,
+            config,
+            pruned,
+            evaluation,
+            recovery,
+            exports,
+            quantized,
+            run,
+            device=str(device),
+            dtype=dtype,
+            out=staging,
         )
     run.report("report", 1.0, "report.json, report.md and the model card written")
     return report
@@ -188,6 +209,7 @@ def load_dense(
     run.report("load", 0.0, f"loading {public_name(model)}")
     dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
     check_reachable(dense, config)
+    check_quantization(dense.config, config)
     warning = speed_warning([layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to)
     if warning:
         run.warn(warning)
@@ -309,7 +331,6 @@ def evaluate_published(
     recovered = pruned.pruned_figures is not None
     with run.stage("evaluation_recovered" if recovered else "evaluation_pruned"):
         published = evaluate(pruned.model, tokenizer, plan, run)
-    run.report("report", 0.0, "writing the report")
     if pruned.pruned_figures is None:
         return side_by_side(pruned.dense_figures, published, plan.texts)
     evaluation = side_by_side(pruned.dense_figures, pruned.pruned_figures, plan.texts)
@@ -327,13 +348,15 @@ def write_job_report(
     evaluation: dict[str, Any],
     recovery: RecoveryResult | None,
     exports: list[GgufExport],
+    quantized: QuantizedCheckpoint | None,
     run: Run,
     *,
     device: str,
     dtype: str,
     out: Path,
 ) -> dict[str, Any]:
-    """report.json, report.md, the plots and the model card in `out`; returns the report written."""
+    """report.json, report.md, the plots and the model card in `out`; returns the report written. A quantized
+    checkpoint's perplexity goes beside the unquantized model's, as `quantized` in each perplexity entry."""
     report = build_report(
         model_name=public_name(model),
         config=config,
@@ -349,6 +372,10 @@ def write_job_report(
     report["warnings"] = list(run.warnings)
     if exports:
         report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
+    if quantized is not None:
+        report["quantization"] = quantized.summary()
+        for name, entry in report["perplexity"].items():
+            entry["quantized"] = quantized.perplexity[name]
     report["plots"] = [str(path.relative_to(out)) for path in write_plots(report, out)]
     report = without_local_paths(report)
     write_report(report, out)

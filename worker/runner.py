@@ -50,6 +50,7 @@ STAGE_WEIGHTS = {
     "verification": 3,
     "recovery": 30,
     "checkpoint": 5,
+    "quantization": 5,
     "report": 2,
     "upload": 5,
 }
