@@ -131,7 +131,11 @@ def quantize(stage: QuantizationInput, run: Run) -> QuantizedCheckpoint:
     run.check_cancelled()
     model, _ = load_pruned(stage.checkpoint)
     perplexity_only = replace(stage.plan, zero_shot=[], efficiency=None)
-    figures = evaluate(model, stage.tokenizer, perplexity_only, run)
+    # Its evaluation reports as the second half of this stage, not as another evaluation stage.
+    within_stage = replace(
+        run, progress=lambda _, fraction, message="": run.report("quantization", 0.5 + fraction / 2, message)
+    )
+    figures = evaluate(model, stage.tokenizer, perplexity_only, within_stage)
     run.report("quantization", 1.0, "quantized checkpoint written")
     return QuantizedCheckpoint(
         scheme=stage.scheme,
