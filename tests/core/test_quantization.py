@@ -5,6 +5,7 @@ ptbwiki-7M pruned at 0.3 with round_to 32 (rows w4a16's groups fit), tiny calibr
 tested, not the pruning. Perplexity on 8 windows of 128 tokens of WikiText-2 test.
 """
 
+import fnmatch
 import json
 import shutil
 from pathlib import Path
@@ -101,6 +102,19 @@ def test_each_scheme_writes_compressed_tensors_within_its_bound(pruned, tmp_path
                     rows, columns = weights.get_tensor(f"{prefix}.weight_shape").tolist()
                     group = next(size for size in GROUP_SIZES if columns % size == 0)
                     assert weights.get_tensor(f"{prefix}.weight_scale").shape == (rows, columns // group)
+    if scheme == "w8a8_int8":
+        # round to nearest: each channel's scale is its largest |weight| over 127.5 (int8's range 255 halved), and
+        # every weight is within half a scale of what it was
+        with (
+            safe_open(source / "model.safetensors", "pt") as dense,
+            safe_open(checkpoint / "model.safetensors", "pt") as q,
+        ):
+            for key in fnmatch.filter(q.keys(), "*.weight_scale"):
+                original = dense.get_tensor(key.replace("weight_scale", "weight")).double()
+                scale = q.get_tensor(key).double()
+                assert torch.allclose(scale[:, 0], original.abs().amax(1) / 127.5, rtol=1e-6)
+                error = (q.get_tensor(key.replace("_scale", "")).double() * scale - original).abs()
+                assert bool((error <= scale / 2 * (1 + 1e-4)).all()), key  # float32 division rounds too
     if scheme == "w4a16":
         assert result.group_sizes["128"] >= 8 * 5 and sum(result.group_sizes.values()) == 8 * 7  # q, k, v, gate, up
         # the per-layer shape loads through its remote code, and computes the perplexity measured here
