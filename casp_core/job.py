@@ -1,4 +1,5 @@
-"""The whole job: load, evaluate the dense model, prune, [evaluate, recover,] save, evaluate the result, report.
+"""The whole job: load, evaluate the dense model, prune, [evaluate, recover,] save, evaluate the result, [quantize,]
+report.
 
 The command line and the service call `run_job`; `STAGES` is what it reports, in order, and the worker's
 progress bar is built from it; `job_stages` is the part of it one job reports.
