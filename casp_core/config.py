@@ -43,6 +43,8 @@ MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# The checkpoint rewritten in compressed-tensors format for vLLM by casp_core.quantization (round to nearest).
+QUANTIZATIONS = ("none", "w8a8_int8", "fp8_dynamic", "w4a16")
 # auto: the whole model on the device when casp_core.placement's estimate fits within max_device_memory, else one
 # decoder layer at a time; on the CPU nothing is ever offloaded.
 PLACEMENTS = ("auto", "resident", "offload")
@@ -307,6 +309,12 @@ class PruneSettings(ConfigPart):
         "auto",
         description="resident: the whole model on the device; offload: one decoder layer at a time, the rest on "
         "the CPU; auto: resident when the estimate fits within max_device_memory (docs/placement.md)",
+    )
+    quantization: Literal[QUANTIZATIONS] = Field(  # type: ignore[valid-type]
+        "none",
+        description="the checkpoint written in compressed-tensors format for vLLM, rounded to nearest: w8a8_int8: "
+        "int8 weights per channel, int8 activations per token; fp8_dynamic: the same in FP8; w4a16: int4 weights "
+        "in groups of 128 (64 or 32 where 128 does not divide the row), 16-bit activations (docs/serving.md)",
     )
 
 

@@ -1,4 +1,5 @@
-"""The whole job: load, evaluate the dense model, prune, [evaluate, recover,] save, evaluate the result, report.
+"""The whole job: load, evaluate the dense model, prune, [evaluate, recover,] save, evaluate the result, [quantize,]
+report.
 
 The command line and the service call `run_job`; `STAGES` is what it reports, in order, and the worker's
 progress bar is built from it; `job_stages` is the part of it one job reports.
@@ -20,7 +21,7 @@ from casp_core.calibration import calibration_windows
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import PruneConfig, RecoveryConfig
 from casp_core.errors import InvalidConfig
-from casp_core.eval.engine import artifact_table
+from casp_core.eval.engine import artifact_table, measure_exports
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
@@ -28,6 +29,7 @@ from casp_core.model import check_model_reference, decoder_layers, load_model, r
 from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune
 from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot, snapshot_fingerprint
+from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, QuantizedCheckpoint, check_quantization, quantize
 from casp_core.recovery import ADAPTER_DIR, RecoveryResult, recover
 from casp_core.recovery_data import TrainingData, load_training_data
 from casp_core.report.build import build_report, pruning_section, write_report
@@ -51,16 +53,19 @@ STAGES = (
     "recovery",
     "checkpoint",
     "evaluation",
+    "quantization",
     "report",
 )
 RECOVERY_STAGES = (6, 7)  # the indices in STAGES of the stages only a job with recovery reports
+QUANTIZATION_STAGE = 10  # the index in STAGES of the stage only a job with quantization reports
 
 
 def job_stages(config: PruneConfig) -> tuple[str, ...]:
     """The stages run_job reports for `config`, in order."""
-    if config.recovery.method != "none":
-        return STAGES
-    return tuple(stage for index, stage in enumerate(STAGES) if index not in RECOVERY_STAGES)
+    skipped = set() if config.recovery.method != "none" else set(RECOVERY_STAGES)
+    if config.quantization == NO_QUANTIZATION:
+        skipped.add(QUANTIZATION_STAGE)
+    return tuple(stage for index, stage in enumerate(STAGES) if index not in skipped)
 
 
 @contextmanager
@@ -175,8 +180,22 @@ def run_job(
             )
         exports = save_checkpoint(pruned.model, tokenizer, model, revision, config, run, staging)
         evaluation = evaluate_published(pruned, tokenizer, inputs.plan, run)
+        with run.stage("evaluation_gguf") if exports else nullcontext():  # timed only when there is work
+            engine_figures = measure_exports(exports, inputs.plan.texts, run)
+        quantized = None
+        if config.quantization != NO_QUANTIZATION:
+            with run.stage("quantization"):
+                quantized = quantize(
+                    QuantizationInput(pruned.model, tokenizer, staging, config.quantization, inputs.plan), run
+                )
         published = "recovered" if recovery is not None else "pruned"
-        artifacts = evaluate_artifacts(staging, evaluation, published, exports, inputs.plan, run)
+        artifacts = artifact_table(
+            staging,
+            checkpoint_perplexity(evaluation, published, quantized),
+            exports,
+            engine_figures,
+            list(inputs.plan.texts),
+        )
         run.report("report", 0.0, "writing the report")
         report = write_job_report(
             model,
@@ -185,6 +204,7 @@ def run_job(
             evaluation,
             recovery,
             exports,
+            quantized,
             artifacts,
             run,
             device=str(device),
@@ -202,6 +222,7 @@ def load_dense(
     run.report("load", 0.0, f"loading {public_name(model)}")
     dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
     check_reachable(dense, config)
+    check_quantization(dense.config, config)
     warning = speed_warning([layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to)
     if warning:
         run.warn(warning)
@@ -333,19 +354,14 @@ def evaluate_published(
     return evaluation
 
 
-def evaluate_artifacts(
-    staging: Path,
-    evaluation: dict[str, Any],
-    published: str,
-    exports: list[GgufExport],
-    plan: EvaluationPlan,
-    run: Run,
-) -> dict[str, Any]:
-    """One row per file written: the checkpoint with the `published` side's transformers perplexity, each GGUF
-    measured in llama.cpp on the same windows (`casp_core.eval.engine`)."""
-    perplexity = {name: entry[published] for name, entry in evaluation["perplexity"].items()}
-    with run.stage("evaluation_gguf") if exports else nullcontext():  # timed only when there is work
-        return artifact_table(staging, perplexity, exports, plan.texts, run)
+def checkpoint_perplexity(
+    evaluation: dict[str, Any], published: str, quantized: QuantizedCheckpoint | None
+) -> dict[str, float]:
+    """The transformers perplexity of the checkpoint as written: the `published` side's, or that of the quantized
+    checkpoint that replaced it."""
+    if quantized is not None:
+        return dict(quantized.perplexity)
+    return {name: entry[published] for name, entry in evaluation["perplexity"].items()}
 
 
 def write_job_report(
@@ -355,6 +371,7 @@ def write_job_report(
     evaluation: dict[str, Any],
     recovery: RecoveryResult | None,
     exports: list[GgufExport],
+    quantized: QuantizedCheckpoint | None,
     artifacts: dict[str, Any],
     run: Run,
     *,
@@ -362,7 +379,8 @@ def write_job_report(
     dtype: str,
     out: Path,
 ) -> dict[str, Any]:
-    """report.json, report.md, the plots and the model card in `out`; returns the report written."""
+    """report.json, report.md, the plots and the model card in `out`; returns the report written. A quantized
+    checkpoint's perplexity goes beside the unquantized model's, as `quantized` in each perplexity entry."""
     report = build_report(
         model_name=public_name(model),
         config=config,
@@ -378,6 +396,10 @@ def write_job_report(
     report["warnings"] = list(run.warnings)
     if exports:
         report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
+    if quantized is not None:
+        report["quantization"] = quantized.summary()
+        for name, entry in report["perplexity"].items():
+            entry["quantized"] = quantized.perplexity[name]
     report["artifacts"] = artifacts
     report["plots"] = [str(path.relative_to(out)) for path in write_plots(report, out)]
     report = without_local_paths(report)

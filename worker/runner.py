@@ -50,6 +50,7 @@ STAGE_WEIGHTS = {
     "verification": 3,
     "recovery": 30,
     "checkpoint": 5,
+    "quantization": 5,
     "report": 2,
     "upload": 5,
 }
@@ -208,7 +209,7 @@ RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resume
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
-    keys = ("achieved_ratio", "params", "perplexity", "zero_shot", "artifacts", "warnings")
+    keys = ("achieved_ratio", "params", "perplexity", "zero_shot", "quantization", "artifacts", "warnings")
     summary = {key: report[key] for key in keys if key in report}
     # For display (0.30000000000000004 reads as a defect); report.json keeps the exact ratio.
     summary["achieved_ratio"] = round(report["achieved_ratio"], 6)

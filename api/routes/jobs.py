@@ -32,6 +32,7 @@ from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset
 from casp_core.model import is_local_reference, load_config
 from casp_core.plain import check_plain_shape
+from casp_core.quantization import check_quantization
 from casp_core.recovery_data import check_length
 from service import jobs
 from service.db import session_scope
@@ -73,9 +74,11 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
     if is_local_reference(model):
         try:
             # An unsupported family is refused now, not after the worker loads it; so are a uniform shape its own
-            # class cannot hold and recovery windows longer than its context (a hub model's, when the job starts).
+            # class cannot hold, a quantization its widths cannot take and recovery windows longer than its
+            # context (a hub model's, when the job starts).
             model_config = load_config(model)
             check_plain_shape(model_config, body)
+            check_quantization(model_config, body)
             if body.recovery.method != "none":
                 check_length(body.recovery.max_seq_len, model_config.max_position_embeddings)
         except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first

@@ -65,7 +65,10 @@ def run_prune(args: argparse.Namespace) -> int:
         "out": str(args.out),
         "achieved_ratio": round(report["achieved_ratio"], 4),
         "perplexity": {
-            name: {"split": v["split"], **{k: round(v[k], 3) for k in ("dense", "pruned", "recovered") if k in v}}
+            name: {
+                "split": v["split"],
+                **{k: round(v[k], 3) for k in ("dense", "pruned", "recovered", "quantized") if k in v},
+            }
             for name, v in report["perplexity"].items()
         },
     }

@@ -198,26 +198,30 @@ def safetensors_row(directory: Path, perplexity: dict[str, float]) -> ArtifactRo
     )
 
 
+def measure_exports(
+    exports: list[GgufExport], texts: dict[str, EvaluationText], run: Run | None = None
+) -> list[EngineFigures | None]:
+    """Each exported GGUF measured in llama.cpp; without llama-cpp-python, a None for each and a warning."""
+    run = run or Run()
+    if exports and llama_cpp_module() is None:
+        run.warn(ENGINE_MISSING)
+        return [None] * len(exports)
+    return [measure_gguf(export.path, texts, run) for export in exports]
+
+
 def artifact_table(
     directory: Path,
     published_perplexity: dict[str, float],
     exports: list[GgufExport],
-    texts: dict[str, EvaluationText],
-    run: Run | None = None,
+    figures: list[EngineFigures | None],
+    text_names: list[str],
 ) -> dict[str, Any]:
     """report.json's `artifacts`: {"rows": [ArtifactRow as a dict], "engine": engine_convention() or None, "note"}.
 
     `directory` holds the checkpoint, `published_perplexity` is the transformers figure of the model saved there
-    (by text name), `exports` the GGUF files written beside it, measured here on `texts`."""
-    run = run or Run()
+    (by text name), `exports` the GGUF files written beside it and `figures` what `measure_exports` found."""
     rows = [safetensors_row(directory, published_perplexity)]
-    measured = exports and llama_cpp_module() is not None
-    note = None
-    if exports and not measured:
-        note = ENGINE_MISSING
-        run.warn(note)
-    for export in exports:
-        figures = measure_gguf(export.path, texts, run) if measured else None
+    for export, measured in zip(exports, figures, strict=True):
         rows.append(
             ArtifactRow(
                 file=export.path.name,
@@ -225,10 +229,16 @@ def artifact_table(
                 type=export.gguf_type,
                 bytes=export.path.stat().st_size,
                 bits_per_weight=gguf_bits_per_weight(export.path),
-                perplexity=dict(figures.perplexity) if figures else dict.fromkeys(texts),
-                perplexity_in="llama.cpp" if figures else None,
-                prefill_tokens_per_s=figures.prefill_tokens_per_s if figures else None,
-                decode_tokens_per_s=figures.decode_tokens_per_s if figures else None,
+                perplexity=dict(measured.perplexity) if measured else dict.fromkeys(text_names),
+                perplexity_in="llama.cpp" if measured else None,
+                prefill_tokens_per_s=measured.prefill_tokens_per_s if measured else None,
+                decode_tokens_per_s=measured.decode_tokens_per_s if measured else None,
             )
         )
-    return {"rows": [asdict(row) for row in rows], "engine": engine_convention() if measured else None, "note": note}
+    engine_measured = any(measured is not None for measured in figures)
+    note = ENGINE_MISSING if exports and not engine_measured else None
+    return {
+        "rows": [asdict(row) for row in rows],
+        "engine": engine_convention() if engine_measured else None,
+        "note": note,
+    }

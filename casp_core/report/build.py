@@ -151,6 +151,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             {"perplexity": report["perplexity"], **report["evaluation"], "artifacts": report.get("artifacts")}
         ),
         *recovery_section(report),
+        *quantization_section(report),
         "## Objective z'Qz (sum over layers)",
         "",
         "| sub-layer | chosen solver | independent (diagonal) |",
@@ -226,6 +227,36 @@ def recovery_section(report: dict[str, Any]) -> list[str]:
         values = (averages.get(side) for side in ("dense", "pruned", "recovered"))
         lines.append("| zero-shot average acc | " + " | ".join(_number(value) for value in values) + " |")
     lines += ["", "Measured in the same run with the same evaluation settings.", ""]
+    return lines
+
+
+def quantization_section(report: dict[str, Any]) -> list[str]:
+    """The compressed-tensors checkpoint's scheme, bytes and perplexity beside the unquantized model's; nothing
+    without quantization."""
+    quantization = report.get("quantization")
+    if not quantization:
+        return []
+    unquantized = "recovered" if report.get("recovery") else "pruned"
+    weight_bytes = quantization["weight_bytes"]
+    groups = ", ".join(f"{count} in groups of {size}" for size, count in quantization["group_sizes"].items())
+    lines = [
+        f"## Quantized checkpoint: {quantization['scheme']}",
+        "",
+        f"- compressed-tensors preset `{quantization['preset']}`, format `{quantization['format']}`, weights rounded "
+        f"to nearest: {quantization['quantized_weights']} linear layers"
+        + (f" ({groups})" if groups else "")
+        + "; embeddings, norms and lm_head unquantized",
+        f"- safetensors {weight_bytes['unquantized']:,} -> {weight_bytes['quantized']:,} bytes "
+        f"({weight_bytes['quantized'] / weight_bytes['unquantized']:.3f})",
+        "",
+        f"| perplexity | {unquantized} | quantized | quantized / {unquantized} |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in report["perplexity"].items():
+        before, after = entry.get(unquantized), entry.get("quantized")
+        ratio = _number(after / before) if before and after is not None else "-"
+        lines.append(f"| {name} | {_number(before)} | {_number(after)} | {ratio} |")
+    lines += ["", "The quantized checkpoint is the one in this folder, loaded back with `from_pretrained`.", ""]
     return lines
 
 

@@ -16,7 +16,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from casp_core.data import HUB_SOURCES, evaluation_source
 from casp_core.modeling_casp_llama import CaspLlamaConfig
-from casp_core.report.build import recovery_section
+from casp_core.report.build import quantization_section, recovery_section
 from casp_core.report.evaluation_section import render_evaluation_section
 from casp_core.report.plots import RECOVERY_CURVE
 from casp_core.report.publish import public_name
@@ -33,7 +33,10 @@ def card_model_name(source_name: str, target_ratio: float) -> str:
 
 
 def published_side(report: dict[str, Any]) -> str:
-    """Whose figures the model-index holds: the model in this folder, pruned and, when the job ran it, recovered."""
+    """Whose figures the model-index holds: the model in this folder, pruned and, when the job ran them, recovered
+    and quantized."""
+    if report.get("quantization"):
+        return "quantized"
     return "recovered" if report.get("recovery") else "pruned"
 
 
@@ -112,7 +115,9 @@ def card_data(report: dict[str, Any], *, base_model: str | None, exported: Seque
         base_model=base_model,
         library_name="transformers",
         pipeline_tag=PIPELINE_TAG,
-        tags=TAGS + (["gguf"] if any(name.endswith(".gguf") for name in exported) else []),
+        tags=TAGS
+        + (["gguf"] if any(name.endswith(".gguf") for name in exported) else [])
+        + (["compressed-tensors", report["quantization"]["scheme"]] if report.get("quantization") else []),
         model_name=card_model_name(public_name(report["model"]), report["target_ratio"]),
         eval_results=results or None,
     )
@@ -246,6 +251,7 @@ def render_model_card(
     recovery = recovery_section(report)
     if recovery:
         body += [*recovery, f"![training loss]({RECOVERY_CURVE})", ""]
+    body += quantization_section(report)
     body += [
         "## More",
         "",

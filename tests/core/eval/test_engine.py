@@ -11,7 +11,13 @@ from huggingface_hub import ModelCard
 
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import EvaluationConfig
-from casp_core.eval.engine import ENGINE_MISSING, artifact_table, gguf_bits_per_weight, measure_gguf
+from casp_core.eval.engine import (
+    ENGINE_MISSING,
+    artifact_table,
+    gguf_bits_per_weight,
+    measure_exports,
+    measure_gguf,
+)
 from casp_core.eval.perplexity import evaluation_text, windows_perplexity
 from casp_core.export.gguf import export_gguf
 from casp_core.job import run_job
@@ -142,7 +148,8 @@ def test_without_llama_cpp_the_gguf_rows_say_why_they_have_no_figures(tmp_path, 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError, as when missing
     warnings: list[str] = []
 
-    table = artifact_table(STORIES, {"wikitext2": 12.5}, [exported], texts, Run(on_warning=warnings.append))
+    figures = measure_exports([exported], texts, Run(on_warning=warnings.append))
+    table = artifact_table(STORIES, {"wikitext2": 12.5}, [exported], figures, list(texts))
 
     assert table["note"] == ENGINE_MISSING and warnings == [ENGINE_MISSING]
     assert table["engine"] is None
