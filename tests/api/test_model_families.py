@@ -95,7 +95,7 @@ def test_a_gguf_type_whose_block_the_hidden_size_does_not_fit_is_422_at_submit(
     error = response.json()["error"]
     assert error["param"] == "gguf_type", error
     assert error["message"] == (
-        "q4_k_m packs rows in blocks of 256, and this model's hidden size 64 is not a multiple of 256 "
+        "gguf_type: q4_k_m packs rows in blocks of 256, and this model's hidden size 64 is not a multiple of 256 "
         "(use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32)"
     ), error
     assert api_with_root.post("/v1/jobs", json={**body, "gguf_type": "q8_0"}, headers=keys["alice"]).status_code == 201

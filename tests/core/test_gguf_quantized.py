@@ -21,6 +21,7 @@ import pytest
 from casp_core.cli.main import main
 from casp_core.export.gguf import export_gguf
 from casp_core.export.gguf_types import BLOCK_32_TYPES, K_QUANTS, LLAMA_CPP_MISSING
+from casp_core.rounding import fallback_warning
 from tests.conftest import DATASETS_DIR, PTBWIKI, REPO, STORIES
 
 SMALL = ["--datasets-dir", str(DATASETS_DIR), "--calibration-dataset", "wikitext2:validation"]
@@ -243,3 +244,21 @@ def test_without_llama_cpp_a_quantized_gguf_is_refused_up_front_and_f16_still_wo
     completed = casp("export", str(STORIES), "--format", "gguf", "--out", str(tmp_path / "model-f16.gguf"))
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)["tensor_types"] == {"F16": 36, "F32": 11}  # 5 layers x 7 and the embedding
+
+
+def test_an_explicit_round_to_that_forces_fallbacks_warns_and_the_fallbacks_are_named(tmp_path, capsys):
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(STORIES), "--ratio", "0.3", "--out", str(out), *SMALL, "--round-to", "1"]
+    assert main([*arguments, "--export", "gguf", "--gguf-type", "q8_0", "--solver", "diagonal"]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("casp: warning: round_to")]
+    assert warnings == [f"casp: warning: {fallback_warning([172] * 5, 1, 'q8_0', 32)}"]
+    (export,) = json.loads(captured.out)["exports"]
+    types, rows, _ = read_types(out / export["path"])
+    ffn_fallbacks = [f for f in export["fallbacks"] if "ffn_down" in f["tensor"]]
+    expected = [name for name, row in rows.items() if "ffn_down" in name and row % 32]
+    assert expected and [f["tensor"] for f in ffn_fallbacks] == expected
+    assert all(types[name] == "F16" for name in expected)
+    report = json.loads((out / "report.json").read_text())
+    assert report["warnings"] == [warnings[0].removeprefix("casp: warning: ")]
+    assert report["rounding"]["ffn_multiples"] == [1] * 5

@@ -3,7 +3,7 @@ pipeline keeping auto's multiples on a real model (ptbwiki-7M: 8 layers of 704 F
 
 import pytest
 
-from casp_core.budget import channel_counts
+from casp_core.budget import channel_counts, plan_budget, plan_uniform_shape
 from casp_core.config import GGUF_TYPES
 from casp_core.errors import InvalidConfig
 from casp_core.export.gguf_types import BLOCK_32_TYPES, FLOAT_TYPES, K_QUANTS, block_of, check_gguf_type
@@ -17,7 +17,7 @@ from casp_core.rounding import (
     round_to_for,
     speed_warning,
 )
-from tests.conftest import PTBWIKI, small_config
+from tests.conftest import PTBWIKI, STORIES, small_config
 
 
 @pytest.mark.parametrize(
@@ -141,3 +141,21 @@ def test_every_gguf_type_has_a_block_or_is_a_float_type() -> None:
     assert set(GGUF_TYPES) == {*FLOAT_TYPES, *K_QUANTS, *BLOCK_32_TYPES}
     assert {block_of(name) for name in K_QUANTS} == {256}
     assert {block_of(name) for name in BLOCK_32_TYPES} == {32}
+
+
+def test_the_budget_plans_whole_blocks_and_moves_heads_by_one_for_a_quantized_gguf() -> None:
+    model, _ = load_model(str(STORIES))  # 8 heads of 8 over 4 key/value heads, FFN 172, hidden 64
+    ratios = [0.0, 0.3, 0.4, 0.5, 0.6]
+    plain = plan_budget(model, ratios, small_config(0.3))
+    plan = plan_budget(model, ratios, small_config(0.3, export=["gguf"], gguf_type="q8_0"))
+    # Heads x 8 must be a multiple of 32: 4 or 8 heads kept. 2.4 -> 2 pruned keeps 6 (two heads from 4 or 8: left);
+    # 3.2 -> 3 keeps 5 (4 is one away: moved); 4 keeps 4; 4.8 -> 5 keeps 3 (moved back to 4 kept).
+    assert [layer.heads for layer in plain.layers] == [0, 2, 3, 4, 5]
+    assert [layer.heads for layer in plan.layers] == [0, 2, 4, 4, 4]
+    # FFN widths in whole blocks of 32, the spared layer too (172 -> 160); without the GGUF it keeps all 172.
+    assert plain.layers[0].channel_counts == (0,) and plan.layers[0].channel_counts == (12,)
+    assert all((172 - count) % 32 == 0 for layer in plan.layers for count in layer.channel_counts)
+    # The uniform shape's channels too: ptbwiki-7M's 704 keep 512 or 256.
+    model, _ = load_model(str(PTBWIKI))
+    uniform = small_config(0.3, shape="uniform", allocation="uniform", export=["gguf"], gguf_type="q4_k_m")
+    assert (704 - plan_uniform_shape(model, uniform).pruned_channels) in (256, 512)
