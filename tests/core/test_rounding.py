@@ -2,6 +2,7 @@
 pipeline keeping auto's multiples on a real model (ptbwiki-7M: 8 layers of 704 FFN channels, auto rounds to 8)."""
 
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from casp_core.budget import channel_counts, plan_budget, plan_uniform_shape
 from casp_core.config import GGUF_TYPES
@@ -159,3 +160,19 @@ def test_the_budget_plans_whole_blocks_and_moves_heads_by_one_for_a_quantized_gg
     model, _ = load_model(str(PTBWIKI))
     uniform = small_config(0.3, shape="uniform", allocation="uniform", export=["gguf"], gguf_type="q4_k_m")
     assert (704 - plan_uniform_shape(model, uniform).pruned_channels) in (256, 512)
+
+
+def test_the_uniform_shape_takes_the_head_count_whose_o_proj_rows_are_whole_blocks() -> None:
+    """4 heads of 128 (a LLaMA shape; the fixtures' head_dim of 8 and 32 leave no one-head move): at 0.3, 1.2 heads
+    go. Without a quantized GGUF the rule keeps 3, which LlamaConfig refuses (it must divide 512), and the tie
+    between 2 and 4 goes to 4; for q4_k_m, 3 x 128 is no multiple of 256, so 2 go (nearer 1.2 than none)."""
+    config = LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2
+    )
+    model = LlamaForCausalLM(config)
+    settings = {"shape": "uniform", "allocation": "uniform"}
+    plain = plan_uniform_shape(model, small_config(0.3, **settings))
+    quantized = plan_uniform_shape(model, small_config(0.3, **settings, export=["gguf"], gguf_type="q4_k_m"))
+    assert plain.kv_heads * plain.heads_per_kv == 4
+    assert quantized.kv_heads * quantized.heads_per_kv == 2
+    assert (1024 - quantized.pruned_channels) % 256 == 0
