@@ -172,9 +172,10 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
         growing = [i for i in range(len(layers)) if not spared[i] and heads[i] < caps[i]]
         if growing:
             index = max(growing, key=lambda i: ratios[i] * geometries[i].num_heads - heads[i])
-            # One more head, or two where that keeps o_proj's rows a multiple of the quantizer's block.
+            # One more head, or two where that keeps o_proj's rows a multiple of the quantizer's block (aimed at
+            # two more, so that of a move back and a move on, the move on wins).
             more = aligned_heads(
-                heads[index] + 1, heads[index] + 1, geometries[index].num_heads, multiples[index], caps[index]
+                heads[index] + 2, heads[index] + 1, geometries[index].num_heads, multiples[index], caps[index]
             )
             heads[index] = more if more > heads[index] else heads[index] + 1
         elif any(spared):

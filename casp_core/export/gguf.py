@@ -26,7 +26,6 @@ A checkpoint whose layers are all alike (a dense one) is written as plain `llama
 
 import hashlib
 import json
-import logging
 import math
 import os
 from collections import Counter
@@ -390,16 +389,26 @@ def _write_float(checkpoint: _Checkpoint, out: Path, float_type: str) -> _Writte
 
 
 @contextmanager
-def _quiet_llama_cpp() -> Iterator[None]:
-    """llama-cpp-python prints every line of llama.cpp's log unless its logger is above INFO (as `Llama(...,
-    verbose=False)` sets it): the quantizer's errors only, for the time of the call."""
-    logger = logging.getLogger("llama-cpp-python")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def _llama_cpp_log() -> Iterator[list[str]]:
+    """llama.cpp's log, kept instead of printed while it quantizes (a line per tensor, and a warning per fallback,
+    which the export names itself); llama-cpp-python's own logger is put back after."""
+    import ctypes
+
+    import llama_cpp
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def keep(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", errors="replace"))
+
+    previous, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(previous), ctypes.byref(user_data))
+    llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
     try:
-        yield
+        yield lines
     finally:
-        logger.setLevel(level)
+        llama_cpp.llama_log_set(previous, user_data)
 
 
 def _quantize(source: Path, out: Path, gguf_type: str) -> None:
@@ -410,10 +419,11 @@ def _quantize(source: Path, out: Path, gguf_type: str) -> None:
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
-    with _quiet_llama_cpp():
+    with _llama_cpp_log() as log:
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
     if status != 0:
-        raise QuantizationFailed(f"llama.cpp could not quantize the GGUF to {gguf_type} (status {status})")
+        said = "".join(log).strip().splitlines()[-1:] or ["no message"]
+        raise QuantizationFailed(f"llama.cpp could not quantize the GGUF to {gguf_type}: {said[0]}")
 
 
 def fallbacks(tensors: list[Any], gguf_type: str) -> tuple[Fallback, ...]:
