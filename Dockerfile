@@ -1,6 +1,15 @@
 # One image for the API (`serve`) and the GPU worker (`worker`); see docs/service.md and docker-compose.yml.
 # BASE_IMAGE: any Debian-like image whose `python` is CPython 3.11 and whose `pip` may install (a mirror's copy, say).
 ARG BASE_IMAGE=python:3.11-slim
+
+# llama-cpp-python (the extra casp[gguf]: quantized GGUFs) has no wheel on PyPI: built here, with the compiler kept
+# out of the image. GGML_NATIVE=OFF: code for any x86-64 CPU, not only the one that built it.
+FROM ${BASE_IMAGE} AS llama-cpp
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
+COPY requirements-gguf.txt constraints.txt ./
+RUN CMAKE_ARGS="-DGGML_NATIVE=OFF" pip wheel --no-deps -r requirements-gguf.txt -c constraints.txt -w /wheels
+
 FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -17,10 +26,12 @@ WORKDIR /app
 # https://download.pytorch.org/whl/cu128. constraints.txt (the lock: every package at an exact version) pins the
 # version without the +cpu label, which the CUDA build satisfies.
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-COPY requirements.txt constraints.txt ./
+COPY requirements.txt requirements-gguf.txt constraints.txt ./
+COPY --from=llama-cpp /wheels /wheels
 RUN pip install -c constraints.txt pip \
     && pip install "torch==2.13.0" --index-url "${TORCH_INDEX_URL}" \
-    && pip install -r requirements.txt -c constraints.txt
+    && pip install -r requirements.txt -r requirements-gguf.txt -c constraints.txt --find-links /wheels \
+    && rm -rf /wheels
 
 COPY alembic.ini pyproject.toml ./
 COPY migrations ./migrations

@@ -29,7 +29,7 @@ $(RUNTIME_STAMP): requirements.txt constraints.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(RUNTIME_STAMP)
 
-$(DEV_STAMP): $(RUNTIME_STAMP) requirements-dev.txt requirements-lowest.txt
+$(DEV_STAMP): $(RUNTIME_STAMP) requirements-dev.txt requirements-gguf.txt requirements-lowest.txt
 	$(BIN)/python -m pip install -q -r requirements-dev.txt -c constraints.txt
 	rm -rf $(LOWEST)
 	$(BIN)/python -m pip install -q --no-deps --target $(LOWEST) -r requirements-lowest.txt

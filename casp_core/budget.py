@@ -3,12 +3,14 @@
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from transformers import PreTrainedModel
 
 from casp_core.config import UNIFORM_SHAPE, PruneConfig
 from casp_core.errors import InvalidConfig
+from casp_core.export.gguf_types import quantizer_block
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
@@ -17,7 +19,7 @@ from casp_core.model import (
     sublayer_parameters,
 )
 from casp_core.plain import allows_head_count, check_plain_shape
-from casp_core.rounding import round_to_for
+from casp_core.rounding import aligned_heads, head_multiple, round_to_for
 from casp_core.surgery import kept_kv_heads
 
 # The budget is planned from the ratios and the shapes alone, before any statistics: in sequential mode layer l
@@ -30,6 +32,8 @@ from casp_core.surgery import kept_kv_heads
 # last layer's channels close the gap to within half a rounding unit (round_to FFN channels of one layer).
 # Only how many key/value heads the chosen query heads take along (GQA) is not known in advance: the plan
 # counts the fewest, and the channels of the later layers absorb the difference.
+# A job that exports a quantized GGUF moves a layer's head count by one where that makes o_proj's rows (kept
+# heads x head_dim) a multiple of the quantizer's block (casp_core.rounding.aligned_heads); the channels absorb it.
 
 
 def attention_params_removed(layer: nn.Module, geometry: AttentionGeometry, heads: list[int]) -> int:
@@ -62,10 +66,10 @@ def heads_emptying_groups_last(geometry: AttentionGeometry) -> list[int]:
     return sorted(range(geometry.num_heads), key=lambda head: (rank[head], head))
 
 
-def channel_counts(width: int, r_max: float, round_to_setting: int | str) -> tuple[int, ...]:
+def channel_counts(width: int, r_max: float, round_to_setting: int | str, block: int | None = None) -> tuple[int, ...]:
     """The FFN channel counts a layer may prune: at most r_max of them, keeping a positive multiple of round_to
-    (the setting's, or auto's for this width)."""
-    round_to = round_to_for(width, round_to_setting)
+    (the setting's, or auto's for this width and the quantizer's `block`)."""
+    round_to = round_to_for(width, round_to_setting, block)
     most = int(r_max * width + 1e-9)
     counts = tuple(c for c in range(most + 1) if (width - c) % round_to == 0 and width - c >= round_to)
     if not counts:
@@ -120,8 +124,9 @@ def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
         plan_uniform_shape(model, config)  # refuses what the uniform shape cannot reach or save
         return
     most = 0
+    block = quantizer_block(config)
     for layer in decoder_layers(model):
-        counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to)
+        counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block)
         cap = heads_cap(attention_geometry(model, layer), config.r_max)
         most += layer_plan(model, layer, cap, counts, config.r_max).most_removed
     reachable = most / prunable_parameters(model)
@@ -138,14 +143,27 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
     """Heads per layer and the channel counts each may take, such that the layers can hold the target."""
     layers = decoder_layers(model)
     geometries = [attention_geometry(model, layer) for layer in layers]
-    counts = [channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to) for layer in layers]
+    block = quantizer_block(config)
+    counts = [channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block) for layer in layers]
     caps = [heads_cap(geometry, config.r_max) for geometry in geometries]
-    heads = [min(round(r * g.num_heads), cap) for r, g, cap in zip(ratios, geometries, caps, strict=True)]
+    multiples = [head_multiple(block, geometry.head_dim) for geometry in geometries]
+    heads = [
+        aligned_heads(r * g.num_heads, min(round(r * g.num_heads), cap), g.num_heads, multiple, cap)
+        for r, g, cap, multiple in zip(ratios, geometries, caps, multiples, strict=True)
+    ]
     spared = [r <= 0.0 for r in ratios]
+    # A layer the allocation spares keeps every channel, except where a quantized GGUF's block is its unit: then
+    # the fewest that leave whole blocks go, or its ffn_down would take a fallback type.
+    spared_counts = [
+        (count[0],)
+        if block and round_to_for(layer.mlp.down_proj.in_features, config.round_to, block) == block
+        else (0,)
+        for count, layer in zip(counts, layers, strict=True)
+    ]
 
     def plan_of(index: int) -> LayerPlan:
         if spared[index]:
-            return layer_plan(model, layers[index], 0, (0,), 0.0)
+            return layer_plan(model, layers[index], 0, spared_counts[index], 0.0)
         return layer_plan(model, layers[index], heads[index], counts[index], ratios[index])
 
     plans = [plan_of(index) for index in range(len(layers))]
@@ -154,7 +172,12 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
         growing = [i for i in range(len(layers)) if not spared[i] and heads[i] < caps[i]]
         if growing:
             index = max(growing, key=lambda i: ratios[i] * geometries[i].num_heads - heads[i])
-            heads[index] += 1
+            # One more head, or two where that keeps o_proj's rows a multiple of the quantizer's block (aimed at
+            # two more, so that of a move back and a move on, the move on wins).
+            more = aligned_heads(
+                heads[index] + 2, heads[index] + 1, geometries[index].num_heads, multiples[index], caps[index]
+            )
+            heads[index] = more if more > heads[index] else heads[index] + 1
         elif any(spared):
             index = spared.index(True)
             spared[index] = False
@@ -214,7 +237,10 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
     geometry = attention_geometry(model, layer)
     group = geometry.num_heads // geometry.num_kv_heads
     cap = heads_cap(geometry, config.r_max)
-    wanted_heads = geometry.num_heads - round(config.ratio * geometry.num_heads)
+    block = quantizer_block(config)
+    exact = config.ratio * geometry.num_heads
+    pruned_heads = aligned_heads(exact, round(exact), geometry.num_heads, head_multiple(block, geometry.head_dim), cap)
+    wanted_heads = geometry.num_heads - pruned_heads
     choices = sorted(
         (
             (kv, per)
@@ -224,10 +250,10 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
         ),
         key=lambda choice: (abs(choice[0] * choice[1] - wanted_heads), -choice[0] * choice[1], -choice[1]),
     )
-    counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to)
+    counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block)
     per_channel = channel_params(layer)
     share = config.ratio * prunable_parameters(model) / len(layers)
-    half_unit = round_to_for(layer.mlp.down_proj.in_features, config.round_to) * per_channel / 2
+    half_unit = round_to_for(layer.mlp.down_proj.in_features, config.round_to, block) * per_channel / 2
     for kv, per in choices:
         rest = share - attention_params_removed(layer, geometry, representative_heads(geometry, kv, per))
         # The nearest head count first; a further one only where the channels cannot close the gap with it.
@@ -239,3 +265,21 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
         f"whole heads (a count its {type(model.config).__name__} accepts) and FFN channels, at most r_max = "
         f"{config.r_max} of each; ask for another ratio, raise r_max or use shape per_layer"
     )
+
+
+def rounding_units(model: PreTrainedModel, config: PruneConfig) -> dict[str, Any]:
+    """The units the layers are pruned in: each layer's FFN multiple, the multiple of query heads that keeps
+    o_proj's rows a multiple of the quantizer's block (1 without a quantized GGUF), and one rounding unit (the
+    largest layer's round_to FFN channels) as a fraction of the decoder layers' parameters, which bounds how far
+    the achieved ratio is from the target."""
+    block = quantizer_block(config)
+    layers = decoder_layers(model)
+    multiples = [round_to_for(layer.mlp.down_proj.in_features, config.round_to, block) for layer in layers]
+    largest = max(multiple * channel_params(layer) for multiple, layer in zip(multiples, layers, strict=True))
+    return {
+        "block": block,
+        "gguf_type": config.gguf_type if block else None,
+        "ffn_multiples": multiples,
+        "head_multiple": head_multiple(block, attention_geometry(model, layers[0]).head_dim),
+        "one_unit": largest / prunable_parameters(model),
+    }

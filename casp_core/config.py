@@ -42,7 +42,8 @@ DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
 MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# As llama.cpp spells them; the quantized ones are made by llama.cpp's own quantizer (casp_core.export.gguf_types).
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q4_0", "q5_0", "iq4_nl")
 # The checkpoint rewritten in compressed-tensors format for vLLM by casp_core.quantization (round to nearest).
 QUANTIZATIONS = ("none", "w8a8_int8", "fp8_dynamic", "w4a16")
 # auto: the whole model on the device when casp_core.placement's estimate fits within max_device_memory, else one
@@ -298,7 +299,9 @@ class PruneSettings(ConfigPart):
         description="also written into the checkpoint: gguf (model-<gguf_type>.gguf, for llama.cpp)",
     )
     gguf_type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
-        "f16", description="GGUF weight type; q8_0 keeps f16 for rows not a multiple of 32"
+        "f16",
+        description="GGUF weight type; the quantized ones by llama.cpp's quantizer (needs casp[gguf]), with round_to "
+        "auto fitting FFN widths to their block (256 for the k types, 32 for q8_0, q4_0, q5_0, iq4_nl)",
     )
     max_device_memory: ByteCount | None = Field(
         None,

@@ -25,6 +25,7 @@ from casp_core.eval.engine import artifact_table, measure_exports
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
+from casp_core.export.gguf_types import check_gguf_type, quantizer_block, require_llama_cpp
 from casp_core.model import check_model_reference, decoder_layers, load_model, resolve_device
 from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune
@@ -36,7 +37,7 @@ from casp_core.report.build import build_report, pruning_section, write_report
 from casp_core.report.model_card import write_model_card
 from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve, write_plots
 from casp_core.report.publish import base_model_of, public_name, without_local_paths
-from casp_core.rounding import speed_warning
+from casp_core.rounding import fallback_warning, speed_warning
 from casp_core.run import Run
 
 # The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration,
@@ -144,6 +145,8 @@ def run_job(
     `token`: a Hugging Face token for a private repository; it reaches the loader alone, nothing written or reported."""
     config.validate()
     check_model_reference(model)
+    if quantizer_block(config):
+        require_llama_cpp()
     run = run or Run()
     out_dir = Path(out_dir)
     retry = RetryState(
@@ -218,14 +221,20 @@ def run_job(
 def load_dense(
     model: str, revision: str | None, config: PruneConfig, run: Run, token: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """The dense model, its tokenizer and its dtype's name; the ratio is checked reachable before any work."""
+    """The dense model, its tokenizer and its dtype's name; the ratio and the GGUF type are checked before any work."""
     run.report("load", 0.0, f"loading {public_name(model)}")
     dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
+    if "gguf" in config.export:
+        check_gguf_type(dense.config.hidden_size, config.gguf_type)
     check_reachable(dense, config)
     check_quantization(dense.config, config)
-    warning = speed_warning([layer.mlp.down_proj.in_features for layer in decoder_layers(dense)], config.round_to)
-    if warning:
-        run.warn(warning)
+    widths = [layer.mlp.down_proj.in_features for layer in decoder_layers(dense)]
+    for warning in (
+        speed_warning(widths, config.round_to),
+        fallback_warning(widths, config.round_to, config.gguf_type, quantizer_block(config)),
+    ):
+        if warning:
+            run.warn(warning)
     return dense, tokenizer, str(dense.dtype).removeprefix("torch.")
 
 

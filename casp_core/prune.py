@@ -12,7 +12,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_ratios
-from casp_core.budget import BudgetPlan, UniformShape, check_reachable, plan_budget, plan_uniform_shape
+from casp_core.budget import (
+    BudgetPlan,
+    UniformShape,
+    check_reachable,
+    plan_budget,
+    plan_uniform_shape,
+    rounding_units,
+)
 from casp_core.calibration import (
     LayerInputs,
     calibration_windows,
@@ -253,6 +260,7 @@ def prune(
             windows = calibration_windows(model, tokenizer, config)
 
     params_dense = prunable_parameters(model)
+    rounding = rounding_units(model, config)
     with on_device(model, device, CPU) if placement.mode == RESIDENT else nullcontext():
         with run.stage("allocation"):
             allocation = allocate(model, windows, config, placement, run, sensitivities)
@@ -283,4 +291,5 @@ def prune(
         timings=run.timer.stages,
         temperature=allocation.temperature,
         placement=placement,
+        rounding=rounding,
     )

@@ -4,6 +4,7 @@ The pipeline builds these and the report writes them; both import them from here
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedModel
 
@@ -81,6 +82,7 @@ class PruneResult:
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     temperature: TemperatureChoice | None = None  # alpha "auto" only
     placement: Placement | None = None  # where the weights were while layers were pruned
+    rounding: dict[str, Any] | None = None  # `budget.rounding_units`: the units the layers were pruned in
 
     @property
     def achieved_ratio(self) -> float:

@@ -9,7 +9,14 @@ of the last layer), and to 1 where that would be below 8 (a multiple that small 
 speed, only to cost precision; not measured). Only 1 and 64 were timed; the multiples between (16 at 1024
 channels, 32 at 2048) follow the 1/64 rule, not a measurement. The fixtures: stories260K's 172 channels stay
 exact, ptbwiki-7M's 704 keep multiples of 8 (the perplexity cost: bench/results/rounding.md).
+
+A job that exports a quantized GGUF rounds to the quantizer's block instead (`block`: 256 for the K-quants, 32
+for q8_0, q4_0, q5_0 and iq4_nl), on every layer at least twice the block wide, so that llama.cpp's quantizer
+gives each ffn_down its own type: a row of another length falls back to another type (casp_core.export.gguf_types).
+Narrower layers keep auto's unit (the block would leave them one or no choice of width).
 """
+
+import math
 
 AUTO = "auto"
 WIDEST_UNIT = 64  # measured to give llama.cpp its prefill speedup at 4096 channels
@@ -24,9 +31,27 @@ def auto_round_to(width: int) -> int:
     return unit if unit >= NARROWEST_UNIT else 1
 
 
-def round_to_for(width: int, setting: int | str) -> int:
-    """The multiple a layer of `width` FFN channels keeps: the setting's, or auto's for that width."""
-    return auto_round_to(width) if setting == AUTO else int(setting)
+def round_to_for(width: int, setting: int | str, block: int | None = None) -> int:
+    """The multiple a layer of `width` FFN channels keeps: the setting's, or auto's for that width (the
+    quantizer's `block` where the layer is at least twice as wide)."""
+    if setting != AUTO:
+        return int(setting)
+    return block if block and width >= 2 * block else auto_round_to(width)
+
+
+def head_multiple(block: int | None, head_dim: int) -> int:
+    """How many query heads make o_proj's rows (heads x head_dim) a multiple of the quantizer's block."""
+    return block // math.gcd(block, head_dim) if block else 1
+
+
+def aligned_heads(pruned: float, heads: int, num_heads: int, multiple: int, cap: int) -> int:
+    """`heads` pruned query heads moved by one, where that leaves a multiple of `multiple` kept and stays within
+    [0, cap]; otherwise `heads` itself (o_proj then takes llama.cpp's fallback type). Of two such counts, the one
+    nearer `pruned`, the layer's exact share of heads (r_l x heads), then the one keeping more."""
+    if (num_heads - heads) % multiple == 0:
+        return heads
+    moved = [count for count in (heads - 1, heads + 1) if 0 <= count <= cap and (num_heads - count) % multiple == 0]
+    return min(moved, key=lambda count: (abs(count - pruned), count), default=heads)
 
 
 def speed_warning(widths: list[int], setting: int | str) -> str | None:
@@ -42,4 +67,20 @@ def speed_warning(widths: list[int], setting: int | str) -> str | None:
         f"round_to = {setting} keeps FFN widths that are not multiples of {wanted} on layers of "
         f"{slow[-1]} channels: llama.cpp runs such widths slowly, which forfeits much of the "
         f"prefill speedup (round_to auto, the default, picks {wanted} there; bench/results/engines.md)"
+    )
+
+
+def fallback_warning(widths: list[int], setting: int | str, gguf_type: str, block: int | None) -> str | None:
+    """A one-line warning when an explicit round_to leaves kept FFN widths that are not multiples of the
+    quantizer's block on layers wide enough for auto to fit it: their ffn_down falls back to another type."""
+    if setting == AUTO or block is None or int(setting) % block == 0:
+        return None
+    wide = [width for width in widths if width >= 2 * block]
+    if not wide:
+        return None
+    return (
+        f"round_to = {setting} keeps FFN widths that are not multiples of {block}, the block of {gguf_type}: "
+        f"llama.cpp's quantizer gives the ffn_down weights of such layers a fallback type (named in the report's "
+        f"exports), not {gguf_type}'s (round_to auto, the default, picks {block} on layers of {min(wide)} channels "
+        "or more)"
     )

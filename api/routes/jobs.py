@@ -30,6 +30,7 @@ from api.streams import StreamResponse, StreamSlots, event_stream
 from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset
+from casp_core.export.gguf_types import check_gguf_type
 from casp_core.model import is_local_reference, load_config
 from casp_core.plain import check_plain_shape
 from casp_core.quantization import check_quantization
@@ -74,11 +75,13 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
     if is_local_reference(model):
         try:
             # An unsupported family is refused now, not after the worker loads it; so are a uniform shape its own
-            # class cannot hold, a quantization its widths cannot take and recovery windows longer than its
-            # context (a hub model's, when the job starts).
+            # class cannot hold, a quantization its widths cannot take, a GGUF type whose block its hidden size
+            # does not fit and recovery windows longer than its context (a hub model's, when the job starts).
             model_config = load_config(model)
             check_plain_shape(model_config, body)
             check_quantization(model_config, body)
+            if "gguf" in body.export:
+                check_gguf_type(model_config.hidden_size, body.gguf_type)
             if body.recovery.method != "none":
                 check_length(body.recovery.max_seq_len, model_config.max_position_embeddings)
         except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first

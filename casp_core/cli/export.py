@@ -18,7 +18,9 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         "--gguf-type",
         choices=GGUF_TYPES,
         default=PruneSettings.model_fields["gguf_type"].default,  # the same default as a job's
-        help="GGUF weight type; q8_0 keeps F16 for rows not a multiple of 32 (listed in casp.q8_0_fallback)",
+        help="GGUF weight type, as llama.cpp spells it; the quantized ones are made by llama.cpp's quantizer "
+        "(pip install 'casp[gguf]'), and weights whose rows do not fit the type's block get llama.cpp's fallback "
+        "type (listed under fallbacks)",
     )
     parser.set_defaults(run=run_export)
 

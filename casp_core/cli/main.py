@@ -64,6 +64,7 @@ def run_prune(args: argparse.Namespace) -> int:
     summary = {
         "out": str(args.out),
         "achieved_ratio": round(report["achieved_ratio"], 4),
+        **({"rounding": rounding_summary(report["rounding"])} if report.get("rounding") else {}),
         "perplexity": {
             name: {
                 "split": v["split"],
@@ -78,6 +79,16 @@ def run_prune(args: argparse.Namespace) -> int:
             warn_about(export)
     print(json.dumps(summary))
     return 0
+
+
+def rounding_summary(rounding: dict[str, Any]) -> dict[str, Any]:
+    """What rounding did to the ratio, for the summary line: the report's `rounding` without the per-layer list."""
+    return {
+        "ffn_multiples": sorted(set(rounding["ffn_multiples"])),
+        "head_multiple": rounding["head_multiple"],
+        "achieved_minus_target": round(rounding["achieved_minus_target"], 4),
+        "one_unit": round(rounding["one_unit"], 4),
+    }
 
 
 def package_version() -> str:

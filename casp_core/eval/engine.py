@@ -31,6 +31,7 @@ import torch
 
 from casp_core.eval.perplexity import EvaluationText
 from casp_core.export.gguf import GgufExport
+from casp_core.export.gguf_types import LLAMA_CPP_MISSING, llama_cpp_module
 from casp_core.run import Run
 
 if TYPE_CHECKING:
@@ -41,9 +42,7 @@ PREFILL_TOKENS = 128
 DECODE_TOKENS = 64
 SPEED_REPEATS = 3
 SPEED_SEED = 0
-ENGINE_MISSING = (
-    "llama.cpp figures not measured: llama-cpp-python is not installed on this machine (pip install llama-cpp-python)"
-)
+ENGINE_MISSING = f"llama.cpp figures not measured: {LLAMA_CPP_MISSING}"
 
 
 @dataclass(frozen=True)
@@ -68,15 +67,6 @@ class ArtifactRow:
     perplexity_in: Literal["transformers", "llama.cpp"] | None  # None: not measured (see the table's note)
     prefill_tokens_per_s: float | None = None  # llama.cpp at one thread; GGUF rows only
     decode_tokens_per_s: float | None = None
-
-
-def llama_cpp_module() -> Any | None:
-    """llama_cpp, or None where it is not installed (it is imported here only: it loads a native library)."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return llama_cpp
 
 
 def engine_convention() -> dict[str, Any]:

@@ -17,14 +17,20 @@ A checkpoint whose layers are all alike (a dense one) is written as plain `llama
   a layer with feed_forward_length 0 (it is meant for layers that have neither).
 - Sliding-window attention (Mistral, Qwen2) has no deci counterpart; within the window it equals full attention,
   so the file's context length is capped at the window.
-- Q8_0 packs rows in blocks of 32: a weight whose rows are not a multiple of 32 long stays F16, named in
-  `casp.q8_0_fallback`.
+- The quantized types (q8_0, the K-quants, q4_0, q5_0, iq4_nl) are made by llama.cpp's own quantizer
+  (`llama_model_quantize`, its default parameters: the type mix of `llama-quantize`) from an F32 file written
+  first and removed after. A weight whose rows are not a multiple of its type's block gets llama.cpp's fallback
+  type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; F16 where no 32-block fits); the types are read back from the
+  file written, and every tensor whose type is such a fallback is named in `GgufExport.fallbacks`.
 """
 
 import hashlib
 import json
 import math
 import os
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,43 +40,77 @@ import torch
 from safetensors import safe_open
 
 from casp_core.config import GGUF_TYPES
-from casp_core.errors import InvalidConfig, ModelNotFound, UnsupportedModel
+from casp_core.errors import CaspError, InvalidConfig, ModelNotFound, UnsupportedModel
+from casp_core.export.gguf_types import SUPER_BLOCK, check_gguf_type, is_quantized, require_llama_cpp
 from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
 
-_QUANT = {
+_FLOAT = {
     "f32": gguf.GGMLQuantizationType.F32,
     "f16": gguf.GGMLQuantizationType.F16,
     "bf16": gguf.GGMLQuantizationType.BF16,
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
 }
 _FILE_TYPE = {
     "f32": gguf.LlamaFileType.ALL_F32,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
+# The type each quantized GGUF type gives a weight by default; the mix gives some others (Q6_K to the output, ...).
+_BASE_TYPE = {
+    "q8_0": "Q8_0",
+    "q6_k": "Q6_K",
+    "q5_k_m": "Q5_K",
+    "q5_k_s": "Q5_K",
+    "q4_k_m": "Q4_K",
+    "q4_k_s": "Q4_K",
+    "q4_0": "Q4_0",
+    "q5_0": "Q5_0",
+    "iq4_nl": "IQ4_NL",
+}
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): the 32-block type a 256-block type becomes on rows that
+# are not a multiple of 256, keyed by what it becomes.
+_FALLBACK_FROM = {"Q5_0": "Q4_K", "Q5_1": "Q5_K", "Q8_0": "Q6_K", "IQ4_NL": "IQ4_XS", "Q4_0": "Q3_K"}
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "casp_llama")
-_Q8_0_BLOCK = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+
+
+class QuantizationFailed(CaspError):
+    """llama.cpp's quantizer returned an error (its log says which, on stderr)."""
+
+    code = "quantization_failed"
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A weight that did not get its type in the quantized mix because its rows (`row_length` weights, the
+    weight's input width) are not a multiple of that type's block."""
+
+    tensor: str
+    type: str  # what it got
+    wanted: str | None  # what the mix gives a weight of whole blocks there; None where no quantized type fits
+    row_length: int
 
 
 @dataclass(frozen=True)
 class GgufExport:
-    """What was written: the file, its digest, each tensor's GGML type and what deviates from the request."""
+    """What was written: the file, its digest, each tensor's GGML type (read back from the file) and what
+    deviates from the request."""
 
     path: Path
     sha256: str
     architecture: str  # "llama" when every layer has the same shape, else "deci"
     gguf_type: str
     tensor_types: dict[str, str]
-    q8_0_fallback: tuple[str, ...] = ()  # weights kept F16 because their rows are not a multiple of 32
+    fallbacks: tuple[Fallback, ...] = ()  # weights whose rows did not fit their quantized type's block
+    bits_per_weight: float = 0.0  # the tensors' bytes x 8 over their weights, as llama.cpp counts it
+    bytes: int = 0  # the file's size
     kv_repeated_layers: tuple[int, ...] = ()  # layers whose key/value heads are repeated for uneven groups
     context_length: int = 0
     tokenizer_caveat: str | None = None  # what llama.cpp's tokenizer cannot reproduce, if anything
 
     def summary(self) -> dict[str, Any]:
-        """For the command's JSON line and the report: everything but the per-tensor list (hundreds of entries)."""
+        """For the command's JSON line and the report: the count of each tensor type, not the per-tensor list
+        (hundreds of entries)."""
         fields = asdict(self)
-        fields.pop("tensor_types")
+        fields["tensor_types"] = dict(Counter(self.tensor_types.values()).most_common())
         return {**fields, "path": str(self.path)}
 
 
@@ -200,22 +240,16 @@ def _check_supported(config: dict[str, Any], checkpoint: _Checkpoint) -> None:
 
 
 class _Writer:
-    """Adds tensors in the requested type, F32 for vectors, and remembers what it did."""
+    """Adds tensors in the requested float type, F32 for vectors."""
 
-    def __init__(self, writer: gguf.GGUFWriter, gguf_type: str) -> None:
+    def __init__(self, writer: gguf.GGUFWriter, float_type: str) -> None:
         self.writer = writer
-        self.gguf_type = gguf_type
-        self.types: dict[str, str] = {}
-        self.fallback: list[str] = []
+        self.float_type = float_type
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         data = tensor.contiguous().numpy()
-        qtype = _QUANT[self.gguf_type] if data.ndim > 1 else gguf.GGMLQuantizationType.F32
-        if qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % _Q8_0_BLOCK:
-            qtype = gguf.GGMLQuantizationType.F16
-            self.fallback.append(name)
+        qtype = _FLOAT[self.float_type] if data.ndim > 1 else gguf.GGMLQuantizationType.F32
         self.writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        self.types[name] = qtype.name
 
 
 def _write_layer(
@@ -284,14 +318,19 @@ def _model_name(config: dict[str, Any], checkpoint_dir: Path) -> str:
     return checkpoint_dir.name
 
 
-def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> GgufExport:
-    """Write `checkpoint_dir` (dense or pruned) as one GGUF file at `out`, replacing it only when complete."""
-    if gguf_type not in GGUF_TYPES:
-        raise InvalidConfig(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, not {gguf_type!r}")
-    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
-    checkpoint = _Checkpoint(checkpoint_dir)
+@dataclass(frozen=True)
+class _Written:
+    """What writing the float file decided, for GgufExport."""
+
+    architecture: str
+    kv_repeated_layers: tuple[int, ...]
+    context_length: int
+    tokenizer_caveat: str | None
+
+
+def _write_float(checkpoint: _Checkpoint, out: Path, float_type: str) -> _Written:
+    """The checkpoint as a GGUF of `float_type` weights at `out`."""
     config = checkpoint.config
-    _check_supported(config, checkpoint)
     shapes = _layer_shapes(config)
     layouts = [attention_layout(shape) for shape in shapes]
     hidden = config["hidden_size"]
@@ -305,15 +344,13 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
     window = _sliding_window(config)
     context_length = min(config["max_position_embeddings"], window or config["max_position_embeddings"])
     embedding = checkpoint.tensor("model.embed_tokens.weight")
-    vocabulary = read_vocabulary(checkpoint_dir, embedding.shape[0])
+    vocabulary = read_vocabulary(checkpoint.directory, embedding.shape[0])
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
-    writer = gguf.GGUFWriter(partial, architecture)
-    tensors = _Writer(writer, gguf_type)
+    writer = gguf.GGUFWriter(out, architecture)
+    tensors = _Writer(writer, float_type)
     try:
-        writer.add_name(_model_name(config, checkpoint_dir))
-        writer.add_file_type(_FILE_TYPE[gguf_type])
+        writer.add_name(_model_name(config, checkpoint.directory))
+        writer.add_file_type(_FILE_TYPE[float_type])
         writer.add_block_count(len(shapes))
         writer.add_context_length(context_length)
         writer.add_embedding_length(hidden)
@@ -340,30 +377,112 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
             raise UnsupportedModel(f"GGUF export: no place in llama.cpp for {', '.join(sorted(checkpoint.unread)[:3])}")
 
         kv_repeated = [index for index, layout in enumerate(layouts) if layout.repeated]
-        if gguf_type == "q8_0":
-            writer.add_uint32("casp.q8_0_fallback_count", len(tensors.fallback))
-            writer.add_array("casp.q8_0_fallback", tensors.fallback)  # written only when not empty
         writer.add_array("casp.kv_heads_repeated_layers", kv_repeated)
         if window is not None:
             writer.add_uint32("casp.sliding_window", window)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+    finally:
         writer.close()
+    return _Written(architecture, tuple(kv_repeated), context_length, vocabulary.caveat)
+
+
+@contextmanager
+def _llama_cpp_log() -> Iterator[list[str]]:
+    """llama.cpp's log, kept instead of printed while it quantizes (a line per tensor, and a warning per fallback,
+    which the export names itself); llama-cpp-python's own logger is put back after."""
+    import ctypes
+
+    import llama_cpp
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def keep(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        lines.append(text.decode("utf-8", errors="replace"))
+
+    previous, user_data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(previous), ctypes.byref(user_data))
+    llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        llama_cpp.llama_log_set(previous, user_data)
+
+
+def _quantize(source: Path, out: Path, gguf_type: str) -> None:
+    """llama.cpp's quantizer, with `llama-quantize`'s defaults: `gguf_type`'s mix of types per tensor."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
+    with _llama_cpp_log() as log:
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
+    if status != 0:
+        said = "".join(log).strip().splitlines()[-1:] or ["no message"]
+        raise QuantizationFailed(f"llama.cpp could not quantize the GGUF to {gguf_type}: {said[0]}")
+
+
+def fallbacks(tensors: list[Any], gguf_type: str) -> tuple[Fallback, ...]:
+    """The weights of a `gguf_type` file (GGUFReader tensors) whose type is llama.cpp's fallback for rows that
+    are not a multiple of a block: F16 on rows no 32-block fits, and a fallback type of a 256-block type on
+    rows of 32-blocks that are not 256-blocks, unless it is `gguf_type`'s own type."""
+    if not is_quantized(gguf_type):
+        return ()
+    found = []
+    for tensor in tensors:
+        row_length, type_name = int(tensor.shape[0]), tensor.tensor_type.name
+        if len(tensor.shape) < 2 or row_length % SUPER_BLOCK == 0:
+            continue
+        if type_name == "F16":
+            found.append(Fallback(tensor.name, type_name, None, row_length))
+        elif type_name in _FALLBACK_FROM and type_name != _BASE_TYPE[gguf_type]:
+            found.append(Fallback(tensor.name, type_name, _FALLBACK_FROM[type_name], row_length))
+    return tuple(found)
+
+
+def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> GgufExport:
+    """Write `checkpoint_dir` (dense or pruned) as one GGUF file at `out`, replacing it only when complete."""
+    if gguf_type not in GGUF_TYPES:
+        raise InvalidConfig(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, not {gguf_type!r}")
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    checkpoint = _Checkpoint(checkpoint_dir)
+    _check_supported(checkpoint.config, checkpoint)
+    check_gguf_type(checkpoint.config["hidden_size"], gguf_type)
+    quantized = is_quantized(gguf_type)
+    if quantized:
+        require_llama_cpp()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    source = out.with_name(f".{out.name}.f32.partial")  # what llama.cpp quantizes; never left beside `out`
+    try:
+        if quantized:
+            written = _write_float(checkpoint, source, "f32")
+            _quantize(source, partial, gguf_type)
+        else:
+            written = _write_float(checkpoint, partial, gguf_type)
         os.replace(partial, out)
     finally:
-        writer.close()  # again on failure, so the partial file can be removed
         partial.unlink(missing_ok=True)
+        source.unlink(missing_ok=True)
+    tensors = gguf.GGUFReader(out).tensors
+    weights = sum(int(tensor.n_elements) for tensor in tensors)
     return GgufExport(
         path=out,
         sha256=_sha256(out),
-        architecture=architecture,
+        architecture=written.architecture,
         gguf_type=gguf_type,
-        tensor_types=tensors.types,
-        q8_0_fallback=tuple(tensors.fallback),
-        kv_repeated_layers=tuple(kv_repeated),
-        context_length=context_length,
-        tokenizer_caveat=vocabulary.caveat,
+        tensor_types={tensor.name: tensor.tensor_type.name for tensor in tensors},
+        fallbacks=fallbacks(tensors, gguf_type),
+        bits_per_weight=sum(int(tensor.n_bytes) for tensor in tensors) * 8 / weights,
+        bytes=out.stat().st_size,
+        kv_repeated_layers=written.kv_repeated_layers,
+        context_length=written.context_length,
+        tokenizer_caveat=written.tokenizer_caveat,
     )
 
 

@@ -11,6 +11,7 @@ from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
 from casp_core.placement import byte_size
 from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.gguf_section import render_gguf_section
 from casp_core.results import PruneResult
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
 
@@ -44,6 +45,7 @@ def pruning_section(result: PruneResult) -> dict[str, Any]:
         "compensation": compensation_summary(layers),
         "alpha_auto": result.temperature.summary() if result.temperature else None,
         "placement": result.placement.summary() if result.placement else None,
+        "rounding": result.rounding,
         "layers": layers,
         "verification": {
             "rule": VERIFY_RULE,
@@ -70,6 +72,7 @@ def build_report(
         "model": model_name,
         "target_ratio": config.ratio,
         **{key: pruning[key] for key in ("achieved_ratio", "params", "objective", "compensation", "alpha_auto")},
+        "rounding": rounding_effect(pruning.get("rounding"), config.ratio, pruning["achieved_ratio"]),
         "perplexity": perplexity,
         "evaluation": evaluation or {},
         **{key: pruning[key] for key in ("layers", "verification", "timings")},
@@ -79,6 +82,31 @@ def build_report(
         "dtype": dtype,
         "versions": library_versions(),
     }
+
+
+def rounding_effect(units: dict[str, Any] | None, target: float, achieved: float) -> dict[str, Any] | None:
+    """The units the layers were pruned in (`budget.rounding_units`) and what they did to the ratio: achieved minus
+    target, within one rounding unit. None for a snapshot saved before the units were recorded."""
+    if units is None:
+        return None
+    return {**units, "achieved_minus_target": achieved - target}
+
+
+def rounding_line(rounding: dict[str, Any] | None) -> str:
+    """For report.md and the model card: the widths' units and what they did to the ratio."""
+    if rounding is None:
+        return ""
+    multiples = sorted(set(rounding["ffn_multiples"]))
+    units = f"FFN widths in multiples of {', '.join(map(str, multiples))}"
+    if rounding["block"]:
+        units = (
+            f"{units} and {rounding['head_multiple']}-head multiples where one head's move allows it "
+            f"(the {rounding['block']}-weight block of {rounding['gguf_type']})"
+        )
+    return (
+        f"{units}: achieved - target {rounding['achieved_minus_target']:+.4f}, "
+        f"one rounding unit {rounding['one_unit']:.4f}"
+    )
 
 
 def compensation_summary(layers: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
@@ -137,6 +165,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- target ratio {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f} "
         f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
+        *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
         f"- solver `{settings['solver']}`, {_budget(report)}, "
         f"r_max {settings['r_max']}, compensation `{settings['compensation']}`",
         f"- calibration: {calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, "
@@ -150,6 +179,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         render_evaluation_section(
             {"perplexity": report["perplexity"], **report["evaluation"], "artifacts": report.get("artifacts")}
         ),
+        *render_gguf_section(report.get("exports", [])),
         *recovery_section(report),
         *quantization_section(report),
         "## Objective z'Qz (sum over layers)",

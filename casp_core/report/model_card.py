@@ -16,8 +16,9 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from casp_core.data import HUB_SOURCES, evaluation_source
 from casp_core.modeling_casp_llama import CaspLlamaConfig
-from casp_core.report.build import quantization_section, recovery_section
+from casp_core.report.build import quantization_section, recovery_section, rounding_line
 from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.gguf_section import render_gguf_section
 from casp_core.report.plots import RECOVERY_CURVE
 from casp_core.report.publish import public_name
 
@@ -133,6 +134,7 @@ def _what_was_pruned(report: dict[str, Any], base: str) -> list[str]:
         "",
         f"- ratio asked {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f}: "
         f"{params['dense']:,} -> {params['pruned']:,} parameters ({params['counted']})",
+        *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
     ]
     efficiency = report.get("evaluation", {}).get("efficiency") or {}
     if efficiency.get("dense") and efficiency.get("pruned"):
@@ -243,6 +245,7 @@ def render_model_card(
         *_settings(report),
         "",
         render_evaluation_section(evaluation, title="Dense against pruned"),
+        *render_gguf_section(report.get("exports", [])),
         "## How to load it",
         "",
         *_usage(model_type, data.model_name, exported),

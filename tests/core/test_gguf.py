@@ -361,12 +361,13 @@ def test_the_caveats_are_returned_and_written_into_the_file(tmp_path):
 
 def test_q8_0_keeps_f16_where_rows_are_not_a_multiple_of_32(checkpoints, tmp_path):
     exported = export_gguf(checkpoints["stories260K", "by_hand"], tmp_path / "model.gguf", "q8_0")
-    reader = gguf.GGUFReader(exported.path)
-    recorded = reader.get_field("casp.q8_0_fallback").contents()
-    assert recorded == list(exported.q8_0_fallback)
-    assert "blk.0.ffn_down.weight" in recorded  # 132 channels
-    assert exported.tensor_types["blk.0.ffn_down.weight"] == "F16"
-    assert exported.tensor_types["blk.0.ffn_up.weight"] == "Q8_0"  # rows of hidden size 64
+    types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(exported.path).tensors}
+    assert types == exported.tensor_types
+    fallen_back = {fallback.tensor for fallback in exported.fallbacks}
+    assert "blk.0.ffn_down.weight" in fallen_back  # 132 channels
+    assert fallen_back == {name for name, kind in types.items() if kind == "F16"}
+    assert types["blk.0.ffn_down.weight"] == "F16"
+    assert types["blk.0.ffn_up.weight"] == "Q8_0"  # rows of hidden size 64
 
 
 def test_casp_export_writes_the_file_and_prints_its_digest(tmp_path, capsys):
@@ -374,7 +375,12 @@ def test_casp_export_writes_the_file_and_prints_its_digest(tmp_path, capsys):
     assert main(["export", str(STORIES), "--format", "gguf", "--gguf-type", "q8_0", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
-    assert printed["architecture"] == "llama" and printed["q8_0_fallback"]
+    assert printed["architecture"] == "llama" and printed["tensor_types"] == {"Q8_0": 31, "F16": 5, "F32": 11}
+    # ffn_down's rows are the dense FFN width, 172: no multiple of 32.
+    assert printed["fallbacks"] == [
+        {"tensor": f"blk.{layer}.ffn_down.weight", "type": "F16", "wanted": None, "row_length": 172}
+        for layer in range(5)
+    ]
     assert main(["export", str(tmp_path), "--format", "gguf", "--out", str(out)]) == 2
     assert "model_not_found" in capsys.readouterr().err
 
@@ -407,7 +413,7 @@ def test_casp_prune_export_gguf_generates_the_text_transformers_generates(tmp_pa
 
 def test_unsupported_settings_are_refused_in_one_line(tmp_path):
     with pytest.raises(InvalidConfig, match="gguf_type"):
-        export_gguf(STORIES, tmp_path / "model.gguf", "q4_0")
+        export_gguf(STORIES, tmp_path / "model.gguf", "q3_k")
     config_path = tmp_path / "qwen3" / "config.json"
     config_path.parent.mkdir()
     for item in STORIES.iterdir():

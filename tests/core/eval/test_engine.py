@@ -85,7 +85,7 @@ def test_bits_per_weight_are_those_of_the_tensor_data(tmp_path):
     assert gguf_bits_per_weight(f32.path) == 32.0
     # ptbwiki-7M's rows are multiples of 32: every matrix is Q8_0 (34 bytes per 32 weights), the norms F32.
     q8_0 = export_gguf(PTBWIKI, tmp_path / "model-q8_0.gguf", "q8_0")
-    assert not q8_0.q8_0_fallback
+    assert not q8_0.fallbacks
     assert 8.5 < gguf_bits_per_weight(q8_0.path) < 8.52
 
 

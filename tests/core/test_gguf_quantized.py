@@ -1,0 +1,264 @@
+"""Quantized GGUFs by llama.cpp's own quantizer, from checkpoints pruned for them (issue 22, items 1, 2 and 6).
+
+Each fixture model is pruned once, by `casp prune` as a user runs it: ptbwiki-7M (hidden 256, head_dim 32, FFN
+704) for q4_k_m, whose block of 256 `round_to: auto` then fits the FFN widths to, and stories260K (hidden 64,
+head_dim 8, FFN 172) for q8_0 and its block of 32. Every type is then written from those two checkpoints, read
+back, loaded in llama.cpp (one thread) and asked for a few tokens.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+import pytest
+
+from casp_core.cli.main import main
+from casp_core.export.gguf import export_gguf
+from casp_core.export.gguf_types import BLOCK_32_TYPES, K_QUANTS, LLAMA_CPP_MISSING
+from casp_core.rounding import fallback_warning
+from tests.conftest import DATASETS_DIR, PTBWIKI, REPO, STORIES
+
+SMALL = ["--datasets-dir", str(DATASETS_DIR), "--calibration-dataset", "wikitext2:validation"]
+SMALL += ["--n-samples", "8", "--seq-len", "64", "--perplexity", ""]
+PROMPT = "The company said"
+NEW_TOKENS = 8
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's rule for the layers whose ffn_down (and attn_v) get more bits in the _M mixes."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """(checkpoint directory, the command's summary line) of each fixture model, pruned once for the module by
+    the command in a process of its own (a module-scoped fixture cannot capture the output of `main`)."""
+    root = tmp_path_factory.mktemp("pruned")
+    built = {}
+    for name, model, gguf_type in (("ptbwiki-7M", PTBWIKI, "q4_k_m"), ("stories260K", STORIES, "q8_0")):
+        out = root / name
+        arguments = ["prune", "--model", str(model), "--ratio", "0.3", "--out", str(out), *SMALL]
+        completed = subprocess.run(
+            [sys.executable, "-m", "casp_core", *arguments, "--export", "gguf", "--gguf-type", gguf_type],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+            timeout=600,
+            cwd=REPO,
+        )
+        assert completed.returncode == 0, completed.stderr
+        built[name] = (out, json.loads(completed.stdout))
+    return built
+
+
+def generate(path: Path) -> list[int]:
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False)
+    prompt = llm.tokenize(PROMPT.encode())
+    tokens = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1):
+        tokens.append(token)
+        if len(tokens) == NEW_TOKENS:
+            break
+    llm.close()
+    return tokens
+
+
+def read_types(path: Path) -> tuple[dict[str, str], dict[str, int], float]:
+    """Each tensor's type and row length, and the bits per weight, as the file has them."""
+    tensors = gguf.GGUFReader(path).tensors
+    bits = sum(int(t.n_bytes) for t in tensors) * 8 / sum(int(t.n_elements) for t in tensors)
+    return {t.name: t.tensor_type.name for t in tensors}, {t.name: int(t.shape[0]) for t in tensors}, bits
+
+
+def test_q4_k_m_of_ptbwiki_gets_llama_cpps_mix_with_whole_blocks_in_every_ffn(pruned):
+    out, summary = pruned["ptbwiki-7M"]
+    report = json.loads((out / "report.json").read_text())
+    (export,) = report["exports"]
+    path = out / export["path"]
+    types, _, bits = read_types(path)
+    reader = gguf.GGUFReader(path)
+    widths = reader.get_field("deci.feed_forward_length").contents()
+    heads = reader.get_field("deci.attention.head_count").contents()
+
+    # Item 2: every layer keeps whole blocks of 256 FFN channels (704 is not one: even a spared layer prunes).
+    assert all(width % 256 == 0 for width in widths) and len(widths) == 8
+    rounding = report["rounding"]
+    assert rounding["block"] == 256 and rounding["ffn_multiples"] == [256] * 8 and rounding["head_multiple"] == 8
+    assert abs(report["achieved_ratio"] - 0.3) <= rounding["one_unit"]
+    assert rounding["one_unit"] == pytest.approx(256 * 3 * 256 / report["params"]["dense"])
+    assert summary["rounding"]["achieved_minus_target"] == round(report["achieved_ratio"] - 0.3, 4)
+
+    # Item 1: llama.cpp's q4_k_m mix on every FFN tensor, none falling back.
+    for layer in range(8):
+        assert types[f"blk.{layer}.ffn_gate.weight"] == types[f"blk.{layer}.ffn_up.weight"] == "Q4_K"
+        assert types[f"blk.{layer}.ffn_down.weight"] == ("Q6_K" if use_more_bits(layer, 8) else "Q4_K")
+    assert types["token_embd.weight"] == "Q6_K"  # tied: the output's type
+    # o_proj rows are heads x 32: only 0 or 8 heads fill blocks of 256, so the pruned layers' o_proj falls back
+    # (two heads or more away), Q4_K -> Q5_0, each named.
+    expected = [
+        {"tensor": f"blk.{layer}.attn_output.weight", "type": "Q5_0", "wanted": "Q4_K", "row_length": count * 32}
+        for layer, count in enumerate(heads)
+        if count % 8
+    ]
+    assert expected and export["fallbacks"] == expected
+    assert all(types[fallback["tensor"]] == "Q5_0" for fallback in expected)
+    assert export["tensor_types"] == Counter(types.values())
+    assert export["bits_per_weight"] == pytest.approx(bits) and 4.5 < bits < 6.5
+    assert export["bytes"] == path.stat().st_size
+    # The f32 file llama.cpp quantized is gone: the folder holds the checkpoint and the one GGUF.
+    assert sorted(p.name for p in out.iterdir() if "gguf" in p.name) == ["model-q4_k_m.gguf"]
+    assert not list(out.glob(".*partial"))
+
+    markdown = (out / "report.md").read_text()
+    card = (out / "README.md").read_text()
+    for text in (markdown, card):
+        assert "## GGUF files" in text and f"| model-q4_k_m.gguf | q4_k_m | {path.stat().st_size:,} |" in text
+        assert f"- `{expected[0]['tensor']}`: Q5_0 instead of Q4_K, its rows of {expected[0]['row_length']}" in text
+        assert "- rounding: FFN widths in multiples of 256 and 8-head multiples" in text
+
+    assert len(generate(path)) == NEW_TOKENS
+
+
+def test_q8_0_of_stories260k_rounds_ffn_to_32_and_names_the_o_proj_it_could_not_fit(pruned):
+    out, _ = pruned["stories260K"]
+    report = json.loads((out / "report.json").read_text())
+    (export,) = report["exports"]
+    path = out / export["path"]
+    types, rows, bits = read_types(path)
+    assert report["rounding"]["ffn_multiples"] == [32] * 5 and report["rounding"]["head_multiple"] == 4
+    for layer in range(5):
+        assert rows[f"blk.{layer}.ffn_down.weight"] % 32 == 0
+        assert types[f"blk.{layer}.ffn_down.weight"] == "Q8_0"
+    # o_proj rows are heads x 8: a multiple of 32 with 4 or 8 heads. Every other count is F16, named.
+    expected = sorted(name for name, row in rows.items() if name.endswith("attn_output.weight") and row % 32)
+    assert [fallback["tensor"] for fallback in export["fallbacks"]] == expected
+    assert all(fallback["type"] == "F16" and fallback["wanted"] is None for fallback in export["fallbacks"])
+    assert {types[name] for name in types if name not in expected and not name.endswith("norm.weight")} == {"Q8_0"}
+    assert export["bits_per_weight"] == pytest.approx(bits)
+    assert len(generate(path)) == NEW_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("name", "gguf_type"),
+    [("ptbwiki-7M", t) for t in (*K_QUANTS, *BLOCK_32_TYPES)] + [("stories260K", t) for t in BLOCK_32_TYPES],
+)
+def test_every_quantized_type_is_written_by_llama_cpp_and_loads_and_generates(pruned, tmp_path, name, gguf_type):
+    out, _ = pruned[name]
+    exported = export_gguf(out, tmp_path / "model.gguf", gguf_type)
+    types, rows, bits = read_types(exported.path)
+    assert exported.tensor_types == types
+    assert exported.bits_per_weight == pytest.approx(bits)
+    file_type = gguf.GGUFReader(exported.path).get_field("general.file_type").contents()
+    assert file_type == getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
+    # Every fallback is a weight whose rows are not whole blocks of 256, and every such weight not of the
+    # file's own block-32 type is named.
+    for fallback in exported.fallbacks:
+        assert rows[fallback.tensor] % 256 and types[fallback.tensor] == fallback.type
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    tokens = generate(exported.path)
+    assert len(tokens) == NEW_TOKENS
+
+
+def test_the_quantized_files_follow_the_f32_file(pruned, tmp_path):
+    """llama.cpp's logits over a text: the quantized file's greedy choices agree with the f32 file's mostly,
+    and fewer bits agree less (q8_0 > q4_0)."""
+    out, _ = pruned["ptbwiki-7M"]
+    text = (DATASETS_DIR / "ptb" / "ptb.valid.txt").read_text()[:1500]
+    agreement = {}
+    reference = None
+    for gguf_type in ("f32", "q8_0", "q4_0"):
+        exported = export_gguf(out, tmp_path / f"{gguf_type}.gguf", gguf_type)
+        llm = llama_cpp.Llama(
+            model_path=str(exported.path), n_ctx=256, n_batch=256, logits_all=True, n_threads=1, verbose=False
+        )
+        ids = llm.tokenize(text.encode())[:256]
+        llm.eval(ids)
+        choices = np.asarray(llm.scores[: len(ids)]).argmax(-1)
+        llm.close()
+        reference = choices if reference is None else reference
+        agreement[gguf_type] = float((choices == reference).mean())
+    # Measured: 100 % and 94.9 %.
+    assert agreement["q8_0"] >= 0.98, agreement
+    assert 0.85 <= agreement["q4_0"] < agreement["q8_0"], agreement
+
+
+def test_a_k_quant_on_a_hidden_size_its_block_does_not_fit_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(STORIES), "--ratio", "0.3", "--out", str(out), *SMALL]
+    assert main([*arguments, "--export", "gguf", "--gguf-type", "q4_k_m"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[-1] == (
+        "casp: error: invalid_config: gguf_type: q4_k_m packs rows in blocks of 256, and this model's hidden size "
+        "64 is not a multiple of 256 (use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32)"
+    )
+    assert not any("calibration" in line for line in errors)
+    assert not out.exists()
+    gguf_out = tmp_path / "model.gguf"
+    assert main(["export", str(STORIES), "--format", "gguf", "--gguf-type", "q6_k", "--out", str(gguf_out)]) == 2
+    assert "use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32" in capsys.readouterr().err
+    assert not gguf_out.exists()
+
+
+WITHOUT_LLAMA_CPP = """
+import sys
+sys.modules["llama_cpp"] = None  # `import llama_cpp` raises ImportError, as without the extra
+from casp_core.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_without_llama_cpp_a_quantized_gguf_is_refused_up_front_and_f16_still_works(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+    def casp(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", WITHOUT_LLAMA_CPP, *args], capture_output=True, text=True, env=env, cwd=REPO
+        )
+
+    out = tmp_path / "pruned"
+    completed = casp(
+        "prune",
+        "--model",
+        str(STORIES),
+        "--ratio",
+        "0.3",
+        "--out",
+        str(out),
+        *SMALL,
+        "--export",
+        "gguf",
+        "--gguf-type",
+        "q8_0",
+    )
+    assert completed.returncode == 1
+    assert completed.stderr.strip().splitlines()[-1] == f"casp: error: llama_cpp_missing: {LLAMA_CPP_MISSING}"
+    assert "loading" not in completed.stderr and not out.exists()
+    completed = casp("export", str(STORIES), "--format", "gguf", "--gguf-type", "q4_0", "--out", str(tmp_path / "a"))
+    assert completed.returncode == 1 and LLAMA_CPP_MISSING in completed.stderr
+    completed = casp("export", str(STORIES), "--format", "gguf", "--out", str(tmp_path / "model-f16.gguf"))
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)["tensor_types"] == {"F16": 36, "F32": 11}  # 5 layers x 7 and the embedding
+
+
+def test_an_explicit_round_to_that_forces_fallbacks_warns_and_the_fallbacks_are_named(tmp_path, capsys):
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(STORIES), "--ratio", "0.3", "--out", str(out), *SMALL, "--round-to", "1"]
+    assert main([*arguments, "--export", "gguf", "--gguf-type", "q8_0", "--solver", "diagonal"]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("casp: warning: round_to")]
+    assert warnings == [f"casp: warning: {fallback_warning([172] * 5, 1, 'q8_0', 32)}"]
+    (export,) = json.loads(captured.out)["exports"]
+    types, rows, _ = read_types(out / export["path"])
+    ffn_fallbacks = [f for f in export["fallbacks"] if "ffn_down" in f["tensor"]]
+    expected = [name for name, row in rows.items() if "ffn_down" in name and row % 32]
+    assert expected and [f["tensor"] for f in ffn_fallbacks] == expected
+    assert all(types[name] == "F16" for name in expected)
+    report = json.loads((out / "report.json").read_text())
+    assert report["warnings"] == [warnings[0].removeprefix("casp: warning: ")]
+    assert report["rounding"]["ffn_multiples"] == [1] * 5
