@@ -18,7 +18,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 LIBRARY_TESTS := tests/core/test_generation.py tests/core/test_families.py tests/core/test_surgery.py \
 	tests/core/test_uniform_shape.py tests/core/test_gguf.py tests/core/test_recovery.py tests/core/eval
 
-.PHONY: demo test lint install lock test-latest
+.PHONY: demo test test-slow lint install lock test-latest
 
 install: $(DEV_STAMP)
 
@@ -40,7 +40,11 @@ demo: $(RUNTIME_STAMP)
 
 test: $(DEV_STAMP)
 	bash scripts/services.sh
-	$(OFFLINE) $(BIN)/python -m pytest -q
+	$(OFFLINE) $(BIN)/python -m pytest -q -m "not slow"
+
+# The 1B-scale checks (tests/core/test_host_memory.py), minutes each: before a change to memory or placement.
+test-slow: $(DEV_STAMP)
+	$(OFFLINE) $(BIN)/python -m pytest -q -m slow
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .

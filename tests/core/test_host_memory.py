@@ -7,6 +7,10 @@ side, or a second copy of the model, do not fit under it (docs/testing.md).
 
 Device placement: offloaded, the same model is pruned with never more than one decoder layer's weights on the
 device in any stage (the CPU under another name stands in for the device: tests/core/device_placement.py).
+
+Both take about five minutes on the 2-core VM, a quarter of the suite's budget, so they are marked `slow`: `make
+test-slow` runs them, `make test` (CI) does not. The memory bound is also bench/memory.py's figure; the offloaded
+placement is checked on small models in every run (tests/core/test_placement.py).
 """
 
 from pathlib import Path
@@ -19,6 +23,8 @@ from casp_core.model import load_model
 from casp_core.prune import prune
 from tests.conftest import DATASETS_DIR, PTBWIKI
 from tests.core.device_placement import OTHER_DEVICE, DevicePlacement
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
