@@ -247,3 +247,12 @@ def test_quantized_tiny(tmp_path: Path) -> None:
     )
     markdown = (tmp_path / "quantized.md").read_text()
     assert "## The answer" in markdown and "## Speed" in markdown and (tmp_path / "quantized.png").stat().st_size > 0
+
+
+def test_quantized_dense_perplexity_at_equal_bytes_is_interpolated_in_log_bytes() -> None:
+    dense = [{"bytes": 100, "ppl": {"wikitext2": 20.0}}, {"bytes": 10_000, "ppl": {"wikitext2": 10.0}}]
+    assert quantized._dense_at(dense, 1_000, "wikitext2") == pytest.approx(15.0)
+    assert quantized._dense_at(dense, 100, "wikitext2") == 20.0
+    assert (
+        quantized._dense_at(dense, 99, "wikitext2") is None and quantized._dense_at(dense, 10_001, "wikitext2") is None
+    )
