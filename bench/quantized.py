@@ -372,6 +372,17 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "Written by `python -m bench.quantized` (bench/quantized.py says how; bench/README.md).",
         "",
+        *(
+            [
+                f"The quality rows are kept from an earlier run (`--quality-from`): "
+                f"{machine_line(payload['quality_machine'])}; load average "
+                f"{payload['quality_machine']['loadavg_start'][0]:.1f} at its start, "
+                f"{payload['quality_machine']['loadavg_end'][0]:.1f} at its end. The speed rows are this run's.",
+                "",
+            ]
+            if payload.get("quality_machine")
+            else []
+        ),
         "## Quality",
         "",
         f"Pruned with the job's defaults (per_layer shape, gradient allocation, greedy, least-squares compensation), "
@@ -500,8 +511,87 @@ def render(payload: dict[str, Any]) -> str:
             f"- {model}: of the {inside} pruned files whose size lies within the dense files' range, {worse} are "
             f"worse than the dense model at the same bytes on both test sets, {better} better on both."
         )
-    lines += ["", payload.get("answer", ""), ""]
+    lines += ["", *answer(payload), ""]
     return "\n".join(lines)
+
+
+def _row(rows: list[dict[str, Any]], model: str, ratio: float, gguf_type: str, planned_for: str) -> dict[str, Any]:
+    return next(
+        r
+        for r in rows
+        if (r["model"], r["ratio"], r["type"], r["planned_for"]) == (model, ratio, gguf_type, planned_for)
+    )
+
+
+def _stories_line(payload: dict[str, Any]) -> list[str]:
+    """stories260K's comparisons within the dense range, which the ptbwiki-7M paragraph does not cover."""
+    inside = [
+        c
+        for c in payload["equal_bytes"]
+        if c["model"] == "stories260K" and all(v is not None for v in c["change"].values())
+    ]
+    if not inside:
+        return []
+    pairs = "; ".join(
+        f"{c['ratio']:g} {c['type']}: "
+        + ", ".join(f"{name} {100 * change:+.1f} %" for name, change in c["change"].items())
+        for c in inside
+    )
+    return [
+        "stories260K (hidden 64: f16, q8_0 and q4_0 only; its dense ffn_down rows of 172 stay F16 in every "
+        "quantized type, so its dense files shrink less) has few pruned files within the dense range, all f16, "
+        f"against the dense line: {pairs}. Pruned files calibrated on PTB train can gain on PTB while losing on "
+        "WikiText-2; q4_0 costs this model more than it costs ptbwiki-7M (see its rows).",
+        "",
+    ]
+
+
+def answer(payload: dict[str, Any]) -> list[str]:
+    """The written answer, its figures read from the rows (ptbwiki-7M, whose every type was measured)."""
+    rows = payload["rows"]
+    if not any(r["model"] == "ptbwiki-7M" and r["ratio"] == 0.3 for r in rows):
+        return []
+    inside, worse, _ = _verdict(payload["equal_bytes"], "ptbwiki-7M")
+
+    def cell(r: dict[str, Any]) -> str:
+        figures = " / ".join(f"{r['ppl'][n]:.1f}" for n in EVAL_SETS)
+        return f"{r['bytes'] / 1e6:.2f} MB, {figures}"
+
+    def worse_by(r: dict[str, Any], than: dict[str, Any], name: str = "wikitext2") -> str:
+        return f"{100 * (r['ppl'][name] / than['ppl'][name] - 1):.0f} %"
+
+    dense = {t: _row(rows, "ptbwiki-7M", 0.0, t, "dense") for t in ("f16", "q6_k", "q5_k_m", "q4_k_m", "q4_0")}
+    pruned_f16 = {ratio: _row(rows, "ptbwiki-7M", ratio, "f16", "q8_0") for ratio in (0.2, 0.5)}
+    pruned_q8 = _row(rows, "ptbwiki-7M", 0.3, "q8_0", "q8_0")
+    pruned_q4 = _row(rows, "ptbwiki-7M", 0.2, "q4_0", "q8_0")
+    k_family = _row(rows, "ptbwiki-7M", 0.3, "q4_k_m", "q4_k_m")
+    verdict = "worse" if worse == inside else "not uniformly worse"
+    return [
+        f"**At equal bytes, pruned and quantized is {verdict} than the dense model quantized harder, on these "
+        f"models.** On ptbwiki-7M {worse} of the {inside} pruned files within the dense files' range of sizes lie "
+        "above the dense line on both test sets (figures: MB, perplexity WikiText-2 / PTB). Pruned at 0.3 and "
+        f"q8_0 ({cell(pruned_q8)}) against the dense model at q6_k ({cell(dense['q6_k'])}) and q5_k_m "
+        f"({cell(dense['q5_k_m'])}): the dense q5_k_m file is smaller and {worse_by(pruned_q8, dense['q5_k_m'])} "
+        "better on WikiText-2. The reason is in the dense rows: quantizing this model costs almost nothing down "
+        f"to 4-5 bits (f16 {cell(dense['f16'])}, q4_k_m {cell(dense['q4_k_m'])}, q4_0 {cell(dense['q4_0'])}), "
+        f"while pruning 20 % costs {worse_by(pruned_f16[0.2], dense['f16'])} on WikiText-2 and 50 % costs "
+        f"{worse_by(pruned_f16[0.5], dense['f16'])} (f16 against f16), so bytes spent on more weights at fewer bits "
+        "buy more than bytes spent on fewer weights at more bits.",
+        "",
+        "Where pruning adds something: below the smallest dense file measured (q4_0, "
+        f"{dense['q4_0']['bytes'] / 1e6:.2f} MB) only pruning goes further among these types; pruned at 0.2 and "
+        f"q4_0 ({cell(pruned_q4)}) is {100 * (1 - pruned_q4['bytes'] / dense['q4_0']['bytes']):.0f} % smaller than "
+        f"dense q4_0 for {worse_by(pruned_q4, dense['q4_0'])} more WikiText-2 perplexity "
+        f"({worse_by(pruned_q4, dense['q4_0'], 'ptb')} PTB). llama.cpp's 2-3 bit types (q3_k, q2_k, the i-quants) "
+        "were not measured and may do better there. Pruning for the K-quants costs extra on a model this small: "
+        "ptbwiki-7M's 704 FFN channels can keep only 256 or 512 in whole blocks of 256, so at 0.3 the K-quant "
+        f"checkpoint is worse than the 32-block one before any quantization (its q4_k_m: {cell(k_family)}). "
+        "Pruning's other gain is speed (the table above), which it adds to quantization's.",
+        "",
+        *_stories_line(payload),
+        "Caveats: these are a 7M- and a 260K-parameter model; at 7B the costs of pruning and of quantization both "
+        "differ, so this ranking may not transfer. Perplexity on 20 windows of 128 tokens of each test set.",
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -518,17 +608,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--speed-repeats", type=int, default=1)
     for key in LLAMA_1B:  # a smaller speed model, for the tests
         parser.add_argument(f"--speed-{key.replace('_', '-')}", type=int, dest=f"speed_{key}")
+    parser.add_argument(
+        "--quality-from", type=Path, help="an earlier quantized.json whose quality rows (and settings) to keep"
+    )
     parser.add_argument("--models-dir", default=default_models_dir())
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     machine = machine_info()
+    earlier = json.loads(args.quality_from.read_text()) if args.quality_from else None
     with tempfile.TemporaryDirectory() as work:
-        rows = [row for model in args.models for row in quality_rows(model, args, Path(work))]
+        if earlier:
+            rows = earlier["rows"]
+        else:
+            rows = [row for model in args.models for row in quality_rows(model, args, Path(work))]
         speed = speed_rows(args, Path(work))
+    quality_settings = ("n_samples", "seq_len", "seed", "eval_windows", "eval_seq_len")
     settings = {
-        **{key: getattr(args, key) for key in ("n_samples", "seq_len", "seed", "eval_windows", "eval_seq_len")},
+        **{key: earlier["settings"][key] if earlier else getattr(args, key) for key in quality_settings},
         "calibration_set": CALIBRATION_SET,
         "eval_sets": EVAL_SETS,
         "families": FAMILIES,
@@ -546,6 +644,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "equal_bytes": equal_bytes(rows),
         "compressed_tensors": compressed_tensors_rows(),
         "speed": speed,
+        # The run the quality rows came from, when they were kept from an earlier one (--quality-from).
+        "quality_machine": earlier["machine"] if earlier else None,
         "total_seconds": time.perf_counter() - start,
     }
     assert all_finite(payload)
