@@ -321,19 +321,29 @@ def equal_bytes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Perplexity against file bytes, one line per ratio, a column per model and a row per test set."""
+    """Perplexity against file bytes, one line per ratio (dashed: the checkpoint pruned for the K-quants' block), a
+    column per model and a row per test set."""
     models = list(dict.fromkeys(row["model"] for row in rows))
     figure = Figure(figsize=(5.5 * len(models), 8))
     for column, model in enumerate(models):
         for line, dataset in enumerate(EVAL_SETS):
             axes = figure.add_subplot(len(EVAL_SETS), len(models), line * len(models) + column + 1)
-            for ratio in dict.fromkeys(row["ratio"] for row in rows if row["model"] == model):
+            lines = dict.fromkeys((row["ratio"], row["planned_for"]) for row in rows if row["model"] == model)
+            colors = {ratio: f"C{index}" for index, ratio in enumerate(dict.fromkeys(r for r, _ in lines))}
+            for ratio, planned_for in lines:
                 points = sorted(
                     (row["bytes"], row["ppl"][dataset], row["type"])
                     for row in rows
-                    if row["model"] == model and row["ratio"] == ratio
+                    if row["model"] == model and (row["ratio"], row["planned_for"]) == (ratio, planned_for)
                 )
-                axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"ratio {ratio:g}")
+                axes.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker="o",
+                    color=colors[ratio],
+                    linestyle="--" if planned_for == "q4_k_m" else "-",  # the 256-block widths
+                    label=f"ratio {ratio:g}" + (f", widths for {planned_for}" if ratio else ""),
+                )
                 for size, value, gguf_type in points:
                     axes.annotate(gguf_type, (size, value), fontsize=6, xytext=(2, 2), textcoords="offset points")
             axes.set_xscale("log")
