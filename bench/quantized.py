@@ -533,6 +533,24 @@ def _row(rows: list[dict[str, Any]], model: str, ratio: float, gguf_type: str, p
     )
 
 
+def _speed_clause(payload: dict[str, Any]) -> str:
+    """': on the 1B-class LLaMA, ...' from the speed rows of f16 and q4_k_m, dense and at 0.3; '.' without them."""
+    speed = {(row["ratio"], row["type"]): row for row in payload["speed"]}
+    keys = [(0.0, "f16"), (0.0, "q4_k_m"), (0.3, "q4_k_m")]
+    if not all(key in speed for key in keys):
+        return "."
+    base, quantized, both = (speed[key] for key in keys)
+
+    def times(row: dict[str, Any], stage: str) -> str:
+        return f"{row[f'{stage}_tokens_per_s'] / base[f'{stage}_tokens_per_s']:.1f}x"
+
+    return (
+        f": on the 1B-class LLaMA, q4_k_m alone decodes {times(quantized, 'decode')} as fast as f16 and prefills "
+        f"{times(quantized, 'prefill')}, pruned at 0.3 and q4_k_m {times(both, 'decode')} and {times(both, 'prefill')} "
+        "(one thread)."
+    )
+
+
 def _stories_line(payload: dict[str, Any]) -> list[str]:
     """stories260K's comparisons within the dense range, which the ptbwiki-7M paragraph does not cover."""
     inside = [
@@ -549,7 +567,7 @@ def _stories_line(payload: dict[str, Any]) -> list[str]:
     )
     return [
         "stories260K (hidden 64: f16, q8_0 and q4_0 only; its dense ffn_down rows of 172 stay F16 in every "
-        "quantized type, so its dense files shrink less) has few pruned files within the dense range, all f16, "
+        "quantized type, so its dense files shrink less) has few pruned files within the dense range; "
         f"against the dense line: {pairs}. Pruned files calibrated on PTB train can gain on PTB while losing on "
         "WikiText-2; q4_0 costs this model more than it costs ptbwiki-7M (see its rows).",
         "",
@@ -596,7 +614,7 @@ def answer(payload: dict[str, Any]) -> list[str]:
         "were not measured and may do better there. Pruning for the K-quants costs extra on a model this small: "
         "ptbwiki-7M's 704 FFN channels can keep only 256 or 512 in whole blocks of 256, so at 0.3 the K-quant "
         f"checkpoint is worse than the 32-block one before any quantization (its q4_k_m: {cell(k_family)}). "
-        "Pruning's other gain is speed (the table above), which it adds to quantization's.",
+        "Pruning's other gain is speed (the table above), which it adds to quantization's" + _speed_clause(payload),
         "",
         *_stories_line(payload),
         "Caveats: these are a 7M- and a 260K-parameter model; at 7B the costs of pruning and of quantization both "

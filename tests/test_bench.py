@@ -247,6 +247,15 @@ def test_quantized_tiny(tmp_path: Path) -> None:
     )
     markdown = (tmp_path / "quantized.md").read_text()
     assert "## The answer" in markdown and "## Speed" in markdown and (tmp_path / "quantized.png").stat().st_size > 0
+    # --quality-from keeps the quality rows and their run's machine; no speed ratios, no speed rows.
+    kept = quantized.main(
+        ["--quality-from", str(tmp_path / "quantized.json"), "--speed-ratios", "--out", str(tmp_path / "kept")]
+    )
+    assert kept["rows"] == written["rows"] and kept["quality_machine"] == written["machine"] and kept["speed"] == []
+    assert (
+        kept["settings"]["eval_windows"] == 2
+        and "kept from an earlier run" in (tmp_path / "kept" / "quantized.md").read_text()
+    )
 
 
 def test_quantized_dense_perplexity_at_equal_bytes_is_interpolated_in_log_bytes() -> None:
