@@ -495,7 +495,7 @@ def render(payload: dict[str, Any]) -> str:
             f"by layer. llama.cpp (casp_core.eval.engine.engine_speed): a prefill of {engine.PREFILL_TOKENS} "
             f"tokens, then {engine.DECODE_TOKENS} tokens decoded one at a time, median of "
             f"{settings['speed_repeats']} timed run(s) after 1 untimed run (fewer than the engine's default "
-            f"{engine.SPEED_REPEATS}, for time), one thread.",
+            f"{engine.SPEED_REPEATS}, for time), one thread. `x dense`: against the dense file of the same type.",
             "",
             "| ratio | heads / kv | FFN | parameters | type | bytes | bits/weight | prefill tok/s | x dense | "
             "decode tok/s | x dense | fallbacks |",
