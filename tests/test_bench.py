@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import device_memory, engines, load, quality, recovery, speed
+from bench import device_memory, engines, load, quality, quantized, recovery, speed
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -193,3 +193,75 @@ def test_device_memory(tmp_path: Path) -> None:
     assert llama2_70b["on_80_gib"] == "offload"
     assert rows[("LLaMA2-7B", "128 x 2048, batch 8")]["on_80_gib"] == "resident"
     assert "**Not yet checked against a GPU measurement" in (tmp_path / "device_memory.md").read_text()
+
+
+def test_quantized_tiny(tmp_path: Path) -> None:
+    """stories260K dense and pruned at 0.3 (the 32-block family: its hidden size 64 refuses the K-quants), and the
+    speed part on a 2-layer LLaMA at ratios 0 and 0.5."""
+    payload = quantized.main(
+        ["--models", "stories260K", "--ratios", "0", "0.3", "--n-samples", "4", "--seq-len", "32",
+         "--eval-windows", "2", "--eval-seq-len", "32", "--speed-ratios", "0", "0.5", "--speed-types", "f16", "q8_0",
+         "--speed-hidden-size", "256", "--speed-num-hidden-layers", "2", "--speed-intermediate-size", "1024",
+         "--speed-num-attention-heads", "4", "--speed-num-key-value-heads", "2", "--speed-vocab-size", "4096",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "quantized.json").read_text())
+    assert written == json.loads(json.dumps(payload))
+    assert all_finite(written) and {"machine", "settings", "rows", "equal_bytes", "speed", "total_seconds"} <= set(
+        written
+    )
+    assert [(row["ratio"], row["type"]) for row in written["rows"]] == [
+        (0.0, "f16"), (0.0, "q8_0"), (0.0, "q4_0"), (0.3, "f16"), (0.3, "q8_0"), (0.3, "q4_0")
+    ]  # fmt: skip
+    by = {(row["ratio"], row["type"]): row for row in written["rows"]}
+    # The dense ffn_down rows (172) fit no 32-block type: llama.cpp keeps them F16, and the row names them.
+    dense_q8 = by[(0.0, "q8_0")]
+    assert {(f["type"], f["row_length"]) for f in dense_q8["fallbacks"]} == {("F16", 172)}
+    assert len(dense_q8["fallbacks"]) == 5 and "5 x ffn_down: F16" in quantized._fallback_summary(dense_q8["fallbacks"])
+    # Pruned for q8_0: every FFN width of 64 channels or more a multiple of 32, so no ffn_down falls back.
+    pruned_q8 = by[(0.3, "q8_0")]
+    assert all(width % 32 == 0 for width in pruned_q8["ffn_widths"] if width >= 64)
+    assert not [f for f in pruned_q8["fallbacks"] if "ffn_down" in f["tensor"]]
+    assert abs(pruned_q8["achieved_ratio"] - 0.3) <= 0.05
+    for row in written["rows"]:
+        assert row["bytes"] > 0 and row["ppl_in"] == "llama.cpp"
+        assert (
+            by[(row["ratio"], "f16")]["bytes"]
+            > by[(row["ratio"], "q8_0")]["bytes"]
+            > by[(row["ratio"], "q4_0")]["bytes"]
+        )
+    # f16 in llama.cpp against the float32 checkpoint in transformers, on the same windows.
+    for ratio in (0.0, 0.3):
+        f16 = by[(ratio, "f16")]
+        for name, value in f16["ppl"].items():
+            assert abs(value / f16["ppl_transformers"][name] - 1) < 0.01
+    # The speed model at 0.5: the uniform shape's heads and whole blocks of 256 FFN channels.
+    speed = {(row["ratio"], row["type"]): row for row in written["speed"]}
+    assert (speed[(0.5, "q8_0")]["heads"], speed[(0.5, "q8_0")]["ffn_width"]) == (2, 512)
+    assert speed[(0.0, "f16")]["ffn_width"] == 1024 and speed[(0.5, "f16")]["bytes"] < speed[(0.0, "f16")]["bytes"]
+    assert all(row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0 for row in written["speed"])
+    comparison = next(c for c in written["equal_bytes"] if c["type"] == "f16")
+    assert (
+        comparison["change"]["wikitext2"]
+        == comparison["ppl"]["wikitext2"] / comparison["dense_ppl_at_bytes"]["wikitext2"] - 1
+    )
+    markdown = (tmp_path / "quantized.md").read_text()
+    assert "## The answer" in markdown and "## Speed" in markdown and (tmp_path / "quantized.png").stat().st_size > 0
+    # --quality-from keeps the quality rows and their run's machine; no speed ratios, no speed rows.
+    kept = quantized.main(
+        ["--quality-from", str(tmp_path / "quantized.json"), "--speed-ratios", "--out", str(tmp_path / "kept")]
+    )
+    assert kept["rows"] == written["rows"] and kept["quality_machine"] == written["machine"] and kept["speed"] == []
+    assert (
+        kept["settings"]["eval_windows"] == 2
+        and "kept from an earlier run" in (tmp_path / "kept" / "quantized.md").read_text()
+    )
+
+
+def test_quantized_dense_perplexity_at_equal_bytes_is_interpolated_in_log_bytes() -> None:
+    dense = [{"bytes": 100, "ppl": {"wikitext2": 20.0}}, {"bytes": 10_000, "ppl": {"wikitext2": 10.0}}]
+    assert quantized._dense_at(dense, 1_000, "wikitext2") == pytest.approx(15.0)
+    assert quantized._dense_at(dense, 100, "wikitext2") == 20.0
+    assert (
+        quantized._dense_at(dense, 99, "wikitext2") is None and quantized._dense_at(dense, 10_001, "wikitext2") is None
+    )
