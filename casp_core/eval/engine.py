@@ -118,14 +118,15 @@ def engine_perplexity(llm: "llama_cpp.Llama", text: EvaluationText, run: Run | N
     return math.exp(total_nll / text.windows[:, 1:].numel())
 
 
-def engine_speed(path: Path) -> tuple[float, float]:
-    """(prefill, decode) tokens per second at one thread; see the module docstring."""
+def engine_speed(path: Path, repeats: int = SPEED_REPEATS) -> tuple[float, float]:
+    """(prefill, decode) tokens per second at one thread, the median of `repeats` timed runs; see the module
+    docstring."""
     llm = _load(path, PREFILL_TOKENS + DECODE_TOKENS, all_logits=False)
     try:
         ids = np.random.default_rng(SPEED_SEED).integers(0, llm.n_vocab(), PREFILL_TOKENS + DECODE_TOKENS).tolist()
         prompt, continuation = ids[:PREFILL_TOKENS], ids[PREFILL_TOKENS:]
         prefill_runs, decode_runs = [], []
-        for repeat in range(SPEED_REPEATS + 1):
+        for repeat in range(repeats + 1):
             llm.reset()
             start = time.perf_counter()
             llm.eval(prompt)
