@@ -74,11 +74,20 @@ def run_prune(args: argparse.Namespace) -> int:
         },
     }
     if "exports" in report:
-        summary["exports"] = report["exports"]
+        summary["exports"] = [with_engine_perplexity(export, report["artifacts"]) for export in report["exports"]]
         for export in report["exports"]:
             warn_about(export)
     print(json.dumps(summary))
     return 0
+
+
+def with_engine_perplexity(export: dict[str, Any], artifacts: dict[str, Any]) -> dict[str, Any]:
+    """An export of the report with its perplexity in llama.cpp from the table of files, where it was measured."""
+    for row in artifacts["rows"]:
+        if row["file"] == export["path"] and row["perplexity_in"] == "llama.cpp" and row["perplexity"]:
+            figures = {name: round(value, 3) for name, value in row["perplexity"].items()}
+            return {**export, "llama_cpp_perplexity": figures}
+    return export
 
 
 def rounding_summary(rounding: dict[str, Any]) -> dict[str, Any]:

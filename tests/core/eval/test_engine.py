@@ -10,6 +10,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.cli.main import main
 from casp_core.config import EvaluationConfig
 from casp_core.eval.engine import (
     ENGINE_MISSING,
@@ -161,3 +162,16 @@ def test_without_llama_cpp_the_gguf_rows_say_why_they_have_no_figures(tmp_path, 
     markdown = render_evaluation_section({"artifacts": table})
     assert f"| `model-f16.gguf` | gguf | f16 | {row['bytes']:,} |" in markdown
     assert f"**{ENGINE_MISSING}.**" in markdown
+
+
+def test_casp_prune_prints_each_gguf_with_its_perplexity_in_llama_cpp(tmp_path, capsys):
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(STORIES), "--ratio", "0.3", "--out", str(out), "--export", "gguf"]
+    arguments += ["--gguf-type", "q8_0", "--datasets-dir", str(DATASETS_DIR), "--n-samples", "8", "--seq-len", "64"]
+    arguments += ["--calibration-dataset", "wikitext2:validation", "--perplexity", "wikitext2", "--eval-limit", "2"]
+    assert main(arguments) == 0
+    (printed,) = json.loads(capsys.readouterr().out)["exports"]
+    rows = json.loads((out / "report.json").read_text())["artifacts"]["rows"]
+    (row,) = [row for row in rows if row["format"] == "gguf"]
+    assert printed["path"] == row["file"] == "model-q8_0.gguf"
+    assert printed["llama_cpp_perplexity"] == {"wikitext2": round(row["perplexity"]["wikitext2"], 3)}
