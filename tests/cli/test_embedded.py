@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -82,6 +82,12 @@ def casp_serve(home: Path, port: int, workers: int) -> Iterator[CaspClient]:
             log.close()
 
 
+def written_at(event: dict[str, Any]) -> float:
+    """An event's created_at as a Unix time (the server writes UTC, with or without the offset)."""
+    created = datetime.fromisoformat(event["created_at"])
+    return (created if created.tzinfo else created.replace(tzinfo=UTC)).timestamp()
+
+
 def with_query(url: str, **changes: str) -> str:
     parts = urlsplit(url)
     query = {k: v[0] for k, v in parse_qs(parts.query).items()} | changes
@@ -98,18 +104,22 @@ def test_embedded_serve_keeps_queued_jobs_across_a_restart_and_serves_signed_fil
         assert client.get(job["id"])["status"] == "queued"
     with casp_serve(home, port, workers=1) as client:
         arrivals: list[tuple[float, dict[str, Any]]] = []
-        done = client.wait(job["id"], timeout=300, on_update=lambda event: arrivals.append((time.monotonic(), event)))
+        done = client.wait(job["id"], timeout=300, on_update=lambda event: arrivals.append((time.time(), event)))
         assert done["status"] == "succeeded", done
         # Streamed as they happened, from the first event on, and the stream ended with the job.
         events = [event for _, event in arrivals]
         assert [e["id"] for e in events] == sorted({e["id"] for e in events})
         assert events[0]["message"] == "queued" and events[-1]["status"] == "succeeded"
-        # The job writes its events over some time; a stream that passed them on as written spreads their arrivals
-        # as widely (a fixed threshold in seconds failed on a machine fast enough to run the job in under one).
-        written = [datetime.fromisoformat(event["created_at"]) for event in events[1:]]
-        written_over = (written[-1] - written[0]).total_seconds()
+        # Events written before the stream connected arrive together when it does; those written after it must
+        # arrive spread as widely as the job wrote them (a stream that held them back would deliver them at once).
+        # Compared with the events' own created_at (same machine's clock), not a fixed span: a fast machine runs
+        # this small job in under a second.
+        connected = arrivals[1][0]
+        live = [(arrived, written_at(event)) for arrived, event in arrivals]
+        live = [(arrived, written) for arrived, written in live if written > connected]
+        written_over = live[-1][1] - live[0][1]
         assert written_over > 0.2, written_over
-        arrived_over = arrivals[-1][0] - arrivals[1][0]
+        arrived_over = live[-1][0] - live[0][0]
         assert arrived_over > 0.5 * written_over, "the events came all at once, not as they happened"
         assert done["result"]["achieved_ratio"] == pytest.approx(0.3, abs=0.05)
         paths = client.download(job["id"], tmp_path / "out")  # checks every sha256
