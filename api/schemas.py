@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path as PathParam
 from pydantic import BaseModel, Field, StringConstraints, field_validator
 
-from casp_core.config import Printable, PruneSettings
+from casp_core.config import Printable, PruneSettings, is_optional, part_of
 from casp_core.model import is_local_reference
 from service.paths import S3_SCHEME, UPLOAD_SCHEME
 from service.settings import DEVICES
@@ -35,12 +35,17 @@ def strict_model(model: type[BaseModel]) -> type[BaseModel]:
         "__annotations__": {},
     }
     for name, info in model.model_fields.items():
-        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-            nested = strict_model(info.annotation)
-            field = copy(info)
+        part = part_of(info.annotation)
+        if part is None:
+            continue
+        nested = strict_model(part)
+        field = copy(info)
+        if is_optional(info.annotation):  # `target`: absent unless given
+            field.annotation = nested | None
+        else:
             field.annotation, field.default_factory = nested, nested
-            namespace["__annotations__"][name] = nested
-            namespace[name] = field
+        namespace["__annotations__"][name] = field.annotation
+        namespace[name] = field
     return type(model.__name__, (model,), namespace)
 
 

@@ -60,7 +60,7 @@ def _variants(
         return [variant for variant in default if _refusal(model_config, settings, name, variant) is None]
     for variant in asked:
         if (refused := _refusal(model_config, settings, name, variant)) is not None:
-            raise InvalidConfig(f"{name}: {variant}: {refused}")
+            raise InvalidConfig(f"{name}: {refused}")
     return list(asked)
 
 

@@ -35,6 +35,7 @@ from casp_core.model import is_local_reference, load_config
 from casp_core.plain import check_plain_shape
 from casp_core.quantization import check_quantization
 from casp_core.recovery_data import check_length
+from casp_core.targets import sweep_candidates
 from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
@@ -76,7 +77,8 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
         try:
             # An unsupported family is refused now, not after the worker loads it; so are a uniform shape its own
             # class cannot hold, a quantization its widths cannot take, a GGUF type whose block its hidden size
-            # does not fit and recovery windows longer than its context (a hub model's, when the job starts).
+            # does not fit, recovery windows longer than its context and a budget no candidate meets by the sizes
+            # estimated from the config (a hub model's, when the job starts).
             model_config = load_config(model)
             check_plain_shape(model_config, body)
             check_quantization(model_config, body)
@@ -84,6 +86,8 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
                 check_gguf_type(model_config.hidden_size, body.gguf_type)
             if body.recovery.method != "none":
                 check_length(body.recovery.max_seq_len, model_config.max_position_embeddings)
+            if body.target is not None:  # a budget no candidate meets, by the sizes estimated from the config
+                sweep_candidates(model_config, PruneConfig.from_dict(body.settings()).validate())
         except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first
             field, _, reason = exc.message.partition(": ")
             raise invalid(tuple(field.split(".")), reason or exc.message) from exc
