@@ -136,13 +136,19 @@ def _nothing_fits(candidates: list[Candidate], target: TargetConfig) -> str:
         smallest = min(candidates, key=lambda c: (c.estimated_bytes, c.ratio))
         return (
             f"target.max_bytes: no candidate fits in {target.max_bytes} bytes: the smallest reachable is "
-            f"{smallest.estimated_bytes} bytes (ratio {smallest.ratio}, {smallest.variant})"
+            f"{smallest.estimated_bytes} bytes ({describe(smallest)})"
         )
     smallest = min(candidates, key=lambda c: (c.estimated_params, c.ratio))
     return (
         f"target.max_params: no candidate fits in {target.max_params} parameters: the smallest reachable is "
-        f"{smallest.estimated_params} parameters (ratio {smallest.ratio}, {smallest.variant})"
+        f"{smallest.estimated_params} parameters ({describe(smallest)})"
     )
+
+
+def describe(candidate: Candidate) -> str:
+    """`ratio 0.6, q4_k_m` (a GGUF type) or `ratio 0.6, safetensors w8a8_int8`."""
+    variant = candidate.variant if candidate.format == GGUF else f"{SAFETENSORS} {candidate.variant}"
+    return f"ratio {candidate.ratio}, {variant}"
 
 
 def within_target(entry_bytes: int, entry_params: int, target: TargetConfig) -> bool:

@@ -54,14 +54,15 @@ def test_a_bad_target_is_422_naming_the_field(
     assert error["code"] == "invalid_request" and error["param"] == param and reason in error["message"], error
 
 
-def smallest(target: dict[str, Any], measure: str) -> tuple[int, float, str]:
+def smallest(target: dict[str, Any], measure: str) -> tuple[int, str]:
     """The smallest estimate of the demo model's candidates under a budget everything meets."""
     settings = PruneConfig.from_dict(
         {**{k: v for k, v in SWEEP.items() if k not in ("model", "device")}, "target": target}
     )
     candidates = sweep_candidates(load_config(str(DEMO_MODEL)), settings)
     best = min(candidates, key=lambda c: (getattr(c, measure), c.ratio))
-    return getattr(best, measure), best.ratio, best.variant
+    named = best.variant if best.format == "gguf" else f"safetensors {best.variant}"
+    return getattr(best, measure), f"ratio {best.ratio}, {named}"
 
 
 @pytest.mark.parametrize(
@@ -75,14 +76,13 @@ def smallest(target: dict[str, Any], measure: str) -> tuple[int, float, str]:
 def test_an_impossible_budget_is_422_naming_the_smallest_reachable_size(
     api: TestClient, keys: dict[str, dict[str, str]], target: dict[str, Any], measure: str, unit: str
 ) -> None:
-    size, ratio, variant = smallest(target, measure)
+    size, which = smallest(target, measure)
     budget = next(name for name in target if name.startswith("max_"))
     impossible = {**target, budget: size - 1}
     error = refusal(api.post("/v1/jobs", json={**SWEEP, "target": impossible}, headers=keys["alice"]))
     assert error["param"] == f"target.{budget}", error
     assert error["message"] == (
-        f"target.{budget}: no candidate fits in {size - 1} {unit}: the smallest reachable is {size} {unit} "
-        f"(ratio {ratio}, {variant})"
+        f"target.{budget}: no candidate fits in {size - 1} {unit}: the smallest reachable is {size} {unit} ({which})"
     ), error
     # The smallest itself is a budget one candidate meets.
     response = api.post("/v1/jobs", json={**SWEEP, "target": {**target, budget: size}}, headers=keys["alice"])
