@@ -15,7 +15,8 @@ attn_v and ffn_down in Q6_K under q4_k_m and q5_k_m, a row that is not a multipl
 fallback type), vectors in F32, each tensor padded to 32 bytes, plus the header and the tokenizer; key/value heads
 are written once per query head where pruning leaves uneven groups (casp_core.export.gguf). Safetensors hold the
 checkpoint's dtype, or compressed-tensors' packing of each decoder projection (casp_core.quantization).
-tests/core/test_size_estimate.py checks the estimates against written files (docs/serving.md states how close).
+tests/core/test_size_estimate.py checks the estimates against written files (README, "Prune to a budget", states
+how close).
 """
 
 import math

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse
 
@@ -14,6 +14,7 @@ from api.deps import CallerDep, DispatcherDep, SessionDep, SettingsDep, StorageD
 from api.errors import ApiError, artifacts_expired, responses
 from api.json_body import JsonRoute
 from api.schemas import (
+    JOB_EXAMPLES,
     MAX_EVENT_ID,
     ArtifactList,
     ArtifactOut,
@@ -191,7 +192,7 @@ def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
     "", status_code=status.HTTP_201_CREATED, response_model=JobOut, responses=responses(400, 409, 413, 429, 503)
 )
 def create_job(
-    body: JobCreate,
+    body: Annotated[JobCreate, Body(openapi_examples=JOB_EXAMPLES)],
     request: Request,
     response: Response,
     session: SessionDep,

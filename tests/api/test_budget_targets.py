@@ -109,3 +109,18 @@ def test_each_target_form_is_taken_and_kept_in_the_job_s_settings(
     settings = response.json()["settings"]
     assert settings["ratio"] is None and settings["ratios"] == [0.2, 0.4], settings
     assert settings["target"] == {**NO_BUDGET, **stored}, settings
+
+
+def test_the_openapi_schema_shows_an_example_of_each_target_form(
+    api: TestClient, keys: dict[str, dict[str, str]]
+) -> None:
+    document = api.get("/openapi.json").json()
+    examples = document["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["examples"]
+    budgets = [next(iter(example["value"]["target"])) for example in examples.values() if "target" in example["value"]]
+    assert sorted(budgets) == ["max_bytes", "max_params", "max_perplexity_increase"]
+    # Each is a request the service takes (a hub model's config is read when the job starts), with data sets this
+    # test server has.
+    texts = {"calibration": PARKED["calibration"], "evaluation": PARKED["evaluation"], "device": "cuda"}
+    for name, example in examples.items():
+        response = api.post("/v1/jobs", json={**example["value"], **texts}, headers=keys["alice"])
+        assert response.status_code == 201, (name, response.text)

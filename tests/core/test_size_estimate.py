@@ -3,7 +3,7 @@ the files written from the fixtures: dense and pruned, GGUF in f16, q8_0, q5_k_m
 takes the type's block: not the K-quants on stories260K), safetensors unquantized and quantized.
 
 Each pruned checkpoint is pruned as a job that exports that type prunes it (a quantized GGUF's block sets the
-rounding), once for the module. The estimate of a file is within ESTIMATE_TOLERANCE of its size (docs/serving.md
+rounding), once for the module. The estimate of a file is within ESTIMATE_TOLERANCE of its size (the README
 states it), and the estimate of the parameters within one rounding unit (round_to FFN channels of one layer) of
 the pruned model's: the plan lands within half a unit of the target, from either side.
 """
