@@ -6,7 +6,9 @@ An upload on local storage is a folder already. Anything in a bucket is download
 whose objects are unchanged is read from S3 once, and one whose objects changed is downloaded anew. A download goes
 to a partial folder first and is renamed into the cache whole, so a download cut short never enters it. When the
 cache holds more than CASP_MODEL_CACHE_MAX_BYTES, the least recently used entries go, except those a job is using
-(each job holds a shared lock on its entry; eviction takes an exclusive one or leaves the entry).
+(each job holds a shared lock on its entry; eviction takes an exclusive one or leaves the entry). A download holds
+an exclusive lock on its partial folder while it runs: a partial folder whose lock is free was left by a worker that
+died mid-download, and goes the next time the cache adds or finds an entry.
 """
 
 import contextlib
@@ -105,6 +107,7 @@ class ModelCache:
         objects = list_objects(client, location)
         entry = entry_name(location, objects)
         with self._exclusive():
+            self._remove_abandoned_partials()
             cached = (self.root / entry).is_dir()
         if cached:
             progress(1.0, f"{location}: in the model cache, its objects unchanged; nothing downloaded")
@@ -135,6 +138,9 @@ class ModelCache:
         total = sum(stored.size for stored in objects) or 1
         done = 0
         partial = self.root / f"{PARTIAL_PREFIX}{uuid.uuid4().hex}"
+        with self._exclusive():  # the lock is held before the folder exists: a cleaner never sees it free
+            downloading = self._lock_path(partial.name).open("a")
+            fcntl.flock(downloading, fcntl.LOCK_EX)
         try:
             for stored in objects:
                 target = partial / name / stored.relative
@@ -154,7 +160,21 @@ class ModelCache:
                     partial.rename(self.root / entry)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+            self._lock_path(partial.name).unlink(missing_ok=True)
+            downloading.close()
         progress(1.0, f"downloaded {location}: {len(objects)} files, {megabytes(total)}")
+
+    def _remove_abandoned_partials(self) -> None:
+        """Partial folders whose download's lock is free: their worker died (the lock went with its process).
+        Called under the cache's exclusive lock, which a download takes to create its partial folder's lock."""
+        for partial in self.root.glob(f"{PARTIAL_PREFIX}*"):
+            with self._lock_path(partial.name).open("a") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # still downloading
+                    continue
+                shutil.rmtree(partial, ignore_errors=True)
+                self._lock_path(partial.name).unlink()
 
     def _evict(self, keep: str) -> None:
         """Least recently used entries out, until the cache is within its bound; entries in use stay."""
