@@ -213,6 +213,13 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 ModelId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{32}$", description="the uploaded model's id")]
 
 
+class HubTokenIn(BaseModel):
+    model_config = {"extra": "forbid", "strict": True}
+
+    # A Hugging Face token is `hf_` and a few dozen characters; no whitespace, so a pasted line break is refused.
+    token: str = Field(min_length=1, max_length=1000, pattern=r"^\S+$", description="the Hugging Face token")
+
+
 class ModelOut(BaseModel):
     id: str
     model: str = Field(description="what a job names as its `model` to prune this one: `casp://models/<id>`")
