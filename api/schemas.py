@@ -231,6 +231,27 @@ class ModelOut(BaseModel):
     expires_at: datetime = Field(description="when it is deleted (after CASP_ARTIFACT_RETENTION_SECONDS or its own)")
 
 
+class PresignedUploadIn(BaseModel):
+    model_config = {"extra": "forbid", "strict": True}
+
+    name: str | None = Field(
+        None,
+        pattern=MODEL_NAME_PATTERN,
+        description="the model's name (its pruned model card's); default: the archive's top folder, or `model`",
+    )
+    retention_seconds: int | None = Field(
+        None, gt=0, description="how long it is kept; default CASP_ARTIFACT_RETENTION_SECONDS, at most the maximum"
+    )
+
+
+class PresignedUploadOut(BaseModel):
+    id: str = Field(description="the upload's id, and the model's once completed")
+    upload_url: str = Field(description="PUT the tar (optionally gzip-compressed) here, with no other credentials")
+    upload_method: Literal["PUT"]
+    upload_expires_at: datetime = Field(description="when the URL stops taking the tar (CASP_URL_TTL_SECONDS)")
+    complete_url: str = Field(description="POST here once the tar is uploaded: `/v1/models/{id}/complete`")
+
+
 class ModelList(BaseModel):
     data: list[ModelOut]
     has_more: bool

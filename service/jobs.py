@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -25,6 +25,7 @@ from service.tables import (
     Artifact,
     Job,
     JobEvent,
+    PendingUpload,
     StageTiming,
     UploadedModel,
     new_id,
@@ -347,8 +348,12 @@ def _sees_upload(caller: Caller) -> Any:
     return True if caller.key_id is None else UploadedModel.owner_id == caller.key_id
 
 
-def add_uploaded_model(session: Session, caller: Caller, **fields: Any) -> UploadedModel:
-    row = UploadedModel(owner_id=caller.key_id, created_at=utcnow(), **fields)
+OwnedRow = TypeVar("OwnedRow", UploadedModel, PendingUpload)
+
+
+def add_owned(session: Session, caller: Caller, table: type[OwnedRow], **fields: Any) -> OwnedRow:
+    """A new uploaded model or pending upload of the caller's key."""
+    row = table(owner_id=caller.key_id, created_at=utcnow(), **fields)
     session.add(row)
     session.flush()
     return row
@@ -384,6 +389,23 @@ def expired_uploads(session: Session, now: datetime, limit: int = 100) -> Sequen
 
 def forget_upload(session: Session, model_id: str) -> None:
     session.execute(delete(UploadedModel).where(UploadedModel.id == model_id))
+
+
+def get_pending_upload(session: Session, caller: Caller, upload_id: str) -> PendingUpload | None:
+    """The caller's pending upload, not yet expired; another key's answers as a missing one."""
+    query = select(PendingUpload).where(PendingUpload.id == upload_id, PendingUpload.expires_at > utcnow())
+    if caller.key_id is not None:
+        query = query.where(PendingUpload.owner_id == caller.key_id)
+    return session.scalar(query)
+
+
+def expired_pending_uploads(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
+    query = select(PendingUpload.id).where(PendingUpload.expires_at <= now)
+    return session.scalars(query.order_by(PendingUpload.expires_at).limit(limit)).all()
+
+
+def forget_pending_upload(session: Session, upload_id: str) -> None:
+    session.execute(delete(PendingUpload).where(PendingUpload.id == upload_id))
 
 
 # --- retention ------------------------------------------------------------------------------------------

@@ -143,3 +143,19 @@ class UploadedModel(Base):
     files: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
+
+
+class PendingUpload(Base):
+    """A model upload handed out as a presigned URL (`POST /v1/models/presigned`, S3 storage only): the key PUTs its
+    tar to `model-uploads/<id>.tar` in the artifact bucket, then completes it (`POST /v1/models/{id}/complete`), which
+    checks the tar and makes it an UploadedModel of the same id. One never completed goes once it expires."""
+
+    __tablename__ = "pending_uploads"
+    __table_args__ = (Index("ix_pending_uploads_expires_at", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    name: Mapped[str | None] = mapped_column(String(100))  # None: the archive's top folder, or `model`
+    retention_seconds: Mapped[int] = mapped_column(Integer)  # the uploaded model's, once accepted
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
