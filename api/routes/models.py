@@ -86,7 +86,7 @@ def unpack(archive: BinaryIO, target: Path, max_bytes: int) -> Path:
     raise invalid(ARCHIVE, f"no config.json at the top of the archive; {PACKING_HINT}")
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=ModelOut, responses=responses(413))
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ModelOut, responses=responses(400, 413))
 def upload_model(
     file: Annotated[UploadFile, File(description="the model's folder as a tar archive (optionally gzip-compressed)")],
     session: SessionDep,
