@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from casp_core.config import Printable, PruneSettings, is_optional, part_of
 from casp_core.model import is_local_reference
+from service.jobs import WEBHOOK_EVENTS
 from service.paths import S3_SCHEME, UPLOAD_SCHEME
 from service.settings import DEVICES
 from service.tables import JOB_STATUSES
@@ -79,6 +80,20 @@ class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
         " (headers `webhook-id`, `webhook-timestamp`, `webhook-signature`) with the server's CASP_WEBHOOK_SECRET;"
         " its host must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
     )
+    webhook_events: list[Literal[WEBHOOK_EVENTS]] | None = Field(  # type: ignore[valid-type]
+        None,
+        min_length=1,
+        max_length=len(WEBHOOK_EVENTS),
+        description="the events `webhook_url` receives; default the final three (`job.succeeded`, `job.failed`,"
+        " `job.cancelled`); `job.stage` adds one delivery per stage an attempt starts",
+    )
+
+    @field_validator("webhook_events")
+    @classmethod
+    def _events_once(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) < len(value):
+            raise ValueError("names an event twice")
+        return value
 
     @field_validator("model")
     @classmethod
@@ -156,8 +171,10 @@ class JobOut(BaseModel):
         description="when the artifacts of a succeeded job are (or were) deleted; then `GET` on them answers 410"
     )
     webhook_url: str | None
-    webhook_state: Literal["pending", "delivered", "failed"] | None = Field(
-        description="pending until the job's end is posted to `webhook_url`; each attempt is an event"
+    webhook_events: list[str] | None = Field(description="the events `webhook_url` receives; null without one")
+    webhook_state: Literal["pending", "delivered", "failed", "skipped"] | None = Field(
+        description="pending until the job's end is posted to `webhook_url`; each attempt is an event; skipped when"
+        " the job ended in a way its `webhook_events` leave out"
     )
 
 
