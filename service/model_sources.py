@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
 from casp_core.errors import Cancelled, ModelNotFound
@@ -61,13 +62,20 @@ def list_objects(client: object, location: S3Location) -> list[StoredObject]:
     """The objects of the model's folder; the folder markers some tools write (keys ending in `/`) are skipped."""
     objects = []
     paginator = client.get_paginator("list_objects_v2")  # type: ignore[attr-defined]
-    for page in paginator.paginate(Bucket=location.bucket, Prefix=location.prefix + "/"):
-        for item in page.get("Contents", []):
-            relative = item["Key"][len(location.prefix) + 1 :]
-            if relative and not relative.endswith("/"):
-                if any(part in ("", ".", "..") for part in relative.split("/")):
-                    raise ModelNotFound(f"{location}: the object name {relative!r} cannot be a file name")
-                objects.append(StoredObject(relative, item["Size"], item["ETag"]))
+    try:
+        for page in paginator.paginate(Bucket=location.bucket, Prefix=location.prefix + "/"):
+            for item in page.get("Contents", []):
+                relative = item["Key"][len(location.prefix) + 1 :]
+                if relative and not relative.endswith("/"):
+                    if any(part in ("", ".", "..") for part in relative.split("/")):
+                        raise ModelNotFound(f"{location}: the object name {relative!r} cannot be a file name")
+                    objects.append(StoredObject(relative, item["Size"], item["ETag"]))
+    except ClientError as exc:  # a wrong key, no such bucket, no right to list it: the job's error, not a crash
+        code = exc.response.get("Error", {}).get("Code", "an error")
+        raise ModelNotFound(
+            f"{location}: the S3 server refused to list it ({code}); the bucket is read with its entry of"
+            " CASP_MODEL_BUCKET_CREDENTIALS, else CASP_S3_*"
+        ) from exc
     if not objects:
         raise ModelNotFound(f"{location}: no objects under this prefix")
     return sorted(objects, key=lambda stored: stored.relative)

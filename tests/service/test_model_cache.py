@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from casp_core.errors import Cancelled
-from service.model_sources import LOCKS, PARTIAL_PREFIX, ModelCache
-from service.settings import S3Credentials
-from service.storage import S3Location
+from casp_core.errors import Cancelled, ModelNotFound
+from service.model_sources import LOCKS, PARTIAL_PREFIX, ModelCache, local_folder, locate
+from service.settings import S3Credentials, Settings
+from service.storage import S3Location, make_storage
 from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET
 from tests.service_fixtures import put_model as put_objects
 
@@ -140,3 +140,33 @@ def test_a_partial_download_whose_worker_died_is_removed_and_a_running_one_is_no
     # Its worker died: the lock went with it.
     assert fetch(cache, location) == "found"
     assert not list(tmp_path.glob(f"{PARTIAL_PREFIX}*")) and not list((tmp_path / LOCKS).glob(f"{PARTIAL_PREFIX}*"))
+
+
+def test_a_bucket_is_read_with_its_own_credentials_where_the_settings_name_them(
+    models_bucket: tuple[Any, S3Credentials], tmp_path: Path
+) -> None:
+    location = put_model(models_bucket, "cache-test/credentials/stories260K")
+    model = f"s3://{MODELS_BUCKET}/{location.prefix}"
+    _, credentials = models_bucket
+    # The artifact storage's credentials cannot read the models bucket (another account, say).
+    storage_only = Settings(
+        home=tmp_path,
+        s3_endpoint_url=credentials.endpoint_url,
+        s3_access_key_id=credentials.access_key_id,
+        s3_secret_access_key="not-the-models-secret",
+        allowed_model_buckets=[MODELS_BUCKET],
+    )
+    with_own = storage_only.model_copy(update={"model_bucket_credentials": {MODELS_BUCKET: credentials}})
+    for settings in (storage_only, with_own):
+        assert locate(None, model, None, make_storage(settings), settings) == S3Location(  # type: ignore[arg-type]
+            MODELS_BUCKET, location.prefix, settings.bucket_credentials(MODELS_BUCKET)
+        )
+    refused = locate(None, model, None, make_storage(storage_only), storage_only)  # type: ignore[arg-type]
+    refusal = r"refused to list it \(SignatureDoesNotMatch\).*CREDENTIALS"
+    with pytest.raises(ModelNotFound, match=refusal), local_folder(refused, storage_only, Recorder(), lambda: False):
+        pass
+    recorder = Recorder()
+    source = locate(None, model, None, make_storage(with_own), with_own)  # type: ignore[arg-type]
+    with local_folder(source, with_own, recorder, lambda: False) as folder:
+        assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
+    assert recorder.messages[-1].startswith(f"downloaded {model}")

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 import tarfile
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,10 @@ from fastapi.testclient import TestClient
 
 from casp_cli.app import service_app
 from service.db import session_scope
-from service.reaper import sweep_expired_pending_uploads
+from service.reaper import sweep_expired_pending_uploads, sweep_expired_uploads
 from service.settings import Settings
 from service.storage import make_storage
-from service.tables import PendingUpload, utcnow
+from service.tables import PendingUpload, UploadedModel, utcnow
 from tests.api.test_api import refusal
 from tests.service_fixtures import (
     ALLOWED_MODELS_PREFIX,
@@ -298,3 +298,27 @@ def test_a_presigned_upload_never_completed_is_deleted_once_it_expires(
     assert upload["id"] in sweep_expired_pending_uploads(distributed_settings, storage)
     assert client.list_objects_v2(Bucket="casp-test", Prefix=tar_key).get("Contents", []) == []
     assert refusal(api.post(upload["complete_url"], headers=alice), 404)["code"] == "not_found"
+
+
+def test_an_upload_is_kept_for_its_retention_then_swept(
+    api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings, models_bucket: tuple[Any, Any]
+) -> None:
+    alice = keys["alice"]
+    too_long = distributed_settings.max_artifact_retention_seconds + 1
+    error = refusal(upload(api, alice, model_tar(), retention_seconds=str(too_long)))
+    assert error["param"] == "retention_seconds" and "CASP_MAX_ARTIFACT_RETENTION_SECONDS" in error["message"]
+    model = upload(api, alice, model_tar(), retention_seconds="60").json()
+    created, expires = (datetime.fromisoformat(model[name]) for name in ("created_at", "expires_at"))
+    assert abs((expires - created).total_seconds() - 60) < 1
+    client, _ = models_bucket
+    stored = f"artifacts/models/{model['id']}/"
+    assert len(client.list_objects_v2(Bucket="casp-test", Prefix=stored).get("Contents", [])) == 6
+    storage = make_storage(distributed_settings)
+    assert model["id"] not in sweep_expired_uploads(distributed_settings, storage)
+    with session_scope(distributed_settings.database) as session:
+        session.get_one(UploadedModel, model["id"]).expires_at = utcnow() - timedelta(seconds=1)
+    assert model["id"] in sweep_expired_uploads(distributed_settings, storage)
+    assert client.list_objects_v2(Bucket="casp-test", Prefix=stored).get("Contents", []) == []
+    assert model["id"] not in [m["id"] for m in api.get("/v1/models", headers=alice).json()["data"]]
+    error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": model["model"]}, headers=alice))
+    assert error["param"] == "model" and "no uploaded model" in error["message"]
