@@ -183,31 +183,35 @@ def test_a_bad_upload_is_refused_with_the_reason(
 
 
 def test_casp_models_upload_shows_its_progress_and_prints_the_model(
-    distributed_settings: Settings, keys: dict[str, dict[str, str]]
+    distributed_settings: Settings, keys: dict[str, dict[str, str]], tmp_path: Path
 ) -> None:
     key = keys["alice"]["Authorization"].removeprefix("Bearer ")
+
+    def casp_models_upload(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "casp_cli.main", "models", "upload", *args, "--url", url],
+            cwd=REPO,
+            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     with serving(service_app(distributed_settings)) as url:
-        done = subprocess.run(
-            [sys.executable, "-m", "casp_cli.main", "models", "upload", str(DEMO_MODEL), "--url", url],
-            cwd=REPO,
-            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-        uploaded = json.loads(done.stdout)
-        assert uploaded["name"] == "stories260K" and uploaded["model"].startswith("casp://models/")
-        assert "uploading: 100%" in done.stderr
-        missing = subprocess.run(
-            [sys.executable, "-m", "casp_cli.main", "models", "upload", str(REPO / "nowhere"), "--url", url],
-            cwd=REPO,
-            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        uploaded = []
+        for how in ([], ["--presigned"]):  # through the API, or straight into the bucket
+            done = casp_models_upload(url, str(DEMO_MODEL), *how)
+            assert done.returncode == 0, done.stderr
+            uploaded.append(json.loads(done.stdout))
+            assert uploaded[-1]["name"] == "stories260K" and uploaded[-1]["model"].startswith("casp://models/")
+            assert uploaded[-1]["size"] == sum(path.stat().st_size for path in DEMO_MODEL.iterdir())
+            assert "uploading: 100%" in done.stderr
+        assert uploaded[0]["id"] != uploaded[1]["id"]
+        missing = casp_models_upload(url, str(REPO / "nowhere"))
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0, missing.stderr
+    with serving(service_app(embedded_settings(tmp_path))) as url:  # local storage: no presigned uploads
+        refused = casp_models_upload(url, str(DEMO_MODEL), "--presigned")
+    assert refused.returncode == 2 and "presigned uploads need S3 storage" in refused.stderr.splitlines()[-1]
 
 
 def presign(api: TestClient, headers: dict[str, str], **body: Any) -> dict[str, Any]:
