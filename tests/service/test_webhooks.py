@@ -18,7 +18,10 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from casp_cli.app import service_app
+from service import jobs
+from service.db import session_scope
 from service.settings import Settings
+from service.tables import StageDelivery
 from tests.api.test_api import PARKED, refusal
 from tests.service_fixtures import REPO, TINY_JOB, WorkerProcess, finished, wait_for, wait_job
 
@@ -239,3 +242,29 @@ def test_webhook_events_are_checked_at_submit(hooked: Settings, change: dict[str
     with TestClient(service_app(hooked)) as api:
         error = refusal(api.post("/v1/jobs", json={**PARKED, **change}))
     assert error["param"].startswith("webhook_events") and reason in error["message"], error
+
+
+def test_a_stage_delivery_is_written_once_per_stage_started_and_only_for_jobs_that_ask(
+    hooked: Settings, receiver: Receiver
+) -> None:
+    quiet = hooked.model_copy(update={"webhook_poll_seconds": 3600.0})  # nothing delivered: the rows are looked at
+    with TestClient(service_app(quiet)) as api:
+        asks, plain, no_hook = (
+            api.post("/v1/jobs", json={**PARKED, **extra}).json()["id"]
+            for extra in (
+                {"webhook_url": receiver.url, "webhook_events": ["job.stage"]},
+                {"webhook_url": receiver.url},
+                {},
+            )
+        )
+    for job_id in (asks, plain, no_hook):
+        with session_scope(quiet.database) as session:
+            attempt = jobs.claim_job(session, job_id, "by-hand")
+            assert attempt is not None
+            for stage in ("load", "load", "calibrate", "calibrate", "prune"):  # progress within a stage repeats it
+                assert jobs.touch(session, job_id, attempt.attempts, stage=stage, progress=1.0)
+    with session_scope(quiet.database) as session:
+        written = session.query(StageDelivery).filter(StageDelivery.job_id.in_([asks, plain, no_hook])).all()
+        assert sorted((row.job_id, row.attempt, row.stage) for row in written) == sorted(
+            (asks, 1, stage) for stage in ("load", "calibrate", "prune")
+        )
