@@ -5,7 +5,9 @@ at the end remove the masked units and verify that the smaller model computes wh
 is the loop, with the allocation before it and surgery and verification after it.
 """
 
-from contextlib import nullcontext
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,7 +44,7 @@ from casp_core.model import (
 )
 from casp_core.placement import RESIDENT, Placement, choose_placement
 from casp_core.results import LayerReport, PruneResult, TemperatureChoice
-from casp_core.run import CPU, Run
+from casp_core.run import CPU, Run, StageTimer
 from casp_core.selection import choose_units, layer_q, params_kept
 from casp_core.surgery import fill_pruned_layer, kept_kv_heads, mask_layer, pruned_skeleton
 from casp_core.temperature import choose_alpha
@@ -140,6 +142,25 @@ class Allocation:
     temperature: TemperatureChoice | None  # alpha "auto" only
 
 
+def uses_sensitivities(config: PruneConfig) -> bool:
+    """Whether the allocation reads the gradient sensitivities S_l (the uniform shape and allocation do not)."""
+    return config.shape != UNIFORM_SHAPE and config.allocation == "gradient"
+
+
+def measure_sensitivities(
+    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, placement: Placement, run: Run
+) -> list[float]:
+    run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
+    return layer_sensitivities(
+        model,
+        windows,
+        batch_size=config.calibration.batch_size,
+        device=placement.device,
+        run=run,
+        home=placement.home,
+    )
+
+
 def allocate(
     model: PreTrainedModel,
     windows: torch.Tensor,
@@ -156,19 +177,11 @@ def allocate(
         return Allocation(
             uniform_ratios(n_layers, config.ratio), plan_uniform_shape(model, config), [None] * n_layers, None
         )
-    if config.allocation != "gradient":
+    if not uses_sensitivities(config):
         ratios = uniform_ratios(n_layers, config.ratio)
         return Allocation(ratios, plan_budget(model, ratios, config), [None] * n_layers, None)
     if sensitivities is None:
-        run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
-        sensitivities = layer_sensitivities(
-            model,
-            windows,
-            batch_size=config.calibration.batch_size,
-            device=placement.device,
-            run=run,
-            home=placement.home,
-        )
+        sensitivities = measure_sensitivities(model, windows, config, placement, run)
     alpha, temperature = config.alpha, None
     if alpha == AUTO_ALPHA:
         temperature = choose_alpha(model, windows, sensitivities, config, placement.device, run, CPU, placement.home)
@@ -186,13 +199,14 @@ def prune_layers(
     config: PruneConfig,
     placement: Placement,
     run: Run,
+    first_layer_inputs: LayerInputs | None = None,
 ) -> list[LayerReport]:
-    """Every layer in turn, the calibration activations carried from one to the next (on the CPU between them)."""
+    """Every layer in turn, the calibration activations carried from one to the next (on the CPU between them),
+    from `first_layer_inputs` when given (they are not changed: the stream carries its own list of batches)."""
     calibration = config.calibration
-    with run.stage("calibration_forward"):
-        inputs = capture_first_layer_inputs(
-            model, windows, calibration.batch_size, placement.device, CPU, placement.home
-        )
+    if first_layer_inputs is None:
+        first_layer_inputs = capture_layer_inputs(model, windows, config, placement, run)
+    inputs = replace(first_layer_inputs, batches=list(first_layer_inputs.batches))
     # Compensating towards the dense model needs its inputs to each layer beside the pruned ones: a second set of
     # parked activations, carried only then (in dense mode the pruned stream is the dense one).
     sequential = calibration.mode == "sequential"
@@ -223,6 +237,37 @@ def prune_layers(
     return reports
 
 
+def capture_layer_inputs(
+    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, placement: Placement, run: Run
+) -> LayerInputs:
+    """The first decoder layer's inputs for `windows`, on the CPU, as the layer loop starts from them."""
+    with run.stage("calibration_forward"):
+        return capture_first_layer_inputs(
+            model, windows, config.calibration.batch_size, placement.device, CPU, placement.home
+        )
+
+
+def place(model: PreTrainedModel, config: PruneConfig, run: Run, placement: Placement | None) -> Placement:
+    """`placement`, or `choose_placement`'s; reported, and the run's stages timed on its device."""
+    placement = placement or choose_placement(model, config, resolve_device(config.device))
+    run.report("placement", 1.0, placement.message())
+    run.time_on(placement.device)
+    return placement
+
+
+def resident(model: PreTrainedModel, placement: Placement) -> AbstractContextManager[None]:
+    """The whole model on the device while the layers are pruned when the placement is resident, else nothing."""
+    return on_device(model, placement.device, CPU) if placement.mode == RESIDENT else nullcontext()
+
+
+def load_windows(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: PruneConfig, run: Run
+) -> torch.Tensor:
+    with run.stage("calibration_data"):
+        run.report("calibration", 0.0, "loading calibration text")
+        return calibration_windows(model, tokenizer, config)
+
+
 def prune(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -231,6 +276,7 @@ def prune(
     *,
     windows: torch.Tensor | None = None,
     sensitivities: list[float] | None = None,
+    first_layer_inputs: LayerInputs | None = None,
     release_dense: bool = False,
     placement: Placement | None = None,
 ) -> PruneResult:
@@ -238,8 +284,10 @@ def prune(
 
     `windows` are the calibration tokens, read from `config.calibration` when not given; `sensitivities` are
     the gradient allocation's S_l, measured on `model` and `windows` when not given (a bench that prunes one
-    dense model many times measures them once). With `release_dense`, `model`'s decoder layers lose their
-    weights as the pruned ones are built and verified (a job, which has no use for the masked model after).
+    dense model many times measures them once); `first_layer_inputs` likewise, `windows` entering the first
+    decoder layer (`capture_layer_inputs`, on the same model and placement). With `release_dense`, `model`'s
+    decoder layers lose their weights as the pruned ones are built and verified (a job, which has no use for the
+    masked model after).
 
     `placement` (`choose_placement`'s when not given) says where the weights are while layers are pruned: resident,
     the model goes to the device once before the allocation and comes back once after the last layer (or an
@@ -250,21 +298,17 @@ def prune(
     config.validate()
     check_reachable(model, config)
     run = run or Run()
-    device = resolve_device(config.device)
-    placement = placement or choose_placement(model, config, device)
-    run.report("placement", 1.0, placement.message())
-    run.time_on(device)
+    placement = place(model, config, run, placement)
+    device = placement.device
     if windows is None:
-        with run.stage("calibration_data"):
-            run.report("calibration", 0.0, "loading calibration text")
-            windows = calibration_windows(model, tokenizer, config)
+        windows = load_windows(model, tokenizer, config, run)
 
     params_dense = prunable_parameters(model)
     rounding = rounding_units(model, config)
-    with on_device(model, device, CPU) if placement.mode == RESIDENT else nullcontext():
+    with resident(model, placement):
         with run.stage("allocation"):
             allocation = allocate(model, windows, config, placement, run, sensitivities)
-        reports = prune_layers(model, windows, allocation, config, placement, run)
+        reports = prune_layers(model, windows, allocation, config, placement, run, first_layer_inputs)
 
     prunings = [report.pruning for report in reports]
     with run.stage("surgery"):
@@ -293,3 +337,70 @@ def prune(
         placement=placement,
         rounding=rounding,
     )
+
+
+def ratio_config(config: PruneConfig, ratio: float) -> PruneConfig:
+    """`config` with `ratio` in place of its own, everything else the same."""
+    return config.model_copy(update={"ratio": ratio}, deep=True)
+
+
+def prune_ratios(
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    config: PruneConfig,
+    ratios: Sequence[float],
+    run: Run | None = None,
+    *,
+    windows: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    on_ratio: Callable[[float], None] | None = None,
+) -> Iterator[tuple[float, PruneResult]]:
+    """`dense` pruned at each of `ratios`, in their order, one result at a time: for each ratio what `prune` of a
+    copy of `dense` returns for `config` with that ratio and the same windows. `dense` is left unchanged.
+
+    The work every ratio shares is done once, before the first: the calibration windows, the sensitivities S_l
+    and the first decoder layer's inputs. Each ratio then prunes its own copy of `dense`. `on_ratio(ratio)` is
+    called as work on a ratio starts. The settings of every ratio are checked before any work (InvalidConfig).
+    `run`'s timer counts the shared stages; each result's `timings`, its own ratio's."""
+    configs = [ratio_config(config, ratio) for ratio in ratios]
+    for ratio_settings in configs:
+        ratio_settings.validate()
+        check_reachable(dense, ratio_settings)
+    return _prune_ratios(dense, tokenizer, configs, run or Run(), windows, placement, on_ratio)
+
+
+def _prune_ratios(
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    configs: list[PruneConfig],
+    run: Run,
+    windows: torch.Tensor | None,
+    placement: Placement | None,
+    on_ratio: Callable[[float], None] | None,
+) -> Iterator[tuple[float, PruneResult]]:
+    shared = configs[0]  # the ratios' configs differ in the ratio alone
+    placement = place(dense, shared, run, placement)
+    if windows is None:
+        windows = load_windows(dense, tokenizer, shared, run)
+    sensitivities = None
+    with resident(dense, placement):
+        if uses_sensitivities(shared):
+            with run.stage("allocation"):
+                sensitivities = measure_sensitivities(dense, windows, shared, placement, run)
+        first_layer_inputs = capture_layer_inputs(dense, windows, shared, placement, run)
+    for ratio_settings in configs:
+        run.check_cancelled()
+        if on_ratio is not None:
+            on_ratio(ratio_settings.ratio)
+        result = prune(
+            copy.deepcopy(dense),
+            tokenizer,
+            ratio_settings,
+            replace(run, timer=StageTimer(run.timer.device)),
+            windows=windows,
+            sensitivities=sensitivities,
+            first_layer_inputs=first_layer_inputs,
+            release_dense=True,  # the copy's masked layers: nobody reads them after verification
+            placement=placement,
+        )
+        yield ratio_settings.ratio, result

@@ -1,0 +1,80 @@
+"""One sweep of ratios over one dense model (`prune_ratios`): each ratio's result is the single prune's, the work
+all ratios share is done once, and the dense model is left as it was."""
+
+import copy
+
+import pytest
+import torch
+
+import casp_core.prune
+from casp_core.calibration import calibration_windows
+from casp_core.errors import InvalidConfig
+from casp_core.model import load_model
+from casp_core.prune import prune, prune_ratios
+from tests.conftest import PTBWIKI, small_config
+
+RATIOS = (0.2, 0.5)
+
+
+@pytest.fixture(scope="module")
+def ptbwiki():
+    return load_model(str(PTBWIKI))
+
+
+def sweep_config(mode: str):
+    config = small_config(RATIOS[0])
+    config.calibration.n_samples, config.calibration.mode = 8, mode
+    return config
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def assert_same_pruning(swept, single) -> None:
+    assert [layer.pruning for layer in swept.layers] == [layer.pruning for layer in single.layers]
+    assert swept.params_pruned == single.params_pruned
+    assert swept.verification_max_relative_diff <= 1e-10
+
+
+def counted(monkeypatch, module, name: str) -> list[int]:
+    """Replaces `module.name` by a wrapper that counts its calls: the list's length is the count."""
+    calls: list[int] = []
+    original = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def test_sequential_sweep_equals_single_prunes_bit_for_bit(ptbwiki, monkeypatch):
+    dense, tokenizer = ptbwiki
+    config = sweep_config("sequential")
+    dense_before = state(dense)
+    started: list[float] = []
+    sensitivities = counted(monkeypatch, casp_core.prune, "layer_sensitivities")
+    first_layer_inputs = counted(monkeypatch, casp_core.prune, "capture_first_layer_inputs")
+    sweep = prune_ratios(dense, tokenizer, config, RATIOS, on_ratio=started.append)
+    results = list(sweep)
+    # Measured once for both ratios, before the first.
+    assert (len(sensitivities), len(first_layer_inputs)) == (1, 1)
+    windows = calibration_windows(dense, tokenizer, config)
+    for ratio, swept in results:
+        single = prune(copy.deepcopy(dense), tokenizer, config.model_copy(update={"ratio": ratio}), windows=windows)
+        assert_same_pruning(swept, single)
+        assert abs(swept.achieved_ratio - ratio) <= 0.01
+        expected = single.model.state_dict()
+        for name, tensor in swept.model.state_dict().items():
+            assert torch.equal(tensor, expected[name]), name
+    assert started == list(RATIOS)
+    for name, tensor in dense.state_dict().items():
+        assert torch.equal(tensor, dense_before[name]), name
+
+
+def test_a_bad_ratio_is_refused_before_any_work(ptbwiki):
+    dense, tokenizer = ptbwiki
+    with pytest.raises(InvalidConfig, match="r_max"):
+        prune_ratios(dense, tokenizer, sweep_config("sequential"), [0.2, 0.95])
