@@ -12,7 +12,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import PruneConfig, RecoveryConfig

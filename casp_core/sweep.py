@@ -69,7 +69,7 @@ DENSE_POINTS_STAGE = "dense_points"
 CANDIDATES_DIR = "candidates"
 DENSE_DIR = "dense"
 FRONTIER_FILE = "frontier.json"
-STATE_FILE = "sweep-state.json"
+SWEEP_STATE_FILE = "sweep-state.json"
 GGUF = "gguf"
 SAFETENSORS = "safetensors"
 # How a unit's work divides its share of the sweep's progress: the stages casp_core reports while pruning and
@@ -217,7 +217,10 @@ def measure_variant(
         export = export_gguf(measured.folder, measured.folder / gguf_file_name(variant), variant)
         figures = measure_gguf(export.path, plan.texts, run)
         size, perplexity = export.bytes, dict(figures.perplexity)
-        speed = {"prefill_tokens_per_s": figures.prefill_tokens_per_s, "decode_tokens_per_s": figures.decode_tokens_per_s}
+        speed = {
+            "prefill_tokens_per_s": figures.prefill_tokens_per_s,
+            "decode_tokens_per_s": figures.decode_tokens_per_s,
+        }
     elif variant == NO_QUANTIZATION:
         size, perplexity = weight_bytes(measured.folder), dict(measured.figures.perplexity)
     else:
@@ -347,7 +350,7 @@ class SweepState:
     @classmethod
     def resume(cls, retry: RetryState) -> "SweepState":
         """The state kept in `retry`'s directory for this job, or an empty one."""
-        path = retry.directory / STATE_FILE if retry.directory is not None else None
+        path = retry.directory / SWEEP_STATE_FILE if retry.directory is not None else None
         if path is None or not path.is_file():
             return cls()
         kept = json.loads(path.read_text())
@@ -372,10 +375,10 @@ class SweepState:
             "finished": self.finished,
             "best": self.best,
         }
-        partial = retry.directory / f".{STATE_FILE}.partial"
+        partial = retry.directory / f".{SWEEP_STATE_FILE}.partial"
         partial.write_text(json.dumps(kept))
-        os.replace(partial, retry.directory / STATE_FILE)
-        retry.saved(retry.directory / STATE_FILE)
+        os.replace(partial, retry.directory / SWEEP_STATE_FILE)
+        retry.saved(retry.directory / SWEEP_STATE_FILE)
 
 
 def best_model_state(retry: RetryState, unit_key: str) -> RetryState:
@@ -574,7 +577,13 @@ def measure_unit(sweep: Sweep, unit: Unit, result: PruneResult, prune_seconds: f
     folder = sweep.staging / CANDIDATES_DIR / unit.key
     candidate = unit_config(sweep.config, unit, sweep.fmt)
     save_checkpoint(
-        result.model, sweep.tokenizer, sweep.model, sweep.revision, candidate.model_copy(update={"export": []}), run, folder
+        result.model,
+        sweep.tokenizer,
+        sweep.model,
+        sweep.revision,
+        candidate.model_copy(update={"export": []}),
+        run,
+        folder,
     )
     measured = Measured(result.model, folder, unit.ratio, figures, prune_seconds + time.perf_counter() - started)
     points = []
@@ -622,7 +631,9 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
     quantized = None
     if config.quantization != NO_QUANTIZATION:
         with run.stage("quantization"):
-            quantized = quantize(QuantizationInput(model, sweep.tokenizer, sweep.staging, config.quantization, plan), run)
+            quantized = quantize(
+                QuantizationInput(model, sweep.tokenizer, sweep.staging, config.quantization, plan), run
+            )
     # The pick's GGUF is the file measured in the sweep, written again alike: its figures are the sweep's.
     engine_figures = [
         EngineFigures(pick.perplexity, pick.prefill_tokens_per_s, pick.decode_tokens_per_s) for _ in exports

@@ -11,6 +11,7 @@ from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
 from casp_core.placement import byte_size
 from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.frontier_section import render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
 from casp_core.results import PruneResult
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
@@ -180,6 +181,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             {"perplexity": report["perplexity"], **report["evaluation"], "artifacts": report.get("artifacts")}
         ),
         *render_gguf_section(report.get("exports", [])),
+        *render_frontier_section(report.get("frontier")),
         *recovery_section(report),
         *quantization_section(report),
         "## Objective z'Qz (sum over layers)",

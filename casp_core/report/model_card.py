@@ -18,6 +18,7 @@ from casp_core.data import HUB_SOURCES, evaluation_source
 from casp_core.modeling_casp_llama import CaspLlamaConfig
 from casp_core.report.build import quantization_section, recovery_section, rounding_line
 from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.frontier_section import render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
 from casp_core.report.plots import RECOVERY_CURVE
 from casp_core.report.publish import public_name
@@ -246,6 +247,7 @@ def render_model_card(
         "",
         render_evaluation_section(evaluation, title="Dense against pruned"),
         *render_gguf_section(report.get("exports", [])),
+        *render_frontier_section(report.get("frontier")),
         "## How to load it",
         "",
         *_usage(model_type, data.model_name, exported),
