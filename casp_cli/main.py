@@ -267,11 +267,15 @@ def submit_request(args: argparse.Namespace) -> dict[str, Any]:
             return json.loads(Path(args.json).read_text())
         except (OSError, ValueError) as error:
             raise InvalidConfig(f"--json {args.json}: {error}") from error
-    if args.model is None or args.ratio is None:
-        raise SystemExit("casp submit: needs --model and --ratio, or --json")
+    chosen = settings_from_args(args)
+    if args.model is None or ("ratio" not in chosen and "target" not in chosen):
+        raise SystemExit(
+            "casp submit: needs --model and --ratio (or a target: --target-bytes, --target-params or "
+            "--max-perplexity-increase), or --json"
+        )
     return {
         "model": args.model,
-        **settings_from_args(args),
+        **chosen,
         **given(revision=args.revision, device=args.device),
         "metadata": dict(item.split("=", 1) for item in args.metadata),
     }

@@ -19,7 +19,7 @@ from casp_core.model import (
     sublayer_parameters,
 )
 from casp_core.plain import allows_head_count, check_plain_shape
-from casp_core.rounding import aligned_heads, head_multiple, round_to_for
+from casp_core.rounding import aligned_heads, channel_counts, head_multiple, round_to_for
 from casp_core.surgery import kept_kv_heads
 
 # The budget is planned from the ratios and the shapes alone, before any statistics: in sequential mode layer l
@@ -64,20 +64,6 @@ def heads_emptying_groups_last(geometry: AttentionGeometry) -> list[int]:
         rank.append(seen[kv])
         seen[kv] += 1
     return sorted(range(geometry.num_heads), key=lambda head: (rank[head], head))
-
-
-def channel_counts(width: int, r_max: float, round_to_setting: int | str, block: int | None = None) -> tuple[int, ...]:
-    """The FFN channel counts a layer may prune: at most r_max of them, keeping a positive multiple of round_to
-    (the setting's, or auto's for this width and the quantizer's `block`)."""
-    round_to = round_to_for(width, round_to_setting, block)
-    most = int(r_max * width + 1e-9)
-    counts = tuple(c for c in range(most + 1) if (width - c) % round_to == 0 and width - c >= round_to)
-    if not counts:
-        raise InvalidConfig(
-            f"round_to: a layer of {width} FFN channels cannot keep a multiple of {round_to} channels "
-            f"while pruning at most r_max = {r_max} of them"
-        )
-    return counts
 
 
 @dataclass(frozen=True)

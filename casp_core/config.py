@@ -7,7 +7,7 @@ what the user chooses; `PruneConfig` adds what the machine that runs the job dec
 
 import re
 from collections.abc import Iterator
-from types import UnionType
+from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
@@ -19,8 +19,11 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
@@ -52,6 +55,14 @@ PLACEMENTS = ("auto", "resident", "offload")
 RECOVERY_METHODS = ("none", "lora")
 # The linear layers LoRA may adapt: every projection of a decoder layer, whatever its width after pruning.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A sweep (`target` given) prunes at each of `ratios` and writes each in each of its format's variants.
+TARGET_FORMATS = ("gguf", "safetensors")
+DEFAULT_TARGET_FORMAT = "gguf"
+DEFAULT_SWEEP_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+KEEP_CHOICES = ("best", "all")
+MAX_SWEEP_RATIOS = 32
+BUDGETS = ("max_bytes", "max_params", "max_perplexity_increase")
+MAX_PERPLEXITY_INCREASE = 100
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 # Settings the machine that runs the job decides: on the service they are the server's, never the caller's.
 SERVER_SIDE = ("datasets_dir", "device")
@@ -140,8 +151,8 @@ class ConfigPart(BaseModel):
 
 
 def _number_rules(info: FieldInfo) -> list[Any]:
-    """The setting's own rules, and those of the number in a union such as `int | "auto"`."""
-    members = get_args(info.annotation) if get_origin(info.annotation) in (Union, UnionType) else ()
+    """The setting's own rules, and those of the number in a union such as `int | "auto"` or in a list."""
+    members = get_args(info.annotation) if get_origin(info.annotation) in (Union, UnionType, list) else ()
     return [
         *info.metadata,
         *(rule for member in members if get_origin(member) is Annotated for rule in member.__metadata__),
@@ -169,6 +180,9 @@ def reason(info: FieldInfo | None, error_type: str, value: Any, message: str) ->
     """The rule a bad value broke, in the command line's words: the field's whole range or its choices."""
     if info is not None and error_type in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         return f"must be {describe_range(info)}, got {value}"
+    if info is not None and error_type == "too_short":
+        least = next(rule.min_length for rule in info.metadata if isinstance(rule, annotated_types.MinLen))
+        return "must not be empty" if least == 1 else f"must have at least {least} items"
     choices = choices_of(info.annotation) if info is not None else None
     if choices and error_type == "literal_error":
         return f"must be one of {', '.join(map(str, choices))}, got {value!r}"
@@ -259,10 +273,93 @@ class RecoveryConfig(ConfigPart):
     save_every: int = Field(50, ge=1, le=10_000_000, description="optimizer steps between saves of training state")
 
 
+class TargetConfig(ConfigPart):
+    """A budget instead of a ratio: the job prunes at each of `ratios`, writes each in each candidate format
+    (`gguf_types` or `quantizations`), measures them, and hands back the best within the budget. Exactly one
+    budget is given."""
+
+    max_bytes: ByteCount | None = Field(
+        None, description="the served file(s) at most this big: a number of bytes, or 6GB, 500MiB, ..."
+    )
+    format: Literal[TARGET_FORMATS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="what max_bytes measures (gguf when left out): gguf, one file per gguf_types; safetensors, "
+        "the checkpoint's weights per quantizations",
+    )
+    max_params: int | None = Field(
+        None, ge=1, description="at most this many parameters in the whole model (embedding and head included)"
+    )
+    max_perplexity_increase: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_PERPLEXITY_INCREASE,
+        description="the smallest file whose perplexity on the first evaluation text rises by at most this "
+        "fraction over the dense model's (0.1: 10 %)",
+    )
+
+    @field_validator("format")
+    @classmethod
+    def _format_with_bytes(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # It says what max_bytes counts, so it means nothing without it.
+        if value is not None and info.data.get("max_bytes") is None:
+            raise PydanticCustomError("format_without_bytes", "only goes with max_bytes")
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "TargetConfig":
+        given = [name for name in BUDGETS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError(
+                "one_budget",
+                "give exactly one of {budgets}, got {given}",
+                {"budgets": ", ".join(BUDGETS), "given": ", ".join(given) or "none"},
+            )
+        if self.max_bytes is not None and self.format is None:
+            self.format = DEFAULT_TARGET_FORMAT
+        return self
+
+
 class PruneSettings(ConfigPart):
     """What the user chooses: settable with the same name, default and range on the command line and the API."""
 
-    ratio: float = Field(gt=0, lt=1, description="fraction of decoder parameters to remove")
+    ratio: float | None = Field(
+        None, gt=0, lt=1, description="fraction of decoder parameters to remove; give ratio or target"
+    )
+    target: TargetConfig | None = Field(
+        None, description="prune to a budget instead of a ratio: the best of several ratios and formats"
+    )
+    ratios: list[Annotated[float, annotated_types.Gt(0), annotated_types.Lt(1)]] = Field(
+        default_factory=lambda: list(DEFAULT_SWEEP_RATIOS),
+        min_length=1,
+        max_length=MAX_SWEEP_RATIOS,
+        description="with target: the ratios tried",
+    )
+    gguf_types: list[Literal[GGUF_TYPES]] | None = Field(  # type: ignore[valid-type]
+        None,
+        min_length=1,
+        max_length=len(GGUF_TYPES),
+        description="with a GGUF target: the types tried; default f16, q8_0, q5_k_m, q4_k_m (those whose block "
+        "the model's hidden size fits)",
+    )
+    quantizations: list[Literal[QUANTIZATIONS]] | None = Field(  # type: ignore[valid-type]
+        None,
+        min_length=1,
+        max_length=len(QUANTIZATIONS),
+        description="with a safetensors target: the schemes tried; default none, w8a8_int8, w4a16 (those the "
+        "model's widths take)",
+    )
+    keep: Literal[KEEP_CHOICES] = Field(  # type: ignore[valid-type]
+        "best", description="with target: best keeps the pick's files only, all every candidate's (candidates/)"
+    )
+
+    @field_validator("ratios", "gguf_types", "quantizations")
+    @classmethod
+    def _no_repeats(cls, values: list[Any] | None) -> list[Any] | None:
+        if values is not None and len(set(values)) < len(values):
+            repeated = next(value for value in values if values.count(value) > 1)
+            raise PydanticCustomError("repeated", "names {value} twice", {"value": repeated})
+        return values
+
     alpha: Alpha = Field(
         1.0, description="allocation temperature, or auto: the grid's best on held-out calibration windows"
     )
@@ -336,25 +433,67 @@ class PruneConfig(PruneSettings):
     def validate(self) -> "PruneConfig":  # type: ignore[override]
         """Checks the settings again (they may have been changed since construction) and the rules between them."""
         checked = PruneConfig.from_dict(self.model_dump())
-        if not checked.ratio <= checked.r_max:
+        if (checked.ratio is None) == (checked.target is None):
+            raise InvalidConfig(
+                "ratio: give ratio or target, not both" if checked.is_sweep else "ratio: give ratio or target"
+            )
+        if checked.is_sweep and not max(checked.ratios) <= checked.r_max:
+            raise InvalidConfig(f"ratios: must be at most r_max ({checked.r_max}), got {max(checked.ratios)}")
+        if checked.ratio is not None and not checked.ratio <= checked.r_max:
             raise InvalidConfig(f"r_max: must be in [ratio, 1], got {checked.r_max}")
         if checked.alpha == AUTO_ALPHA and checked.calibration.n_samples < 2:
             raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
         return self
 
+    @property
+    def is_sweep(self) -> bool:
+        """A budget was given: the job tries several ratios and formats (casp_core.targets)."""
+        return self.target is not None
+
+    def candidate_config(self, ratio: float, fmt: str, variant: str) -> "PruneConfig":
+        """The single-ratio job of one candidate of a sweep: `ratio`, written as GGUF type `variant` (fmt
+        "gguf": a GGUF export, checkpoint unquantized) or quantized with scheme `variant` (fmt "safetensors")."""
+        chosen = {**self.model_dump(), "ratio": ratio, "target": None}
+        if fmt == "gguf":
+            chosen |= {"export": ["gguf"], "gguf_type": variant, "quantization": "none"}
+        else:
+            chosen |= {"quantization": variant}
+        return PruneConfig(**chosen)
+
 
 def setting_fields(model: type[BaseModel] = PruneSettings, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(dotted name, FieldInfo) of every setting, depth first, in declaration order; parts are walked, not named."""
     for name, info in model.model_fields.items():
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        annotation = part_of(info.annotation)
+        if annotation is not None:
             yield from setting_fields(annotation, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", info
 
 
+def part_of(annotation: Any) -> type[BaseModel] | None:
+    """The part a field holds (`calibration`: CalibrationConfig; `target`, optional: TargetConfig); None for a
+    setting."""
+    members = [arg for arg in get_args(annotation) if arg is not NoneType] if is_optional(annotation) else [annotation]
+    part = members[0] if len(members) == 1 else None
+    return part if isinstance(part, type) and issubclass(part, BaseModel) else None
+
+
+def is_optional(annotation: Any) -> bool:
+    return get_origin(annotation) in (Union, UnionType) and NoneType in get_args(annotation)
+
+
+def without_none(annotation: Any) -> Any:
+    """`X | None` is X; a union of several types keeps them all but None; anything else is itself."""
+    if not is_optional(annotation):
+        return annotation
+    members = tuple(arg for arg in get_args(annotation) if arg is not NoneType)
+    return members[0] if len(members) == 1 else Union[members]  # noqa: UP007 (a tuple of types)
+
+
 def choices_of(annotation: Any) -> tuple[Any, ...] | None:
-    """The allowed values of a Literal setting (or of a list of them); None for the others."""
+    """The allowed values of a Literal setting (or of a list of them, optional or not); None for the others."""
+    annotation = without_none(annotation)
     if get_origin(annotation) is list:
         annotation = get_args(annotation)[0]
     return get_args(annotation) if get_origin(annotation) is Literal else None

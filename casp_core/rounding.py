@@ -18,6 +18,8 @@ Narrower layers keep auto's unit (the block would leave them one or no choice of
 
 import math
 
+from casp_core.errors import InvalidConfig
+
 AUTO = "auto"
 WIDEST_UNIT = 64  # measured to give llama.cpp its prefill speedup at 4096 channels
 NARROWEST_UNIT = 8  # below this auto keeps the exact count
@@ -37,6 +39,20 @@ def round_to_for(width: int, setting: int | str, block: int | None = None) -> in
     if setting != AUTO:
         return int(setting)
     return block if block and width >= 2 * block else auto_round_to(width)
+
+
+def channel_counts(width: int, r_max: float, round_to_setting: int | str, block: int | None = None) -> tuple[int, ...]:
+    """The FFN channel counts a layer may prune: at most r_max of them, keeping a positive multiple of round_to
+    (the setting's, or auto's for this width and the quantizer's `block`)."""
+    round_to = round_to_for(width, round_to_setting, block)
+    most = int(r_max * width + 1e-9)
+    counts = tuple(c for c in range(most + 1) if (width - c) % round_to == 0 and width - c >= round_to)
+    if not counts:
+        raise InvalidConfig(
+            f"round_to: a layer of {width} FFN channels cannot keep a multiple of {round_to} channels "
+            f"while pruning at most r_max = {r_max} of them"
+        )
+    return counts
 
 
 def head_multiple(block: int | None, head_dim: int) -> int:

@@ -38,7 +38,7 @@ def add_prune_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, help="local model directory or Hugging Face id")
     parser.add_argument("--revision", help="Hugging Face revision")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty)")
-    add_setting_flags(parser, required=("ratio",))
+    add_setting_flags(parser)
     add_machine_flags(parser)
     parser.set_defaults(run=run_prune)
 

@@ -19,7 +19,15 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from casp_core.cli.arguments import names
-from casp_core.config import PruneConfig, PruneSettings, choices_of, describe_range, reason, setting_fields
+from casp_core.config import (
+    PruneConfig,
+    PruneSettings,
+    choices_of,
+    describe_range,
+    reason,
+    setting_fields,
+    without_none,
+)
 
 FLAGS = {
     "calibration.dataset": "--calibration-dataset",
@@ -42,6 +50,9 @@ FLAGS = {
     "recovery.dropout": "--lora-dropout",
     "recovery.target_modules": "--lora-targets",
     "recovery.seed": "--recovery-seed",
+    "target.max_bytes": "--target-bytes",
+    "target.format": "--target-format",
+    "target.max_params": "--target-params",
 }
 # Earlier spellings (`casp prune` said --calibration-data / --eval-data, `casp submit` said --limit): still read,
 # no longer shown.
@@ -63,16 +74,9 @@ def _members(annotation: Any) -> tuple[Any, ...]:
     return ()
 
 
-def _without_none(annotation: Any) -> Any:
-    members = _members(annotation)
-    if not members:
-        return annotation
-    return members[0] if len(members) == 1 else Union[members]  # noqa: UP007 (a tuple of types)
-
-
 def value_parser(info: FieldInfo) -> Callable[[str], Any]:
     """Text to the setting's value, checked by the setting's own rules; a bad value names the rule it broke."""
-    annotation = _without_none(info.annotation)
+    annotation = without_none(info.annotation)
     adapter: TypeAdapter[Any] = TypeAdapter(Annotated[(annotation, *info.metadata)] if info.metadata else annotation)
     is_list = get_origin(annotation) is list
     scalar = annotation if annotation in (int, float) else str
@@ -112,7 +116,8 @@ def add_setting_flags(
         if name in skip:
             continue
         default = info.get_default(call_default_factory=True)
-        help_text = (info.description or "") + (", comma-separated" if get_origin(info.annotation) is list else "")
+        is_list = get_origin(without_none(info.annotation)) is list
+        help_text = (info.description or "") + (", comma-separated" if is_list else "")
         if default is not PydanticUndefined and default is not None and not isinstance(default, bool):
             help_text += f" (default: {_shown(default) or 'none'})"
         options: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
@@ -121,7 +126,7 @@ def add_setting_flags(
             continue
         choices = choices_of(info.annotation)
         value = value_parser(info)
-        if choices and get_origin(info.annotation) is not list:
+        if choices and not is_list:
             options["choices"] = choices
         metavar = flag(name).removeprefix("--").replace("-", "_").upper()
         parser.add_argument(
@@ -162,7 +167,7 @@ def settings_from_args(args: argparse.Namespace, model: type[BaseModel] = PruneS
 
 def allowed(info: FieldInfo) -> str:
     """What a setting takes, in the words of the README's table."""
-    is_list = get_origin(info.annotation) is list
+    is_list = get_origin(without_none(info.annotation)) is list
     choices = choices_of(info.annotation)
     if choices:
         return ("a list of " if is_list else "") + ", ".join(f"`{choice}`" for choice in choices)
@@ -174,6 +179,8 @@ def allowed(info: FieldInfo) -> str:
     if info.annotation is bool:
         return "true, false"
     span = describe_range(info)
+    if span and is_list:
+        return f"a list of numbers {span}"
     if span:
         return span + (" or null" if get_origin(info.annotation) in (Union, UnionType) else "")
     # The free-text settings are data sets: `name[:split]` or a file.

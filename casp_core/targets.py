@@ -1,0 +1,142 @@
+"""A budget as candidates: the (ratio, format variant) pairs a sweep tries, with their sizes estimated from the
+dense model's config before any statistics (casp_core.size_estimate).
+
+A job with `target` prunes at each of `ratios` and writes each pruned model in each variant of the sweep's format:
+GGUF types (`gguf_types`) or compressed-tensors schemes for safetensors (`quantizations`). A bytes or parameters
+budget leaves out, before any work, the candidates whose estimate exceeds it; none left is refused, naming the
+smallest size reachable. The dense model in each variant is a reference point of the curve.
+"""
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from casp_core.config import PruneSettings, TargetConfig
+from casp_core.errors import InvalidConfig
+from casp_core.export.gguf_types import block_of, check_gguf_type
+from casp_core.size_estimate import Geometry, PlannedShape, gguf_bytes, planned_shape, safetensors_bytes
+
+GGUF = "gguf"
+SAFETENSORS = "safetensors"
+DEFAULT_GGUF_TYPES = ("f16", "q8_0", "q5_k_m", "q4_k_m")
+DEFAULT_QUANTIZATIONS = ("none", "w8a8_int8", "w4a16")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    ratio: float  # 0.0 for the dense reference points
+    format: str  # "gguf" | "safetensors"
+    variant: str  # the GGUF type ("q4_k_m") or the quantization scheme ("none", "w8a8_int8", ...)
+    estimated_bytes: int  # of the file(s) a user serves in that format
+    estimated_params: int  # every parameter the model holds (embedding and head included, tied ones once)
+
+
+def sweep_format(settings: PruneSettings) -> str:
+    """What the sweep writes: the bytes budget's format; for the other budgets, GGUF when the job exports it."""
+    assert settings.target is not None, "only a job with a target sweeps"
+    if settings.target.max_bytes is not None:
+        return settings.target.format or GGUF
+    return GGUF if GGUF in settings.export else SAFETENSORS
+
+
+def sweep_variants(model_config: PretrainedConfig, settings: PruneSettings) -> list[str]:
+    """The variants of the sweep's format: the ones asked for, each checked against the model; by default those of
+    the defaults the model's widths take."""
+    if sweep_format(settings) == GGUF:
+        return _variants(model_config, settings, "gguf_types", settings.gguf_types, DEFAULT_GGUF_TYPES)
+    return _variants(model_config, settings, "quantizations", settings.quantizations, DEFAULT_QUANTIZATIONS)
+
+
+def _variants(
+    model_config: PretrainedConfig,
+    settings: PruneSettings,
+    name: str,
+    asked: list[str] | None,
+    default: tuple[str, ...],
+) -> list[str]:
+    if asked is None:
+        return [variant for variant in default if _refusal(model_config, settings, name, variant) is None]
+    for variant in asked:
+        if (refused := _refusal(model_config, settings, name, variant)) is not None:
+            raise InvalidConfig(f"{name}: {variant}: {refused}")
+    return list(asked)
+
+
+def _refusal(model_config: PretrainedConfig, settings: PruneSettings, name: str, variant: str) -> str | None:
+    """Why this model cannot be written in `variant`, or None."""
+    # Imported here: casp_core.quantization loads torch and compressed-tensors, and only a safetensors sweep needs it.
+    from casp_core.quantization import check_quantization
+
+    try:
+        if name == "gguf_types":
+            check_gguf_type(model_config.hidden_size, variant)
+        else:
+            check_quantization(model_config, settings.model_copy(update={"quantization": variant}))
+    except InvalidConfig as refused:
+        return refused.message.partition(": ")[2] or refused.message
+    return None
+
+
+def _estimate(
+    model_config: PretrainedConfig, settings: PruneSettings, ratio: float, fmt: str, variant: str
+) -> tuple[Candidate, PlannedShape]:
+    geometry = Geometry.of(model_config, settings.dtype)
+    block = block_of(variant) if fmt == GGUF else None
+    shape = planned_shape(geometry, settings, ratio, block)
+    size = gguf_bytes(geometry, shape, variant) if fmt == GGUF else safetensors_bytes(geometry, shape, variant)
+    return Candidate(ratio, fmt, variant, size, shape.params), shape
+
+
+def dense_points(model_config: PretrainedConfig, settings: PruneSettings) -> list[Candidate]:
+    """The dense model in each variant of the sweep (ratio 0.0): the reference points of the curve."""
+    fmt = sweep_format(settings)
+    return [
+        _estimate(model_config, settings, 0.0, fmt, variant)[0] for variant in sweep_variants(model_config, settings)
+    ]
+
+
+def sweep_candidates(model_config: PretrainedConfig, settings: PruneSettings) -> list[Candidate]:
+    """Every (ratio, variant) the sweep tries, ordered by ratio then variant (as given), without those a bytes or
+    parameters budget excludes by estimate or whose ratio whole units cannot reach; InvalidConfig naming the
+    budget and the smallest size reachable when none is left."""
+    assert settings.target is not None, "only a job with a target sweeps"
+    fmt = sweep_format(settings)
+    variants = sweep_variants(model_config, settings)
+    candidates = []
+    for ratio in sorted(settings.ratios):
+        for variant in variants:
+            candidate, shape = _estimate(model_config, settings, ratio, fmt, variant)
+            if shape.reachable:
+                candidates.append(candidate)
+    if not candidates:
+        raise InvalidConfig(
+            f"ratios: whole heads and FFN channels within r_max = {settings.r_max} reach none of "
+            f"{', '.join(map(str, sorted(settings.ratios)))} on this model (ask for less, or raise r_max)"
+        )
+    fitting = [c for c in candidates if within_target(c.estimated_bytes, c.estimated_params, settings.target)]
+    if not fitting:
+        raise InvalidConfig(_nothing_fits(candidates, settings.target))
+    return fitting
+
+
+def _nothing_fits(candidates: list[Candidate], target: TargetConfig) -> str:
+    if target.max_bytes is not None:
+        smallest = min(candidates, key=lambda c: (c.estimated_bytes, c.ratio))
+        return (
+            f"target.max_bytes: no candidate fits in {target.max_bytes} bytes: the smallest reachable is "
+            f"{smallest.estimated_bytes} bytes (ratio {smallest.ratio}, {smallest.variant})"
+        )
+    smallest = min(candidates, key=lambda c: (c.estimated_params, c.ratio))
+    return (
+        f"target.max_params: no candidate fits in {target.max_params} parameters: the smallest reachable is "
+        f"{smallest.estimated_params} parameters (ratio {smallest.ratio}, {smallest.variant})"
+    )
+
+
+def within_target(entry_bytes: int, entry_params: int, target: TargetConfig) -> bool:
+    """Whether a model of these sizes meets a bytes or parameters budget (a perplexity budget: always)."""
+    if target.max_bytes is not None:
+        return entry_bytes <= target.max_bytes
+    if target.max_params is not None:
+        return entry_params <= target.max_params
+    return True
