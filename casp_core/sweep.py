@@ -160,6 +160,10 @@ class SweepProgress:
     started: float = 0.0  # when work on the current unit started (perf_counter)
     _within: float = 0.0
 
+    def sharing(self, ratios: list[float]) -> None:
+        """The work the ratios of a group share comes first, within the first unit's share."""
+        self.name, self._within = f"statistics shared by ratios {', '.join(f'{ratio:g}' for ratio in ratios)}", 0.0
+
     def start(self, name: str) -> None:
         self.name, self._within, self.started = name, 0.0, time.perf_counter()
         self.run.check_cancelled()
@@ -548,7 +552,7 @@ def sweep_candidates_of(
     unit_run = progress.unit_run()
     for group in groups.values():
         by_ratio = {unit.ratio: unit for unit in group}
-        progress.name = f"statistics shared by ratios {', '.join(f'{ratio:g}' for ratio in by_ratio)}"
+        progress.sharing(list(by_ratio))
 
         def started(ratio: float, by_ratio: dict[float, Unit] = by_ratio) -> None:
             progress.start(by_ratio[ratio].describe())
@@ -616,7 +620,8 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
     frontier.png; the report written."""
     state, target = sweep.state, sweep.target
     assert target is not None and state.dense_figures is not None
-    points = on_front(state.points)
+    variants = [point.variant for point in state.points if point.dense]  # in the sweep's order
+    points = on_front(sorted(state.points, key=lambda point: (point.ratio, variants.index(point.variant))))
     pick = target.pick(points)
     if pick is None:
         raise target.unmet(points)

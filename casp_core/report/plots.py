@@ -141,9 +141,10 @@ def plot_frontier(frontier: dict[str, Any], path: Path) -> Path:
     for ratio in sorted({point["ratio"] for point in points}):
         line = sorted((point for point in points if point["ratio"] == ratio), key=lambda point: point["bytes"])
         sizes = [point["bytes"] / 1e6 for point in line]
-        axes.plot(sizes, [_value(point, "perplexity", text) for point in line], marker="o", label=(
-            f"dense ({', '.join(point['variant'] for point in line)})" if ratio == 0 else f"ratio {ratio:g}"
-        ))  # fmt: skip
+        perplexities = [_value(point, "perplexity", text) for point in line]
+        axes.plot(sizes, perplexities, marker="o", label="dense" if ratio == 0 else f"ratio {ratio:g}")
+        for point, size, perplexity in zip(line, sizes, perplexities, strict=True):
+            axes.annotate(point["variant"], (size, perplexity), textcoords="offset points", xytext=(4, 4), fontsize=7)
     front = sorted((point for point in points if point["on_front"]), key=lambda point: point["bytes"])
     axes.plot(
         [point["bytes"] / 1e6 for point in front],
