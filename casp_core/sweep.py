@@ -362,7 +362,8 @@ class SweepState:
             return cls()
         return cls(
             dense_figures=Figures(**kept["dense_figures"]) if kept["dense_figures"] else None,
-            points=[Point.from_dict(point) for point in kept["points"]],
+            # The files of an earlier attempt went with its staging folder.
+            points=[replace(Point.from_dict(point), path=None) for point in kept["points"]],
             finished=kept["finished"],
             best=kept["best"],
         )
