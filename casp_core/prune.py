@@ -416,9 +416,16 @@ def prune_ratios(
     copy of `dense` returns for `config` with that ratio and the same windows. `dense` is left unchanged.
 
     The work every ratio shares is done once, before the first: the calibration windows, the sensitivities S_l
-    and the first decoder layer's inputs. Each ratio then prunes its own copy of `dense`. `on_ratio(ratio)` is
-    called as work on a ratio starts. The settings of every ratio are checked before any work (InvalidConfig).
-    `run`'s timer counts the shared stages; each result's `timings`, its own ratio's."""
+    and the first decoder layer's inputs. In sequential calibration each ratio then prunes a copy of `dense` of its
+    own (its layers see the layers before them pruned at that ratio). In dense calibration no layer's statistics
+    depend on the ratio: one pass over the layers takes each layer's statistics and Q once and chooses, compensates
+    and masks every ratio's units on them, keeping per ratio only its masked o_proj and down_proj columns; each
+    ratio's surgery and verification come as its result is asked for.
+
+    `on_ratio(ratio)` is called as the work of that ratio alone starts (in dense mode: after the shared layer pass,
+    before its surgery). The settings of every ratio are checked before any work (InvalidConfig). `run`'s timer
+    counts the shared stages; each result's `timings`, its own ratio's. Cancelling (`run.should_cancel`) stops the
+    sweep at the next layer or ratio."""
     configs = [ratio_config(config, ratio) for ratio in ratios]
     for ratio_settings in configs:
         ratio_settings.validate()

@@ -8,9 +8,10 @@ import torch
 
 import casp_core.prune
 from casp_core.calibration import calibration_windows
-from casp_core.errors import InvalidConfig
+from casp_core.errors import Cancelled, InvalidConfig
 from casp_core.model import load_model
 from casp_core.prune import prune, prune_ratios
+from casp_core.run import Run
 from tests.conftest import PTBWIKI, small_config
 
 RATIOS = (0.2, 0.5)
@@ -110,3 +111,15 @@ def test_a_bad_ratio_is_refused_before_any_work(ptbwiki):
     dense, tokenizer = ptbwiki
     with pytest.raises(InvalidConfig, match="r_max"):
         prune_ratios(dense, tokenizer, sweep_config("sequential"), [0.2, 0.95])
+
+
+def test_cancelling_stops_the_sweep_before_the_next_ratio(ptbwiki):
+    dense, tokenizer = ptbwiki
+    cancelled, started = False, []
+    run = Run(should_cancel=lambda: cancelled)
+    sweep = prune_ratios(dense, tokenizer, sweep_config("sequential"), RATIOS, run, on_ratio=started.append)
+    assert next(sweep)[0] == RATIOS[0]
+    cancelled = True
+    with pytest.raises(Cancelled):
+        next(sweep)
+    assert started == [RATIOS[0]]  # the second ratio never started
