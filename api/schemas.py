@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path as PathParam
 from pydantic import BaseModel, Field, StringConstraints, field_validator
 
-from casp_core.config import Printable, PruneSettings
+from casp_core.config import Printable, PruneSettings, is_optional, part_of
 from casp_core.model import is_local_reference
 from service.paths import S3_SCHEME, UPLOAD_SCHEME
 from service.settings import DEVICES
@@ -35,12 +35,17 @@ def strict_model(model: type[BaseModel]) -> type[BaseModel]:
         "__annotations__": {},
     }
     for name, info in model.model_fields.items():
-        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-            nested = strict_model(info.annotation)
-            field = copy(info)
+        part = part_of(info.annotation)
+        if part is None:
+            continue
+        nested = strict_model(part)
+        field = copy(info)
+        if is_optional(info.annotation):  # `target`: absent unless given
+            field.annotation = nested | None
+        else:
             field.annotation, field.default_factory = nested, nested
-            namespace["__annotations__"][name] = nested
-            namespace[name] = field
+        namespace["__annotations__"][name] = field.annotation
+        namespace[name] = field
     return type(model.__name__, (model,), namespace)
 
 
@@ -89,6 +94,40 @@ class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
     def settings(self) -> dict[str, Any]:
         """The pruning settings alone, as PruneSettings has them."""
         return self.model_dump(include=set(PruneSettings.model_fields))
+
+
+# POST /v1/jobs's examples in /docs and /openapi.json: a ratio, and each form of a budget (README, "Prune to a
+# budget"). tests/api/test_budget_targets.py submits each.
+JOB_EXAMPLES: dict[str, dict[str, Any]] = {
+    "ratio": {
+        "summary": "Prune by a ratio",
+        "value": {"model": "meta-llama/Llama-3.1-8B", "ratio": 0.3, "export": ["gguf"], "gguf_type": "q4_k_m"},
+    },
+    "max_bytes": {
+        "summary": "The best GGUF file within 6 GB",
+        "description": "Each ratio in each GGUF type; the lowest perplexity whose file fits.",
+        "value": {"model": "meta-llama/Llama-3.1-8B", "target": {"max_bytes": "6GB", "format": "gguf"}},
+    },
+    "max_params": {
+        "summary": "The best model with at most 6 B parameters",
+        "description": "Every parameter counts: embedding and head included, a tied one once.",
+        "value": {
+            "model": "meta-llama/Llama-3.1-8B",
+            "target": {"max_params": 6_000_000_000},
+            "ratios": [0.1, 0.2, 0.3],
+        },
+    },
+    "max_perplexity_increase": {
+        "summary": "The smallest file whose perplexity rises by at most 10 %",
+        "description": "On the first evaluation text, against the dense model's.",
+        "value": {
+            "model": "meta-llama/Llama-3.1-8B",
+            "target": {"max_perplexity_increase": 0.1},
+            "export": ["gguf"],
+            "gguf_types": ["q8_0", "q5_k_m", "q4_k_m"],
+        },
+    },
+}
 
 
 class JobError(BaseModel):

@@ -8,9 +8,11 @@ is the loop, with the allocation before it and surgery and verification after it
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_ratios
@@ -24,6 +26,8 @@ from casp_core.budget import (
 )
 from casp_core.calibration import (
     LayerInputs,
+    SecondMoment,
+    StreamCrossMoment,
     calibration_windows,
     capture_first_layer_inputs,
     check_finite_moments,
@@ -35,6 +39,7 @@ from casp_core.calibration import (
 from casp_core.compensation import compensate_layer
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.model import (
+    AttentionGeometry,
     attention_geometry,
     decoder_layers,
     on_device,
@@ -45,9 +50,9 @@ from casp_core.model import (
 from casp_core.placement import RESIDENT, Placement, choose_placement
 from casp_core.results import LayerReport, PruneResult, TemperatureChoice
 from casp_core.run import CPU, Run, StageTimer
-from casp_core.selection import choose_units, layer_q, params_kept
-from casp_core.surgery import fill_pruned_layer, kept_kv_heads, mask_layer, pruned_skeleton
-from casp_core.temperature import choose_alpha
+from casp_core.selection import LayerQ, choose_units, layer_q, params_kept
+from casp_core.surgery import fill_pruned_layer, head_columns, kept_kv_heads, mask_layer, pruned_skeleton
+from casp_core.temperature import choose_alpha, restored
 from casp_core.verification import verify
 
 
@@ -95,29 +100,62 @@ def prune_layer(
             )
         moments, cross_moments = recording.moments, recording.cross_moments
     check_finite_moments(moments, index)
-
     geometry = attention_geometry(model, layer)
-    with run.stage("solver"):
-        choice = choose_units(
-            layer, geometry, layer_q(layer, geometry, moments), moments, plan, index, removed_before, config.solver
-        )
-    attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
-    params_before = sum(sublayer_parameters(layer))
-    if config.compensation != "none":
-        with run.stage("compensation"):
-            attn.compensation, mlp.compensation = compensate_layer(
-                layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
-            )
-    del moments, cross_moments
-    params_after = params_kept(layer, choice)
-    kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
-    mask_layer(layer, geometry, pruning)
+    with run.stage("statistics"):
+        q = layer_q(layer, geometry, moments)
+    report = choose_and_mask(
+        layer,
+        geometry,
+        q,
+        moments,
+        cross_moments,
+        plan,
+        removed_before,
+        config,
+        run,
+        index=index,
+        ratio=ratio,
+        sensitivity=sensitivity,
+    )
+    del moments, cross_moments, q
     with run.stage("calibration_forward"):
         if stream.sequential:
             stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)
         else:
             stream.inputs.batches = dense_outputs
     layer.to(stream.home)
+    return report
+
+
+def choose_and_mask(
+    layer: nn.Module,
+    geometry: AttentionGeometry,
+    q: LayerQ,
+    moments: dict[str, SecondMoment],
+    cross_moments: dict[str, StreamCrossMoment] | None,
+    plan: BudgetPlan | UniformShape,
+    removed_before: int,
+    config: PruneConfig,
+    run: Run,
+    *,
+    index: int,
+    ratio: float,
+    sensitivity: float | None,
+) -> LayerReport:
+    """The layer's units for its budget in `plan`, chosen on Q; the kept ones compensated and the chosen ones
+    masked, in place."""
+    params_before = sum(sublayer_parameters(layer))
+    with run.stage("solver"):
+        choice = choose_units(layer, geometry, q, moments, plan, index, removed_before, config.solver)
+    attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
+    if config.compensation != "none":
+        with run.stage("compensation"):
+            attn.compensation, mlp.compensation = compensate_layer(
+                layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
+            )
+    params_after = params_kept(layer, choice)
+    kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
+    mask_layer(layer, geometry, pruning)
     return LayerReport(
         index=index,
         ratio=ratio,
@@ -299,7 +337,6 @@ def prune(
     check_reachable(model, config)
     run = run or Run()
     placement = place(model, config, run, placement)
-    device = placement.device
     if windows is None:
         windows = load_windows(model, tokenizer, config, run)
 
@@ -310,20 +347,40 @@ def prune(
             allocation = allocate(model, windows, config, placement, run, sensitivities)
         reports = prune_layers(model, windows, allocation, config, placement, run, first_layer_inputs)
 
+    return removed_units(
+        model, reports, allocation.temperature, config, windows, placement, run, params_dense, rounding, release_dense
+    )
+
+
+def removed_units(
+    masked: PreTrainedModel,
+    reports: list[LayerReport],
+    temperature: TemperatureChoice | None,
+    config: PruneConfig,
+    windows: torch.Tensor,
+    placement: Placement,
+    run: Run,
+    params_dense: int,
+    rounding: dict[str, Any],
+    release_masked: bool,
+) -> PruneResult:
+    """Surgery and verification: the physically smaller model built from `masked` (its units masked as `reports`
+    say) and checked to compute what `masked` computes; the result as `prune` returns it."""
     prunings = [report.pruning for report in reports]
     with run.stage("surgery"):
-        pruned = pruned_skeleton(model, prunings, plain=config.shape == UNIFORM_SHAPE)
+        pruned = pruned_skeleton(masked, prunings, plain=config.shape == UNIFORM_SHAPE)
     with run.stage("verification"):
-        # Each pruned layer is built just before it is compared, and with `release_dense` the masked layer is freed
-        # right after: host memory holds about one copy of the model, not the masked and the pruned side by side.
+        # Each pruned layer is built just before it is compared, and with `release_masked` the masked layer is
+        # freed right after: host memory holds about one copy of the model, not the masked and the pruned side by
+        # side.
         run.report("verification", 0.0, "pruned model against the masked model")
         verification = verify(
-            model,
+            masked,
             pruned,
             windows[:2, : min(windows.shape[1], 128)],
-            device,
-            fill_layer=lambda index: fill_pruned_layer(pruned, model, index, prunings[index]),
-            release_masked=release_dense,
+            placement.device,
+            fill_layer=lambda index: fill_pruned_layer(pruned, masked, index, prunings[index]),
+            release_masked=release_masked,
         )
     return PruneResult(
         model=pruned,
@@ -333,7 +390,7 @@ def prune(
         verification_max_abs_diff=verification.max_abs_diff,
         verification_max_relative_diff=verification.max_relative_diff,
         timings=run.timer.stages,
-        temperature=allocation.temperature,
+        temperature=temperature,
         placement=placement,
         rounding=rounding,
     )
@@ -359,9 +416,16 @@ def prune_ratios(
     copy of `dense` returns for `config` with that ratio and the same windows. `dense` is left unchanged.
 
     The work every ratio shares is done once, before the first: the calibration windows, the sensitivities S_l
-    and the first decoder layer's inputs. Each ratio then prunes its own copy of `dense`. `on_ratio(ratio)` is
-    called as work on a ratio starts. The settings of every ratio are checked before any work (InvalidConfig).
-    `run`'s timer counts the shared stages; each result's `timings`, its own ratio's."""
+    and the first decoder layer's inputs. In sequential calibration each ratio then prunes a copy of `dense` of its
+    own (its layers see the layers before them pruned at that ratio). In dense calibration no layer's statistics
+    depend on the ratio: one pass over the layers takes each layer's statistics and Q once and chooses, compensates
+    and masks every ratio's units on them, keeping per ratio only its masked o_proj and down_proj columns; each
+    ratio's surgery and verification come as its result is asked for.
+
+    `on_ratio(ratio)` is called as the work of that ratio alone starts (in dense mode: after the shared layer pass,
+    before its surgery). The settings of every ratio are checked before any work (InvalidConfig). `run`'s timer
+    counts the shared stages; each result's `timings`, its own ratio's. Cancelling (`run.should_cancel`) stops the
+    sweep at the next layer or ratio."""
     configs = [ratio_config(config, ratio) for ratio in ratios]
     for ratio_settings in configs:
         ratio_settings.validate()
@@ -382,25 +446,162 @@ def _prune_ratios(
     placement = place(dense, shared, run, placement)
     if windows is None:
         windows = load_windows(dense, tokenizer, shared, run)
-    sensitivities = None
+    runs = [replace(run, timer=StageTimer(run.timer.device)) for _ in configs]
+    # In dense mode no layer's statistics depend on the ratio: one pass over the layers serves every ratio.
+    dense_mode = shared.calibration.mode == "dense"
+    passes: list[RatioPass | None] = []
     with resident(dense, placement):
+        sensitivities = None
         if uses_sensitivities(shared):
             with run.stage("allocation"):
                 sensitivities = measure_sensitivities(dense, windows, shared, placement, run)
         first_layer_inputs = capture_layer_inputs(dense, windows, shared, placement, run)
-    for ratio_settings in configs:
+        if dense_mode:
+            for ratio_settings, ratio_run in zip(configs, runs, strict=True):
+                with ratio_run.stage("allocation"):
+                    allocation = allocate(dense, windows, ratio_settings, placement, ratio_run, sensitivities)
+                passes.append(RatioPass(ratio_settings, ratio_run, allocation))
+            prune_layers_for_ratios(dense, first_layer_inputs, passes, placement, run)
+
+    params_dense = prunable_parameters(dense)
+    for index, (ratio_settings, ratio_run) in enumerate(zip(configs, runs, strict=True)):
         run.check_cancelled()
         if on_ratio is not None:
             on_ratio(ratio_settings.ratio)
-        result = prune(
-            copy.deepcopy(dense),
-            tokenizer,
-            ratio_settings,
-            replace(run, timer=StageTimer(run.timer.device)),
-            windows=windows,
-            sensitivities=sensitivities,
-            first_layer_inputs=first_layer_inputs,
-            release_dense=True,  # the copy's masked layers: nobody reads them after verification
-            placement=placement,
-        )
+        if dense_mode:
+            ratio_pass, passes[index] = passes[index], None  # its masked sub-layers go with its result
+            result = ratio_pass.finish(dense, windows, placement, params_dense)
+        else:
+            result = prune(
+                copy.deepcopy(dense),
+                tokenizer,
+                ratio_settings,
+                ratio_run,
+                windows=windows,
+                sensitivities=sensitivities,
+                first_layer_inputs=first_layer_inputs,
+                release_dense=True,  # the copy's masked layers: nobody reads them after verification
+                placement=placement,
+            )
         yield ratio_settings.ratio, result
+
+
+@dataclass
+class MaskedLinear:
+    """One ratio's o_proj or down_proj of one layer, compensated and masked: its kept input columns (the others
+    are zero) and its bias, on the CPU."""
+
+    columns: torch.Tensor  # the kept input columns' numbers
+    weight: torch.Tensor  # those columns
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, linear: nn.Linear, pruned_columns: list[int]) -> "MaskedLinear":
+        weight = linear.weight.detach()
+        columns = torch.ones(linear.in_features, dtype=torch.bool)
+        columns[pruned_columns] = False
+        columns = columns.nonzero().flatten()
+        bias = None if linear.bias is None else linear.bias.detach().to(CPU, copy=True)
+        return cls(columns, weight.index_select(1, columns.to(weight.device)).to(CPU), bias)
+
+    @torch.no_grad()
+    def put_into(self, linear: nn.Linear) -> None:
+        """`linear` (a copy of the dense one, sharing its tensors) gets these weights as new tensors of its own."""
+        weight = torch.zeros_like(linear.weight, device=CPU).index_copy_(1, self.columns, self.weight)
+        linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
+        linear.bias = None if self.bias is None else nn.Parameter(self.bias, requires_grad=False)
+
+
+@dataclass
+class RatioPass:
+    """One ratio of a dense-mode sweep while the layers are pruned: its allocation, and for each layer done its
+    report and its masked o_proj and down_proj (the dense layer itself is left as it was)."""
+
+    config: PruneConfig
+    run: Run
+    allocation: Allocation
+    reports: list[LayerReport] = field(default_factory=list)
+    masked: list[tuple[MaskedLinear, MaskedLinear]] = field(default_factory=list)
+    removed: int = 0  # parameters the layers so far lost
+
+    def prune_layer(
+        self,
+        layer: nn.Module,
+        geometry: AttentionGeometry,
+        q: LayerQ,
+        moments: dict[str, SecondMoment],
+        index: int,
+    ) -> None:
+        """This ratio's units of the layer, chosen, compensated and masked on a copy of its o_proj and down_proj."""
+        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+        with restored(o_proj, down_proj):
+            report = choose_and_mask(
+                layer,
+                geometry,
+                q,
+                moments,
+                None,
+                self.allocation.plan,
+                self.removed,
+                self.config,
+                self.run,
+                index=index,
+                ratio=self.allocation.ratios[index],
+                sensitivity=self.allocation.sensitivities[index],
+            )
+            heads = head_columns(geometry, report.pruned_heads)
+            self.masked.append((MaskedLinear.of(o_proj, heads), MaskedLinear.of(down_proj, report.pruned_channels)))
+        self.removed += report.params_before - report.params_after
+        self.reports.append(report)
+
+    def finish(
+        self, dense: PreTrainedModel, windows: torch.Tensor, placement: Placement, params_dense: int
+    ) -> PruneResult:
+        """The masked model (a copy of `dense` that shares every weight but the masked ones), then surgery and
+        verification as `prune` ends."""
+        masked = copy.deepcopy(dense, {id(tensor): tensor for tensor in [*dense.parameters(), *dense.buffers()]})
+        for layer, (o_proj, down_proj) in zip(decoder_layers(masked), self.masked, strict=True):
+            o_proj.put_into(layer.self_attn.o_proj)
+            down_proj.put_into(layer.mlp.down_proj)
+        self.masked.clear()
+        return removed_units(
+            masked,
+            self.reports,
+            self.allocation.temperature,
+            self.config,
+            windows,
+            placement,
+            self.run,
+            params_dense,
+            rounding_units(dense, self.config),
+            release_masked=False,  # its other weights are the dense model's
+        )
+
+
+def prune_layers_for_ratios(
+    dense: PreTrainedModel,
+    first_layer_inputs: LayerInputs,
+    passes: list[RatioPass],
+    placement: Placement,
+    run: Run,
+) -> None:
+    """Dense mode, every ratio at once: each layer's statistics and Q once, from the dense model's activations,
+    then each ratio's units chosen on them. `dense` is left as it was."""
+    inputs = replace(first_layer_inputs, batches=list(first_layer_inputs.batches))
+    layers = decoder_layers(dense)
+    for index, layer in enumerate(layers):
+        run.check_cancelled()
+        run.report("pruning", index / len(layers), f"layer {index + 1} of {len(layers)}, {len(passes)} ratios")
+        with on_device(layer, placement.device, placement.home):
+            sublayers = {"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}
+            with run.stage("statistics"), record_inputs(sublayers) as moments:
+                outputs = run_layer(layer, inputs, placement.device, CPU)
+            check_finite_moments(moments, index)
+            geometry = attention_geometry(dense, layer)
+            with run.stage("statistics"):
+                q = layer_q(layer, geometry, moments)
+            for ratio_pass in passes:
+                ratio_pass.prune_layer(layer, geometry, q, moments, index)
+            del moments, q
+        inputs.batches = outputs
+    run.report("pruning", 1.0, "all layers pruned")

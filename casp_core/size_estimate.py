@@ -1,13 +1,13 @@
 """The size of a pruned model, from the dense model's config alone: before any statistics, so that a budget can be
 turned into candidates (casp_core.targets) and an impossible one refused at submit.
 
-The shape follows the budget plan (casp_core.budget) with every layer at the job's ratio: the gradient allocation
-moves heads and channels between layers, not their total. Each layer prunes round(ratio x heads) query heads
-(moved by one where the quantizer's block asks for it: casp_core.rounding.aligned_heads) and takes along the
-fewest key/value heads; heads are added, one layer at a time, where the layers' FFN channels within r_max cannot
-hold the rest; the FFN channels make up the rest of ratio x the decoder layers' attention and MLP parameters, each
-layer keeping a multiple of its rounding unit and giving at least its smallest count (a K-quant's block of 256
-may make that more than the ratio asks). What the plan removes is then within half a rounding unit of this.
+The shape is the budget plan's (casp_core.budget), made for a model of that config built on the meta device (no
+weights): the per-layer ratios the allocation would give if the layers' sensitivities were spread evenly, from the
+first layer, the most sensitive (r_l = 0, as min-max normalisation gives the most sensitive layer), to the last
+(`allocation: uniform` and `shape: uniform` as they are); each layer's heads as the plan fixes them; its FFN
+channels as the pruning takes them, layer by layer, from the plan; key/value heads emptied as the plan counts them
+(the fewest). What a real job removes is within half a rounding unit of the same total; which layers give more
+depends on the sensitivities, which the estimate cannot know.
 
 The files: a GGUF holds each tensor in the type llama.cpp's quantizer gives it (`llama_tensor_get_type` in
 llama.cpp's src/llama-quant.cpp, with `llama-quantize`'s defaults: the output and a tied embedding in Q6_K, some
@@ -15,17 +15,21 @@ attn_v and ffn_down in Q6_K under q4_k_m and q5_k_m, a row that is not a multipl
 fallback type), vectors in F32, each tensor padded to 32 bytes, plus the header and the tokenizer; key/value heads
 are written once per query head where pruning leaves uneven groups (casp_core.export.gguf). Safetensors hold the
 checkpoint's dtype, or compressed-tensors' packing of each decoder projection (casp_core.quantization).
-The estimates are checked against written files in tests/core/test_size_estimate.py.
+tests/core/test_size_estimate.py checks the estimates against written files (README, "Prune to a budget", states
+how close).
 """
 
 import math
 from dataclasses import dataclass
 
-from transformers import PretrainedConfig
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from casp_core.config import PruneSettings
+from casp_core.allocation import allocate_ratios, uniform_ratios
+from casp_core.budget import channels_to_prune, plan_budget, plan_uniform_shape
+from casp_core.config import AUTO_ALPHA, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.export.gguf_types import FLOAT_TYPES
-from casp_core.rounding import aligned_heads, channel_counts, head_multiple, round_to_for
+from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
 
 GGUF_ALIGNMENT = 32
 # Bytes of one block and the weights it holds, as ggml stores each type.
@@ -61,8 +65,8 @@ BASE_TYPE = {
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 # The GGUF's header, its model keys and, per tokenizer entry, the token's text, score and type (measured on the
 # fixtures: tests/core/test_size_estimate.py).
-GGUF_HEADER_BYTES = 2_000
-GGUF_BYTES_PER_TOKEN = 26
+GGUF_HEADER_BYTES = 1_500
+GGUF_BYTES_PER_TOKEN = 23
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 SAFETENSORS_BYTES_PER_TENSOR = 100  # its entry in the JSON header
 GROUP_SIZES = (128, 64, 32)  # casp_core.quantization's w4a16 groups (that module loads torch)
@@ -70,73 +74,45 @@ GROUP_SIZES = (128, 64, 32)  # casp_core.quantization's w4a16 groups (that modul
 
 @dataclass(frozen=True)
 class Geometry:
-    """A dense model's shapes, from its config."""
+    """What the files' sizes need of a dense model besides its pruned shape."""
 
     hidden: int
-    ffn_width: int
-    layers: int
-    heads: int
-    kv_heads: int
     head_dim: int
     vocab: int
+    layers: int
     tied: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: a norm of head_dim weights on q and on k in every layer
+    other_params: int  # embedding, head and norms: everything the pruning leaves whole
     dtype_bytes: int
 
     @classmethod
-    def of(cls, config: PretrainedConfig, dtype: str = "auto") -> "Geometry":
-        heads = config.num_attention_heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    def of(cls, model: PreTrainedModel, dtype: str) -> "Geometry":
+        layers = decoder_layers(model)
+        attention, mlp = layers[0].self_attn, layers[0].mlp
+        config = model.config
+        stored = getattr(config, "dtype", None) or "float32"
         name = dtype if dtype != "auto" else str(stored).removeprefix("torch.")
         return cls(
             hidden=config.hidden_size,
-            ffn_width=config.intermediate_size,
-            layers=config.num_hidden_layers,
-            heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=attention_geometry(model, layers[0]).head_dim,
             vocab=config.vocab_size,
-            tied=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=config.model_type == "qwen2" or attention_bias,
-            o_bias=config.model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=config.model_type == "qwen3",
+            layers=len(layers),
+            tied=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            qkv_bias=attention.q_proj.bias is not None,
+            o_bias=attention.o_proj.bias is not None,
+            mlp_bias=mlp.down_proj.bias is not None,
+            other_params=dense_params(model) - sum(sum(sublayer_parameters(layer)) for layer in layers),
             dtype_bytes=DTYPE_BYTES.get(name, 4),
         )
 
-    @property
-    def group(self) -> int:
-        return self.heads // self.kv_heads
-
-    @property
-    def head_params(self) -> int:
-        """A query head's q rows (and bias) and o columns."""
-        return self.head_dim * (2 * self.hidden + self.qkv_bias)
-
-    @property
-    def kv_head_params(self) -> int:
-        return 2 * self.head_dim * (self.hidden + self.qkv_bias)
-
-    @property
-    def channel_params(self) -> int:
-        """An FFN channel's gate and up rows (and biases) and down column."""
-        return self.hidden + 2 * (self.hidden + self.mlp_bias)
-
-    @property
-    def layer_params(self) -> int:
-        """A decoder layer's attention and MLP projections: what the ratio is measured against."""
-        attention = self.heads * self.head_params + self.kv_heads * self.kv_head_params + self.o_bias * self.hidden
-        return attention + self.ffn_width * self.channel_params + self.mlp_bias * self.hidden
-
-    @property
-    def other_params(self) -> int:
-        """Everything the pruning leaves whole: embedding, head, norms."""
-        per_layer = 2 * self.hidden + 2 * self.head_dim * self.qk_norm
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden + self.layers * per_layer
+    def projection_params(self, shape: "LayerShape") -> int:
+        """A layer's attention and MLP projections, biases included, in `shape`."""
+        h, d = self.hidden, self.head_dim
+        q, kv, w = shape.heads * d, shape.kv_heads * d, shape.ffn_width
+        attention = (q + 2 * kv) * (h + self.qkv_bias) + h * q + self.o_bias * h
+        return attention + 2 * w * (h + self.mlp_bias) + h * w + self.mlp_bias * h
 
 
 @dataclass(frozen=True)
@@ -150,66 +126,69 @@ class LayerShape:
 @dataclass(frozen=True)
 class PlannedShape:
     layers: tuple[LayerShape, ...]
-    params: int  # every parameter the pruned model holds
-    reachable: bool  # whether whole heads and channels within r_max can remove ratio x the decoder's parameters
+    params: int  # every parameter the pruned model holds (tied ones once)
 
 
-def _kept_groups(geometry: Geometry, pruned_heads: int) -> list[int]:
+def dense_params(model: PreTrainedModel) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model of `config` without weights: its modules and shapes, for the budget plan."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def estimated_ratios(n_layers: int, config: PruneConfig) -> list[float]:
+    """The per-layer ratios of sensitivities spread evenly, the first layer the most sensitive."""
+    if config.allocation == "uniform":
+        return uniform_ratios(n_layers, config.ratio)
+    alpha = 1.0 if config.alpha == AUTO_ALPHA else config.alpha
+    return allocate_ratios([math.exp(-index) for index in range(n_layers)], config.ratio, alpha, config.r_max)
+
+
+def _kept_groups(group: int, kv_heads: int, pruned_heads: int) -> list[int]:
     """Query heads left per key/value group when `pruned_heads` go one from each group in turn (the plan's count
     of the fewest key/value heads emptied)."""
-    rounds, extra = divmod(pruned_heads, geometry.kv_heads)
-    sizes = [geometry.group - rounds - (group < extra) for group in range(geometry.kv_heads)]
+    rounds, extra = divmod(pruned_heads, kv_heads)
+    sizes = [group - rounds - (index < extra) for index in range(kv_heads)]
     return [size for size in sizes if size > 0]
 
 
-def _attention_removed(geometry: Geometry, pruned_heads: int) -> int:
-    emptied = geometry.kv_heads - len(_kept_groups(geometry, pruned_heads))
-    return pruned_heads * geometry.head_params + emptied * geometry.kv_head_params
+def _layer_shape(heads: int, group: int, kv_heads: int, pruned_heads: int, ffn_width: int) -> LayerShape:
+    groups = _kept_groups(group, kv_heads, pruned_heads)
+    repeat = math.gcd(*groups) if groups else 1
+    return LayerShape(heads - pruned_heads, len(groups), sum(size // repeat for size in groups), ffn_width)
 
 
-def planned_shape(geometry: Geometry, settings: PruneSettings, ratio: float, block: int | None) -> PlannedShape:
-    """The pruned model at `ratio` (0: the dense one), its FFN widths rounded for the quantizer's `block`."""
-    if ratio <= 0:
-        dense = LayerShape(geometry.heads, geometry.kv_heads, geometry.kv_heads, geometry.ffn_width)
-        return PlannedShape(
-            (dense,) * geometry.layers, geometry.other_params + geometry.layers * geometry.layer_params, True
-        )
-    n = geometry.heads
-    cap = int(settings.r_max * n + 1e-9)
-    multiple = head_multiple(block, geometry.head_dim)
-    first = aligned_heads(ratio * n, min(round(ratio * n), cap), n, multiple, cap)
-    pruned_heads = [first] * geometry.layers
-    counts = channel_counts(geometry.ffn_width, settings.r_max, settings.round_to, block)
-    target = ratio * geometry.layers * geometry.layer_params
-
-    def most() -> int:
-        return sum(_attention_removed(geometry, h) + counts[-1] * geometry.channel_params for h in pruned_heads)
-
-    while most() < target and any(h < cap for h in pruned_heads):
-        index = min((i for i, h in enumerate(pruned_heads) if h < cap), key=lambda i: pruned_heads[i])
-        more = aligned_heads(pruned_heads[index] + 2, pruned_heads[index] + 1, n, multiple, cap)
-        pruned_heads[index] = more if more > pruned_heads[index] else pruned_heads[index] + 1
-    attention = sum(_attention_removed(geometry, h) for h in pruned_heads)
-    channels = (target - attention) / geometry.channel_params
-    unit = round_to_for(geometry.ffn_width, settings.round_to, block)
-    # Each layer its share of the channels left, in its counts; the later layers make up what rounding left.
-    widths = []
-    for index in range(geometry.layers):
-        share = channels / (geometry.layers - index)
-        count = min(counts, key=lambda c: (abs(c - share), c))
-        channels -= count
-        widths.append(geometry.ffn_width - count)
-    layers = []
-    for heads, width in zip(pruned_heads, widths, strict=True):
-        groups = _kept_groups(geometry, heads)
-        repeat = math.gcd(*groups) if groups else 1
-        layers.append(LayerShape(n - heads, len(groups), sum(size // repeat for size in groups), width))
-    removed = attention + sum(geometry.ffn_width - w for w in widths) * geometry.channel_params
-    dense_params = geometry.other_params + geometry.layers * geometry.layer_params
-    bias = settings.compensation == "bias"  # FLAP's bias on o_proj and down_proj, where the model had none
-    added = geometry.layers * geometry.hidden * ((bias and not geometry.o_bias) + (bias and not geometry.mlp_bias))
-    reachable = most() >= target - unit * geometry.channel_params / 2
-    return PlannedShape(tuple(layers), dense_params - removed + added, reachable)
+def planned_shape(model: PreTrainedModel, config: PruneConfig | None) -> PlannedShape:
+    """The model pruned by `config` (a single-ratio config; None: the dense model), from its meta model."""
+    layers = decoder_layers(model)
+    geometry = attention_geometry(model, layers[0])  # the supported families' decoder layers are all alike
+    heads, kv_heads = geometry.num_heads, geometry.num_kv_heads
+    group = heads // kv_heads
+    width = layers[0].mlp.down_proj.in_features
+    if config is None:
+        return PlannedShape((_layer_shape(heads, group, kv_heads, 0, width),) * len(layers), dense_params(model))
+    if config.shape == UNIFORM_SHAPE:
+        uniform = plan_uniform_shape(model, config)
+        kept_heads = uniform.kv_heads * uniform.heads_per_kv
+        shape = LayerShape(kept_heads, uniform.kv_heads, uniform.kv_heads, width - uniform.pruned_channels)
+        shapes = [shape] * len(layers)
+    else:
+        plan = plan_budget(model, estimated_ratios(len(layers), config), config)
+        shapes, removed = [], 0
+        for index, layer in enumerate(plan.layers):
+            attention = layer.least_attention_removed
+            channels = channels_to_prune(plan, index, removed, attention)
+            removed += attention + channels * layer.channel_params
+            shapes.append(_layer_shape(heads, group, kv_heads, layer.heads, width - channels))
+    sizes = Geometry.of(model, config.dtype)  # the dtype does not change the count
+    kept = sum(sizes.projection_params(shape) for shape in shapes)
+    # FLAP's bias goes on o_proj and down_proj where the model had none.
+    bias = config.compensation == MEAN_BIAS_COMPENSATION
+    added = bias * len(layers) * sizes.hidden * ((not sizes.o_bias) + (not sizes.mlp_bias))
+    return PlannedShape(tuple(shapes), sizes.other_params + kept + added)
 
 
 @dataclass(frozen=True)

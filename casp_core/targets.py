@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from casp_core.config import PruneSettings, TargetConfig
+from casp_core.budget import check_reachable
+from casp_core.config import PruneConfig, PruneSettings, TargetConfig
 from casp_core.errors import InvalidConfig
-from casp_core.export.gguf_types import block_of, check_gguf_type
-from casp_core.size_estimate import Geometry, PlannedShape, gguf_bytes, planned_shape, safetensors_bytes
+from casp_core.export.gguf_types import check_gguf_type
+from casp_core.quantization import check_quantization
+from casp_core.size_estimate import Geometry, gguf_bytes, meta_model, planned_shape, safetensors_bytes
 
 GGUF = "gguf"
 SAFETENSORS = "safetensors"
@@ -58,15 +60,12 @@ def _variants(
         return [variant for variant in default if _refusal(model_config, settings, name, variant) is None]
     for variant in asked:
         if (refused := _refusal(model_config, settings, name, variant)) is not None:
-            raise InvalidConfig(f"{name}: {variant}: {refused}")
+            raise InvalidConfig(f"{name}: {refused}")
     return list(asked)
 
 
 def _refusal(model_config: PretrainedConfig, settings: PruneSettings, name: str, variant: str) -> str | None:
     """Why this model cannot be written in `variant`, or None."""
-    # Imported here: casp_core.quantization loads torch and compressed-tensors, and only a safetensors sweep needs it.
-    from casp_core.quantization import check_quantization
-
     try:
         if name == "gguf_types":
             check_gguf_type(model_config.hidden_size, variant)
@@ -77,22 +76,35 @@ def _refusal(model_config: PretrainedConfig, settings: PruneSettings, name: str,
     return None
 
 
-def _estimate(
-    model_config: PretrainedConfig, settings: PruneSettings, ratio: float, fmt: str, variant: str
-) -> tuple[Candidate, PlannedShape]:
-    geometry = Geometry.of(model_config, settings.dtype)
-    block = block_of(variant) if fmt == GGUF else None
-    shape = planned_shape(geometry, settings, ratio, block)
-    size = gguf_bytes(geometry, shape, variant) if fmt == GGUF else safetensors_bytes(geometry, shape, variant)
-    return Candidate(ratio, fmt, variant, size, shape.params), shape
+class Estimator:
+    """Sizes of a model's candidates, from its config and a meta model (casp_core.size_estimate)."""
+
+    def __init__(self, model_config: PretrainedConfig, settings: PruneSettings) -> None:
+        self.model = meta_model(model_config)
+        self.config = PruneConfig.from_dict(settings.model_dump(include=set(PruneSettings.model_fields)))
+        self.geometry = Geometry.of(self.model, self.config.dtype)
+
+    def candidate(self, ratio: float, fmt: str, variant: str) -> Candidate | None:
+        """The candidate's sizes; None where whole units within r_max cannot reach `ratio` under its rounding."""
+        config = self.config.candidate_config(ratio, fmt, variant) if ratio else None
+        if config is not None:
+            try:
+                check_reachable(self.model, config)
+            except InvalidConfig:
+                return None
+        shape = planned_shape(self.model, config)
+        if fmt == GGUF:
+            size = gguf_bytes(self.geometry, shape, variant)
+        else:
+            size = safetensors_bytes(self.geometry, shape, variant)
+        return Candidate(ratio, fmt, variant, size, shape.params)
 
 
 def dense_points(model_config: PretrainedConfig, settings: PruneSettings) -> list[Candidate]:
     """The dense model in each variant of the sweep (ratio 0.0): the reference points of the curve."""
-    fmt = sweep_format(settings)
-    return [
-        _estimate(model_config, settings, 0.0, fmt, variant)[0] for variant in sweep_variants(model_config, settings)
-    ]
+    estimator, fmt = Estimator(model_config, settings), sweep_format(settings)
+    points = [estimator.candidate(0.0, fmt, variant) for variant in sweep_variants(model_config, settings)]
+    return [point for point in points if point is not None]
 
 
 def sweep_candidates(model_config: PretrainedConfig, settings: PruneSettings) -> list[Candidate]:
@@ -100,14 +112,14 @@ def sweep_candidates(model_config: PretrainedConfig, settings: PruneSettings) ->
     parameters budget excludes by estimate or whose ratio whole units cannot reach; InvalidConfig naming the
     budget and the smallest size reachable when none is left."""
     assert settings.target is not None, "only a job with a target sweeps"
-    fmt = sweep_format(settings)
+    estimator, fmt = Estimator(model_config, settings), sweep_format(settings)
     variants = sweep_variants(model_config, settings)
-    candidates = []
-    for ratio in sorted(settings.ratios):
-        for variant in variants:
-            candidate, shape = _estimate(model_config, settings, ratio, fmt, variant)
-            if shape.reachable:
-                candidates.append(candidate)
+    candidates = [
+        candidate
+        for ratio in sorted(settings.ratios)
+        for variant in variants
+        if (candidate := estimator.candidate(ratio, fmt, variant)) is not None
+    ]
     if not candidates:
         raise InvalidConfig(
             f"ratios: whole heads and FFN channels within r_max = {settings.r_max} reach none of "
@@ -124,13 +136,19 @@ def _nothing_fits(candidates: list[Candidate], target: TargetConfig) -> str:
         smallest = min(candidates, key=lambda c: (c.estimated_bytes, c.ratio))
         return (
             f"target.max_bytes: no candidate fits in {target.max_bytes} bytes: the smallest reachable is "
-            f"{smallest.estimated_bytes} bytes (ratio {smallest.ratio}, {smallest.variant})"
+            f"{smallest.estimated_bytes} bytes ({describe(smallest)})"
         )
     smallest = min(candidates, key=lambda c: (c.estimated_params, c.ratio))
     return (
         f"target.max_params: no candidate fits in {target.max_params} parameters: the smallest reachable is "
-        f"{smallest.estimated_params} parameters (ratio {smallest.ratio}, {smallest.variant})"
+        f"{smallest.estimated_params} parameters ({describe(smallest)})"
     )
+
+
+def describe(candidate: Candidate) -> str:
+    """`ratio 0.6, q4_k_m` (a GGUF type) or `ratio 0.6, safetensors w8a8_int8`."""
+    variant = candidate.variant if candidate.format == GGUF else f"{SAFETENSORS} {candidate.variant}"
+    return f"ratio {candidate.ratio}, {variant}"
 
 
 def within_target(entry_bytes: int, entry_params: int, target: TargetConfig) -> bool:

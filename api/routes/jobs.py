@@ -6,7 +6,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, Response, status
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse
 
@@ -14,6 +14,7 @@ from api.deps import CallerDep, DispatcherDep, SessionDep, SettingsDep, StorageD
 from api.errors import ApiError, artifacts_expired, responses
 from api.json_body import JsonRoute
 from api.schemas import (
+    JOB_EXAMPLES,
     MAX_EVENT_ID,
     ArtifactList,
     ArtifactOut,
@@ -35,6 +36,7 @@ from casp_core.model import is_local_reference, load_config
 from casp_core.plain import check_plain_shape
 from casp_core.quantization import check_quantization
 from casp_core.recovery_data import check_length
+from casp_core.targets import sweep_candidates
 from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
@@ -76,7 +78,8 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
         try:
             # An unsupported family is refused now, not after the worker loads it; so are a uniform shape its own
             # class cannot hold, a quantization its widths cannot take, a GGUF type whose block its hidden size
-            # does not fit and recovery windows longer than its context (a hub model's, when the job starts).
+            # does not fit, recovery windows longer than its context and a budget no candidate meets by the sizes
+            # estimated from the config (a hub model's, when the job starts).
             model_config = load_config(model)
             check_plain_shape(model_config, body)
             check_quantization(model_config, body)
@@ -84,6 +87,8 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
                 check_gguf_type(model_config.hidden_size, body.gguf_type)
             if body.recovery.method != "none":
                 check_length(body.recovery.max_seq_len, model_config.max_position_embeddings)
+            if body.target is not None:  # a budget no candidate meets, by the sizes estimated from the config
+                sweep_candidates(model_config, PruneConfig.from_dict(body.settings()).validate())
         except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first
             field, _, reason = exc.message.partition(": ")
             raise invalid(tuple(field.split(".")), reason or exc.message) from exc
@@ -187,7 +192,7 @@ def visible_job(session: SessionDep, caller: CallerDep, job_id: str) -> Job:
     "", status_code=status.HTTP_201_CREATED, response_model=JobOut, responses=responses(400, 409, 413, 429, 503)
 )
 def create_job(
-    body: JobCreate,
+    body: Annotated[JobCreate, Body(openapi_examples=JOB_EXAMPLES)],
     request: Request,
     response: Response,
     session: SessionDep,

@@ -52,9 +52,13 @@ def prune_config(args: argparse.Namespace) -> PruneConfig:
 def run_prune(args: argparse.Namespace) -> int:
     # torch and transformers load only when needed
     from casp_core.job import run_job
+    from casp_core.model import load_config
     from casp_core.run import Run
+    from casp_core.targets import sweep_candidates
 
     config = prune_config(args)
+    if config.is_sweep:  # a budget no candidate meets is refused before any work, from the model's config
+        sweep_candidates(load_config(args.model, revision=args.revision), config)
     bars = StageBars()
     try:
         run = Run(progress=bars, on_warning=lambda message: print(f"casp: warning: {message}", file=sys.stderr))

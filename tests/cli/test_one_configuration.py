@@ -12,7 +12,7 @@ from pydantic.fields import FieldInfo
 from casp_cli.main import register, submit_request
 from casp_core.cli import main as cli
 from casp_core.cli.setting_flags import flag_of
-from casp_core.config import PruneConfig, PruneSettings, choices_of, setting_fields
+from casp_core.config import PruneConfig, PruneSettings, choices_of, setting_fields, without_none
 from service.db import session_scope
 from service.settings import Settings
 from service.tables import Job
@@ -34,7 +34,14 @@ TEXT_SAMPLES: dict[str, Any] = {
     "alpha": "auto",
     "round_to": 64,
     "max_device_memory": 24 * 2**30,
+    "ratios": [0.2, 0.4],
+    # Budgets the demo model's candidates meet (an impossible one is refused at submit).
+    "target.max_bytes": 10**9,
+    "target.max_params": 10**9,
 }
+# A target replaces the ratio; its format goes with a bytes budget.
+TARGET = "target."
+FORMAT_NEEDS = {"max_bytes": 10**9}
 SETTINGS = list(setting_fields(PruneSettings))
 
 
@@ -56,9 +63,9 @@ def sample(name: str, info: FieldInfo) -> Any:
     choices = choices_of(info.annotation)
     if choices:
         other = next(choice for choice in choices if choice not in (default or []) and choice != default)
-        return [other] if get_origin(info.annotation) is list else other
+        return [other] if get_origin(without_none(info.annotation)) is list else other
     low, high = bounds(info)
-    if info.annotation is float:
+    if without_none(info.annotation) is float:
         assert low is not None and high is not None, f"{name}: add a sample value for this setting to TEXT_SAMPLES"
         return (low + high) / 2  # ratio, r_max, compensation_damping: inside their ranges, not the default
     if default is None:
@@ -89,6 +96,22 @@ def value_at(config: PruneConfig, name: str) -> Any:
     return value
 
 
+def job_with(name: str, value: Any) -> dict[str, Any]:
+    """The parked job with the setting: a target's part in place of the ratio."""
+    if not name.startswith(TARGET):
+        return merged(PARKED, nested(name, value))
+    budget = FORMAT_NEEDS if name == "target.format" else {}
+    sweep = {key: setting for key, setting in PARKED.items() if key != "ratio"}
+    return {**sweep, "target": {**budget, name.removeprefix(TARGET): value}}
+
+
+def base_flags(name: str) -> list[str]:
+    """--ratio 0.3, or for a target's part what it needs beside it."""
+    if not name.startswith(TARGET):
+        return ["--ratio", "0.3"]
+    return ["--target-bytes", str(FORMAT_NEEDS["max_bytes"])] if name == "target.format" else []
+
+
 def flag_args(name: str, info: FieldInfo, value: Any) -> list[str]:
     if info.annotation is bool:
         return [flag_of(name) if value else "--no-" + flag_of(name).removeprefix("--")]
@@ -101,6 +124,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def resolved(document: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    if "anyOf" in schema and any("$ref" in member for member in schema["anyOf"]):  # an optional part: target
+        schema = next(member for member in schema["anyOf"] if "$ref" in member)
     while "$ref" in schema:
         schema = document["components"]["schemas"][schema["$ref"].rpartition("/")[2]]
     return schema
@@ -151,14 +176,14 @@ def test_a_setting_set_anywhere_reaches_the_pipeline(
     value = sample(name, info)
     assert value != info.get_default(call_default_factory=True)
     # POST /v1/jobs, as JSON.
-    config = stored_config(api, keys["alice"], merged(PARKED, nested(name, value)), distributed_settings)
+    config = stored_config(api, keys["alice"], job_with(name, value), distributed_settings)
     assert value_at(config, name) == value, "POST /v1/jobs"
     # casp submit, with the setting's flag (the --ratio it needs is overridden when the setting is ratio).
-    flag = flag_args(name, info, value)
-    args = parse(["submit", "--model", PARKED["model"], "--device", "cuda", "--ratio", "0.3", *flag])
-    request = merged(PARKED, submit_request(args))
+    flag = [*base_flags(name), *flag_args(name, info, value)]
+    args = parse(["submit", "--model", PARKED["model"], "--device", "cuda", *flag])
+    request = merged(job_with(name, value), submit_request(args))
     config = stored_config(api, keys["alice"], request, distributed_settings)
     assert value_at(config, name) == value, "casp submit"
     # casp prune, with the same flag.
-    args = parse(["prune", "--model", PARKED["model"], "--out", "unused", "--ratio", "0.3", *flag])
+    args = parse(["prune", "--model", PARKED["model"], "--out", "unused", *flag])
     assert value_at(cli.prune_config(args), name) == value, "casp prune"
