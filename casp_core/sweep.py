@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.checkpoint import save_pruned
 from casp_core.config import PruneConfig
-from casp_core.errors import BudgetUnmet, InvalidConfig
+from casp_core.errors import BudgetUnmet
 from casp_core.eval.engine import EngineFigures, artifact_table, measure_gguf
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
 from casp_core.export.gguf import export_gguf, gguf_file_name
@@ -138,14 +138,6 @@ def sweep_units(candidates: list[Candidate], config: PruneConfig) -> list[Unit]:
         for block, ratios in groups.items()
         for ratio, variants in sorted(ratios.items())
     ]
-
-
-def check_sweep(config: PruneConfig) -> None:
-    """What a sweep cannot do, refused before any work."""
-    if config.recovery.method != "none":
-        raise InvalidConfig("recovery: a sweep (target) does not recover its candidates; prune to a ratio to recover")
-    if not config.evaluation.perplexity:
-        raise InvalidConfig("evaluation.perplexity: a sweep picks and plots by perplexity: give at least one text")
 
 
 @dataclass
@@ -432,7 +424,6 @@ def run_sweep(
 ) -> dict[str, Any]:
     """The sweep job (the steps in the module docstring); returns the report written, the pick's, with the
     frontier in `report["frontier"]`."""
-    check_sweep(config)
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)

@@ -3,6 +3,7 @@ model: every candidate's files with keep "all", a perplexity target no candidate
 after the candidates already measured."""
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from casp_core.checkpoint import load_pruned
 from casp_core.config import PruneConfig
-from casp_core.errors import BudgetUnmet, Cancelled
+from casp_core.errors import BudgetUnmet, Cancelled, InvalidConfig
 from casp_core.export.gguf import gguf_file_name
 from casp_core.job import run_job
 from casp_core.pruned_snapshot import SNAPSHOT_FILE
@@ -88,6 +89,19 @@ def test_the_pick_of_a_parameter_budget_counts_parameters() -> None:
     goal = target(max_params=900)
     points = measured(goal, [point(0.2, "f16", 800, 11.0, params=950), point(0.4, "f16", 600, 12.0, params=800)])
     assert goal.pick(points).ratio == 0.4
+
+
+@pytest.mark.parametrize(
+    ("settings", "refusal"),
+    [
+        ({"recovery": {"method": "lora"}}, "recovery: a sweep (target) does not recover its candidates"),
+        ({"evaluation": {"perplexity": []}}, "evaluation.perplexity: a sweep (target) picks by perplexity"),
+    ],
+)
+def test_what_a_sweep_cannot_do_is_refused_before_any_work(settings: dict, refusal: str) -> None:
+    with pytest.raises(InvalidConfig, match=f"^{re.escape(refusal)}"):
+        PruneConfig(target={"max_bytes": "1GB"}, **settings).validate()
+    PruneConfig(ratio=0.3, **settings).validate()  # a single-ratio job can
 
 
 def sweep_config(**settings: object) -> PruneConfig:
