@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from casp_core.checkpoint import save_pruned
 from casp_core.config import PruneConfig
 from casp_core.errors import BudgetUnmet
-from casp_core.eval.engine import EngineFigures, artifact_table, measure_gguf
+from casp_core.eval.engine import EngineFigures, artifact_table, measure_exports, measure_gguf
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
 from casp_core.export.gguf import export_gguf, gguf_file_name
 from casp_core.export.gguf_types import quantizer_block, require_llama_cpp
@@ -71,7 +72,6 @@ DENSE_DIR = "dense"
 FRONTIER_FILE = "frontier.json"
 SWEEP_STATE_FILE = "sweep-state.json"
 GGUF = "gguf"
-SAFETENSORS = "safetensors"
 # How a unit's work divides its share of the sweep's progress: the stages casp_core reports while pruning and
 # measuring a candidate, in order (any other keeps the share reached).
 UNIT_STEPS = ("allocation", "pruning", "verification", "checkpoint", "evaluation", "quantization")
@@ -104,7 +104,8 @@ class Point:
         return cls(**data)
 
     def name(self) -> str:
-        return f"ratio {self.ratio:g}, {self.variant}" if not self.dense else f"dense, {self.variant}"
+        variant = "unquantized" if self.variant == NO_QUANTIZATION else self.variant
+        return f"ratio {self.ratio:g}, {variant}" if not self.dense else f"dense, {variant}"
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ class Target:
         if best is None:
             return None
         return (
-            f"the dense model in {best.variant} ({best.bytes:,} bytes, perplexity {first_perplexity(best):.4g}) is "
+            f"the dense model ({best.name()}: {best.bytes:,} bytes, perplexity {first_perplexity(best):.4g}) is "
             f"within the target and {how} than the pick ({pick.name()}: {pick.bytes:,} bytes, perplexity "
             f"{first_perplexity(pick):.4g}); see frontier.json"
         )
@@ -631,10 +632,15 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
             quantized = quantize(
                 QuantizationInput(model, sweep.tokenizer, sweep.staging, config.quantization, plan), run
             )
-    # The pick's GGUF is the file measured in the sweep, written again alike: its figures are the sweep's.
-    engine_figures = [
-        EngineFigures(pick.perplexity, pick.prefill_tokens_per_s, pick.decode_tokens_per_s) for _ in exports
-    ]
+    if pick.format == GGUF:
+        # The pick's GGUF (its only export) is the file measured in the sweep, written again alike: its figures
+        # are the sweep's.
+        engine_figures: list[EngineFigures | None] = [
+            EngineFigures(pick.perplexity, pick.prefill_tokens_per_s, pick.decode_tokens_per_s)
+        ]
+    else:  # the GGUF a safetensors sweep's job asked for beside its checkpoint, measured as a single-ratio job's
+        with run.stage("evaluation_gguf") if exports else nullcontext():
+            engine_figures = measure_exports(exports, plan.texts, run)
     artifacts = artifact_table(
         sweep.staging,
         checkpoint_perplexity(evaluation, "pruned", quantized),
@@ -642,7 +648,8 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
         engine_figures,
         list(plan.texts),
     )
-    picked_path = exports[0].path.name if exports else "model.safetensors"
+    # The checkpoint's row names its weights file (or its count of shards).
+    picked_path = exports[0].path.name if pick.format == GGUF else artifacts["rows"][0]["file"]
     points = [replace(point, path=picked_path) if point == pick else point for point in points]
     frontier = {
         "target": sweep.config.target.to_dict(),

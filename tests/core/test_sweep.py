@@ -61,7 +61,7 @@ def test_the_pick_of_a_size_budget_is_the_lowest_perplexity_within_it() -> None:
     pick = goal.pick(points)
     assert (pick.ratio, pick.variant) == (0.2, "q8_0")  # 0.4 f16 is within too, but higher
     # The dense q8_0 is within and lower: worth a warning that names it.
-    assert goal.better_dense(points, pick).startswith("the dense model in q8_0 (530 bytes, perplexity 10.1)")
+    assert goal.better_dense(points, pick).startswith("the dense model (dense, q8_0: 530 bytes, perplexity 10.1)")
     # Within 400 bytes only 0.4 q8_0 fits; within 300 none does, and the error names the smallest produced.
     goal = target(max_bytes=400)
     assert goal.pick(measured(goal, POINTS)).ratio == 0.4
@@ -143,6 +143,35 @@ def test_keep_all_keeps_every_candidate_and_the_pick_of_a_perplexity_target_is_t
     # The pick at the top of the output too, its report and card those of its single-ratio job.
     assert pick["path"] == gguf_file_name(pick["variant"]) and (out / pick["path"]).stat().st_size == pick["bytes"]
     assert report["settings"]["ratio"] == pick["ratio"] and report["settings"]["gguf_type"] == pick["variant"]
+
+
+def test_a_safetensors_budget_hands_back_the_quantized_checkpoint_it_measured(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = sweep_config(
+        target={"max_bytes": "100MB", "format": "safetensors"}, ratios=[0.3], quantizations=["none", "w8a8_int8"]
+    )
+    report = run_job(str(STORIES), config, out)
+    frontier = report["frontier"]
+    assert [(p["ratio"], p["variant"]) for p in frontier["candidates"]] == [
+        (0.0, "none"), (0.0, "w8a8_int8"), (0.3, "none"), (0.3, "w8a8_int8"),
+    ]  # fmt: skip
+    # Each point's bytes are its weights as written, each in transformers (the quantized ones loaded back).
+    dense = frontier["candidates"][0]
+    assert dense["bytes"] == (STORIES / "model.safetensors").stat().st_size
+    assert dense["perplexity"] == frontier["dense_perplexity"]
+    pick = frontier["pick"]
+    assert pick == min(frontier["candidates"][2:], key=lambda point: point["perplexity"]["wikitext2"])
+    # The output is the pick's checkpoint: quantized with its scheme (or not), of its bytes and perplexity.
+    config_json = json.loads((out / "config.json").read_text())
+    assert ("quantization_config" in config_json) == (pick["variant"] != "none")
+    assert report["settings"]["quantization"] == pick["variant"] and pick["path"] == "model.safetensors"
+    assert (out / "model.safetensors").stat().st_size == pick["bytes"]
+    checkpoint_row, gguf_row = report["artifacts"]["rows"]
+    assert checkpoint_row["perplexity"] == pick["perplexity"] and checkpoint_row["bytes"] == pick["bytes"]
+    # The GGUF the job asked for beside it (`export`), measured in llama.cpp as a single-ratio job's.
+    assert gguf_row["file"] == "model-f16.gguf" and gguf_row["perplexity_in"] == "llama.cpp"
+    assert gguf_row["perplexity"]["wikitext2"] != pick["perplexity"]["wikitext2"]
+    assert not (out / CANDIDATES_DIR).exists()
 
 
 def test_a_target_no_candidate_meets_fails_naming_the_closest(tmp_path: Path) -> None:

@@ -87,11 +87,11 @@ def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(tmp_path: Path, dense_f1
         for point in candidates
         if point["dense"] and point["within_target"] and first_perplexity(point) < first_perplexity(pick)
     ]
-    dense_warnings = [warning for warning in report["warnings"] if warning.startswith("the dense model in ")]
+    dense_warnings = [warning for warning in report["warnings"] if warning.startswith("the dense model (dense, ")]
     assert len(dense_warnings) == (1 if better_dense else 0)
-    assert any(line.startswith("casp: warning: the dense model in ") for line in completed.stderr.splitlines()) == bool(
-        better_dense
-    )
+    assert any(
+        line.startswith("casp: warning: the dense model (dense, ") for line in completed.stderr.splitlines()
+    ) == bool(better_dense)
     # The plot, the report and the card show the sweep; no other candidate's files stay (keep "best").
     with Image.open(out / "frontier.png") as image:
         assert image.format == "PNG" and image.size[0] > 500
