@@ -120,7 +120,9 @@ def sweep_config(**settings: object) -> PruneConfig:
 
 def test_keep_all_keeps_every_candidate_and_the_pick_of_a_perplexity_target_is_the_smallest(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    config = sweep_config(target={"max_perplexity_increase": 10.0}, gguf_types=["f16", "q8_0"], keep="all")
+    config = sweep_config(
+        target={"max_perplexity_increase": 10.0}, ratios=[0.2, 0.4], gguf_types=["f16", "q8_0"], keep="all"
+    )
     report = run_job(str(STORIES), config, out)
     frontier = json.loads((out / FRONTIER_FILE).read_text())
     candidates, pick = frontier["candidates"], frontier["pick"]
