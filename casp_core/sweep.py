@@ -41,7 +41,7 @@ from casp_core.config import PruneConfig
 from casp_core.errors import BudgetUnmet
 from casp_core.eval.engine import EngineFigures, artifact_table, measure_exports, measure_gguf
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
-from casp_core.export.gguf import export_gguf, gguf_file_name
+from casp_core.export.gguf import GgufExport, export_gguf, gguf_file_name
 from casp_core.export.gguf_types import quantizer_block, require_llama_cpp
 from casp_core.job_steps import (
     Inputs,
@@ -58,7 +58,7 @@ from casp_core.model import load_model, resolve_device
 from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune_ratios
 from casp_core.pruned_snapshot import PrunedSnapshot
-from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, quantize, weight_bytes
+from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, QuantizedCheckpoint, quantize, weight_bytes
 from casp_core.report.build import pruning_section
 from casp_core.report.publish import public_name
 from casp_core.results import PruneResult
@@ -94,7 +94,7 @@ class Point:
     path: str | None = None  # where its file is in the output: the pick's, and every candidate's with keep "all"
     prefill_tokens_per_s: float | None = None  # GGUF: llama.cpp at one thread (casp_core.eval.engine)
     decode_tokens_per_s: float | None = None
-    zero_shot: dict[str, Any] | None = None  # pruned points: the unquantized model's, in transformers, when asked
+    zero_shot: dict[str, Any] | None = None  # the model's (unquantized) in transformers, when the job asks for it
 
     def to_dict(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -623,9 +623,59 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
     if warning:
         run.warn(warning)
     config = sweep.config.candidate_config(pick.ratio, pick.format, pick.variant)
+    # Everything the pick's files take reports as the checkpoint stage, the last before the report.
+    files = write_pick_files(sweep, config, pick, reporting_as(run, "checkpoint"))
+    points = [replace(point, path=files.path) if point == pick else point for point in points]
+    frontier = {
+        "target": sweep.config.target.to_dict(),
+        "format": sweep.fmt,
+        "ratios": sorted(sweep.config.ratios),
+        "variants": variants,
+        "keep": sweep.config.keep,
+        "perplexity_text": next(iter(sweep.inputs.plan.texts)),
+        "dense_perplexity": state.dense_figures.perplexity,
+        "candidates": [point.to_dict() for point in points],
+        "pick": replace(pick, path=files.path).to_dict(),
+    }
+    (sweep.staging / FRONTIER_FILE).write_text(json.dumps(frontier, indent=2) + "\n")
+    if not any((sweep.staging / CANDIDATES_DIR).iterdir()):
+        (sweep.staging / CANDIDATES_DIR).rmdir()
+    run.report("report", 0.0, "writing the report")
+    return write_job_report(
+        sweep.model,
+        config,
+        Pruned(sweep.best.model, sweep.best.pruning, state.dense_figures, None),
+        files.evaluation,
+        None,
+        files.exports,
+        files.quantized,
+        files.artifacts,
+        run,
+        device=str(device),
+        dtype=sweep.dtype,
+        out=sweep.staging,
+        frontier=frontier,
+    )
+
+
+@dataclass
+class PickFiles:
+    """The pick's files in the output and what the report says of them."""
+
+    evaluation: dict[str, Any]  # `side_by_side`: the dense model's figures and the pick's, in transformers
+    exports: list[GgufExport]
+    quantized: QuantizedCheckpoint | None
+    artifacts: dict[str, Any]  # `artifact_table`
+    path: str  # the pick's file: its GGUF, or the checkpoint's weights
+
+
+def write_pick_files(sweep: Sweep, config: PruneConfig, pick: Point, run: Run) -> PickFiles:
+    """The pick's checkpoint and its export or quantization, from the kept model, as its single-ratio job (`config`)
+    writes them; its figures are those the sweep measured."""
+    assert sweep.best is not None and sweep.state.dense_figures is not None
     model, plan = sweep.best.model, sweep.inputs.plan
     exports = save_checkpoint(model, sweep.tokenizer, sweep.model, sweep.revision, config, run, sweep.staging)
-    evaluation = side_by_side(state.dense_figures, sweep.best.pruned_figures, plan.texts)
+    evaluation = side_by_side(sweep.state.dense_figures, sweep.best.pruned_figures, plan.texts)
     quantized = None
     if config.quantization != NO_QUANTIZATION:
         with run.stage("quantization"):
@@ -649,33 +699,5 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
         list(plan.texts),
     )
     # The checkpoint's row names its weights file (or its count of shards).
-    picked_path = exports[0].path.name if pick.format == GGUF else artifacts["rows"][0]["file"]
-    points = [replace(point, path=picked_path) if point == pick else point for point in points]
-    frontier = {
-        "target": sweep.config.target.to_dict(),
-        "format": sweep.fmt,
-        "keep": sweep.config.keep,
-        "perplexity_text": next(iter(plan.texts)),
-        "dense_perplexity": state.dense_figures.perplexity,
-        "candidates": [point.to_dict() for point in points],
-        "pick": replace(pick, path=picked_path).to_dict(),
-    }
-    (sweep.staging / FRONTIER_FILE).write_text(json.dumps(frontier, indent=2) + "\n")
-    if not any((sweep.staging / CANDIDATES_DIR).iterdir()):
-        (sweep.staging / CANDIDATES_DIR).rmdir()
-    run.report("report", 0.0, "writing the report")
-    return write_job_report(
-        sweep.model,
-        config,
-        Pruned(model, sweep.best.pruning, state.dense_figures, None),
-        evaluation,
-        None,
-        exports,
-        quantized,
-        artifacts,
-        run,
-        device=str(device),
-        dtype=sweep.dtype,
-        out=sweep.staging,
-        frontier=frontier,
-    )
+    path = exports[0].path.name if pick.format == GGUF else artifacts["rows"][0]["file"]
+    return PickFiles(evaluation, exports, quantized, artifacts, path)
