@@ -398,15 +398,20 @@ class Sweep:
     fmt: str
     dtype: str
     state: SweepState
-    best: PrunedSnapshot | None = None  # the best unit's model so far, with its figures and pruning section
-    target: Target | None = None
+    best: PrunedSnapshot | None  # the best unit's model so far, with its figures and pruning section
+
+    @property
+    def target(self) -> Target:
+        """The job's target, once the dense model's figures are known."""
+        assert self.state.dense_figures is not None, "the dense model is evaluated first"
+        return Target(self.config, next(iter(self.state.dense_figures.perplexity.values())))
 
     def kept(self, path: Path) -> str | None:
         """`path` relative to the output when the candidates' files stay in it, else None."""
         return str(path.relative_to(self.staging)) if self.config.keep == "all" else None
 
     def finish_points(self, points: list[Point]) -> list[Point]:
-        assert self.target is not None
+        """`points` with `within_target` set from their measured figures."""
         return [
             replace(point, within_target=self.target.met_by(point.bytes, point.params, first_perplexity(point)))
             for point in points
@@ -432,20 +437,29 @@ def run_sweep(
             run.report("load", 0.0, f"loading {public_name(model)}")
             dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
             candidates = sweep_candidates(dense.config, config)
-            fmt = candidates[0].format
             units = sweep_units(candidates, config)
             check_candidates(dense, config, candidates, run)
-            placement = choose_placement(dense, unit_config(config, units[0], fmt), device)
+            placement = choose_placement(dense, unit_config(config, units[0], candidates[0].format), device)
+            state, best = resume(retry, run)
         with run.stage("calibration_data"):
             inputs = read_inputs(dense, tokenizer, config, run, None)
         sweep = Sweep(
-            model, revision, config, tokenizer, inputs, staging, retry, fmt, str(dense.dtype).removeprefix("torch."),
-            SweepState.resume(retry),
-        )  # fmt: skip
-        resumed = load_best(sweep, run)
-        measure_dense(sweep, dense, run)
+            model=model,
+            revision=revision,
+            config=config,
+            tokenizer=tokenizer,
+            inputs=inputs,
+            staging=staging,
+            retry=retry,
+            fmt=candidates[0].format,
+            dtype=str(dense.dtype).removeprefix("torch."),
+            state=state,
+            best=best,
+        )
+        if state.dense_figures is None:
+            measure_dense(sweep, dense, run)
         with run.stage(SWEEP_STAGE):
-            sweep_candidates_of(sweep, dense, units, placement, run, resumed)
+            sweep_candidates_of(sweep, dense, units, placement, run)
         del dense
         report = write_pick(sweep, device, run)
     run.report("report", 1.0, "report.json, report.md, frontier.json and the model card written")
@@ -466,54 +480,45 @@ def check_candidates(dense: PreTrainedModel, config: PruneConfig, candidates: li
         check_settings(dense, config.candidate_config(candidate.ratio, candidate.format, candidate.variant), run)
 
 
-def load_best(sweep: Sweep, run: Run) -> bool:
-    """On a retry, the best unit's model so far from its snapshot; True when the sweep resumes. Without the
+def resume(retry: RetryState, run: Run) -> tuple[SweepState, PrunedSnapshot | None]:
+    """What an earlier attempt kept: the state, and the best unit's model so far from its snapshot. Without the
     snapshot (lost between two saves), the units are done again."""
-    state = sweep.state
+    state = SweepState.resume(retry)
+    best = None
     if state.best is not None:
-        sweep.best = best_model_state(sweep.retry, state.best).pruned_snapshot()
-        if sweep.best is None:
+        best = best_model_state(retry, state.best).pruned_snapshot()
+        if best is None:
             state.points = [point for point in state.points if point.dense]
             state.finished, state.best = [], None
-    resumed = state.dense_figures is not None
-    if resumed:
+    if state.dense_figures is not None:
         done = f"{len(state.finished)} candidate{'s' if len(state.finished) != 1 else ''} already measured"
         run.report("load", 1.0, f"resumed after the dense model's evaluation, {done}")
-    return resumed
+    return state, best
 
 
 def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
     """The dense model's figures in transformers, and the dense reference points: the dense model in each
-    variant (unless a retry has them)."""
+    variant, measured as the candidates are."""
     state = sweep.state
-    if state.dense_figures is None:
-        with run.stage("evaluation_dense"):
-            started = time.perf_counter()
-            state.dense_figures = evaluate(dense, sweep.tokenizer, sweep.inputs.plan, run)
-            seconds = time.perf_counter() - started
-        sweep.target = Target(sweep.config, first_value(state.dense_figures.perplexity))
-        with run.stage(DENSE_POINTS_STAGE):
-            variants = [point.variant for point in dense_points(dense.config, sweep.config)]
-            run.report(DENSE_POINTS_STAGE, 0.0, f"the dense model in {', '.join(variants)}")
-            folder = sweep.staging / CANDIDATES_DIR / DENSE_DIR
-            save_pruned(dense, sweep.tokenizer, folder)
-            measured = Measured(dense, folder, 0.0, state.dense_figures, seconds)
-            points = []
-            for index, variant in enumerate(variants):
-                within = reporting_as(run, DENSE_POINTS_STAGE)
-                point = measure_variant(measured, sweep.tokenizer, sweep.fmt, variant, sweep.inputs.plan, within)
-                path = variant_path(folder, sweep.fmt, variant)
-                points.append(replace(point, path=sweep.kept(path)))
-                run.report(DENSE_POINTS_STAGE, (index + 1) / len(variants), f"the dense model in {variant} measured")
-            state.points = sweep.finish_points(points)
-            drop_unless_kept(sweep, folder)
-        state.keep(sweep.retry)
-    else:
-        sweep.target = Target(sweep.config, first_value(state.dense_figures.perplexity))
-
-
-def first_value(perplexity: dict[str, float]) -> float:
-    return next(iter(perplexity.values()))
+    with run.stage("evaluation_dense"):
+        started = time.perf_counter()
+        state.dense_figures = evaluate(dense, sweep.tokenizer, sweep.inputs.plan, run)
+        seconds = time.perf_counter() - started
+    with run.stage(DENSE_POINTS_STAGE):
+        variants = [point.variant for point in dense_points(dense.config, sweep.config)]
+        run.report(DENSE_POINTS_STAGE, 0.0, f"the dense model in {', '.join(variants)}")
+        folder = sweep.staging / CANDIDATES_DIR / DENSE_DIR
+        save_pruned(dense, sweep.tokenizer, folder)
+        measured = Measured(dense, folder, 0.0, state.dense_figures, seconds)
+        within = reporting_as(run, DENSE_POINTS_STAGE)
+        points = []
+        for index, variant in enumerate(variants):
+            point = measure_variant(measured, sweep.tokenizer, sweep.fmt, variant, sweep.inputs.plan, within)
+            points.append(replace(point, path=sweep.kept(variant_path(folder, sweep.fmt, variant))))
+            run.report(DENSE_POINTS_STAGE, (index + 1) / len(variants), f"the dense model in {variant} measured")
+        state.points = sweep.finish_points(points)
+        drop_unless_kept(sweep, folder)
+    state.keep(sweep.retry)
 
 
 def drop_unless_kept(sweep: Sweep, folder: Path) -> None:
@@ -531,13 +536,12 @@ def sweep_candidates_of(
     units: list[Unit],
     placement: Placement,
     run: Run,
-    resumed: bool,
 ) -> None:
     """Every unit not yet finished: pruned (one `prune_ratios` per rounding group), measured, kept."""
     progress = SweepProgress(run, len(units))
     todo = [unit for unit in units if unit.key not in sweep.state.finished]
     progress.done = len(units) - len(todo)
-    if resumed and progress.done:
+    if progress.done:  # a retry
         run.report(SWEEP_STAGE, progress.done / len(units), f"{progress.done} of {len(units)} candidates measured")
     groups: dict[int | None, list[Unit]] = {}
     for unit in todo:
@@ -590,7 +594,6 @@ def measure_unit(sweep: Sweep, unit: Unit, result: PruneResult, prune_seconds: f
     drop_unless_kept(sweep, folder)
     state.points += sweep.finish_points(points)
     state.finished.append(unit.key)
-    assert sweep.target is not None
     pick = sweep.target.pick(state.points)
     if pick is not None and pick.ratio == unit.ratio and pick.variant in unit.variants:
         assert state.dense_figures is not None
@@ -612,7 +615,6 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
     """The front, the pick and its files, as the pick's single-ratio job writes them, with frontier.json and
     frontier.png; the report written."""
     state, target = sweep.state, sweep.target
-    assert target is not None and state.dense_figures is not None
     variants = [point.variant for point in state.points if point.dense]  # in the sweep's order
     points = on_front(sorted(state.points, key=lambda point: (point.ratio, variants.index(point.variant))))
     pick = target.pick(points)
