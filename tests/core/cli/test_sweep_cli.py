@@ -9,17 +9,17 @@ import pytest
 from PIL import Image
 from transformers import AutoConfig
 
+from casp_core.cli import main as cli
 from casp_core.config import PruneConfig
 from casp_core.export.gguf import export_gguf, gguf_file_name
 from casp_core.sweep import CANDIDATES_DIR, FRONTIER_FILE
 from casp_core.targets import sweep_candidates
 from tests.conftest import DATASETS_DIR, PTBWIKI
-from tests.core.cli.test_cli import casp
 
 CALIBRATION_FILE = DATASETS_DIR / "wikitext-2" / "wiki.valid.tokens"
 SMALL_SWEEP = [
     "--ratios", "0.2,0.4", "--gguf-types", "f16,q8_0",
-    "--n-samples", "8", "--seq-len", "128",
+    "--n-samples", "8", "--seq-len", "128", "--allocation", "uniform",
     "--perplexity", "wikitext2", "--eval-seq-len", "128", "--eval-limit", "8",
     "--datasets-dir", str(DATASETS_DIR),
 ]  # fmt: skip
@@ -34,15 +34,18 @@ def first_perplexity(point: dict) -> float:
     return next(iter(point["perplexity"].values()))
 
 
-def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(tmp_path: Path, dense_f16_bytes: int) -> None:
+def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(
+    tmp_path: Path, dense_f16_bytes: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     budget = int(0.7 * dense_f16_bytes)
     out = tmp_path / "pruned"
-    completed = casp(
+    status = cli.main([
         "prune", "--model", str(PTBWIKI), "--out", str(out), "--target-bytes", str(budget), "--export", "gguf",
         "--calibration-data", str(CALIBRATION_FILE), *SMALL_SWEEP,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr
-    summary = json.loads(completed.stdout)
+    ])  # fmt: skip
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
+    summary = json.loads(printed.out)
     frontier = json.loads((out / FRONTIER_FILE).read_text())
     assert frontier["target"] == {"max_bytes": budget, "format": "gguf", "max_params": None,
                                   "max_perplexity_increase": None}  # fmt: skip
@@ -89,9 +92,9 @@ def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(tmp_path: Path, dense_f1
     ]
     dense_warnings = [warning for warning in report["warnings"] if warning.startswith("the dense model (dense, ")]
     assert len(dense_warnings) == (1 if better_dense else 0)
-    assert any(
-        line.startswith("casp: warning: the dense model (dense, ") for line in completed.stderr.splitlines()
-    ) == bool(better_dense)
+    assert any(line.startswith("casp: warning: the dense model (dense, ") for line in printed.err.splitlines()) == bool(
+        better_dense
+    )
     # The plot, the report and the card show the sweep; no other candidate's files stay (keep "best").
     with Image.open(out / "frontier.png") as image:
         assert image.format == "PNG" and image.size[0] > 500
