@@ -30,6 +30,7 @@ def sweep_request(model: Path, budget: int) -> dict[str, Any]:
         "gguf_types": ["f16", "q8_0"],
         "export": ["gguf"],
         "device": "cpu",
+        "allocation": "uniform",
         "calibration": {"dataset": "wikitext2:validation", "n_samples": 8, "seq_len": 128},
         "evaluation": {"perplexity": ["wikitext2"], "seq_len": 128, "limit": 8},
     }
