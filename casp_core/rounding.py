@@ -46,7 +46,8 @@ def channel_counts(width: int, r_max: float, round_to_setting: int | str, block:
     (the setting's, or auto's for this width and the quantizer's `block`)."""
     round_to = round_to_for(width, round_to_setting, block)
     most = int(r_max * width + 1e-9)
-    counts = tuple(c for c in range(most + 1) if (width - c) % round_to == 0 and width - c >= round_to)
+    # Counts that leave a multiple of round_to: width % round_to, then every round_to more.
+    counts = tuple(c for c in range(width % round_to, most + 1, round_to) if width - c >= round_to)
     if not counts:
         raise InvalidConfig(
             f"round_to: a layer of {width} FFN channels cannot keep a multiple of {round_to} channels "

@@ -36,6 +36,7 @@ TOO_COARSE = "gguf_types: q4_k_m packs rows in blocks of 256, and this model's h
         ({**SWEEP, "target": {"max_bytes": 10**6, "format": "onnx"}}, "target.format", "'gguf' or 'safetensors'"),
         ({**SWEEP, "target": {"max_bytes": "6 parsecs"}}, "target.max_bytes", "24GiB or 500MB, got 6 parsecs"),
         ({**SWEEP, "target": {"max_params": 0}}, "target.max_params", "greater than or equal to 1"),
+        ({**SWEEP, "target": {"max_params": "100000"}}, "target.max_params", "valid integer"),  # strict, as the rest
         ({**SWEEP, "target": {"max_perplexity_increase": 0}}, "target.max_perplexity_increase", "greater than 0"),
         ({**SWEEP, "target": {"max_params": 10**5}, "ratios": []}, "ratios", "at least 1 item"),
         ({**SWEEP, "target": {"max_params": 10**5}, "ratios": [0.2, 1.5]}, "ratios.1", "less than 1"),

@@ -8,6 +8,8 @@ states it), and the estimate of the parameters within one rounding unit (round_t
 the pruned model's: the plan lands within half a unit of the target, from either side.
 """
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,12 +17,14 @@ import torch
 
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import CalibrationConfig
-from casp_core.export.gguf import export_gguf
+from casp_core.export.gguf import GgufExport, attention_layout, export_gguf
+from casp_core.export.gguf import LayerShape as GgufLayer
 from casp_core.export.gguf_types import quantizer_block
 from casp_core.model import load_config, load_model
 from casp_core.prune import prune
 from casp_core.quantization import quantize_weights, weight_bytes
 from casp_core.rounding import round_to_for
+from casp_core.size_estimate import LayerShape, PlannedShape, gguf_tensors, meta_model, planned_shape, tensor_types
 from casp_core.targets import Estimator
 from tests.conftest import PTBWIKI, STORIES, small_config
 
@@ -73,6 +77,20 @@ def written(tmp_path_factory) -> dict[tuple[str, float, str], Path]:
     return folders
 
 
+@pytest.fixture(scope="module")
+def exported(written, tmp_path_factory) -> Callable[[str, float, str], GgufExport]:
+    """The GGUF file of a case, written once for the module."""
+    root, files = tmp_path_factory.mktemp("gguf"), {}
+
+    def export(name: str, ratio: float, gguf_type: str) -> GgufExport:
+        if (name, ratio, gguf_type) not in files:
+            out = root / f"{name}-{ratio}-{gguf_type}.gguf"
+            files[name, ratio, gguf_type] = export_gguf(written[name, ratio, gguf_type], out, gguf_type)
+        return files[name, ratio, gguf_type]
+
+    return export
+
+
 def estimator(name: str, ratio: float) -> Estimator:
     return Estimator(load_config(str(MODELS[name])), job_config(ratio or 0.5))
 
@@ -82,10 +100,34 @@ def assert_close(estimate: int, real: int, what: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "ratio", "gguf_type"), GGUF_CASES)
-def test_the_gguf_estimate_is_within_the_tolerance_of_the_file(written, tmp_path, name, ratio, gguf_type):
-    out = export_gguf(written[name, ratio, gguf_type], tmp_path / "model.gguf", gguf_type)
+def test_the_gguf_estimate_is_within_the_tolerance_of_the_file(exported, name, ratio, gguf_type):
+    out = exported(name, ratio, gguf_type)
     candidate = estimator(name, ratio).candidate(ratio, "gguf", gguf_type)
     assert_close(candidate.estimated_bytes, out.bytes, f"{name} at {ratio} in {gguf_type}")
+
+
+def written_shape(folder: Path) -> PlannedShape:
+    """The shape a checkpoint has, each layer's key/value heads as the GGUF writes them."""
+    config = json.loads((folder / "config.json").read_text())
+    if config["model_type"] != "casp_llama":
+        return planned_shape(meta_model(load_config(str(folder))), None)
+    layers = []
+    for kv_of_query, width in zip(config["layer_kv_of_query"], config["layer_intermediate_sizes"], strict=True):
+        kv_heads = len(set(kv_of_query))
+        written = len(attention_layout(GgufLayer(tuple(kv_of_query), kv_heads, width)).kv_heads)
+        layers.append(LayerShape(len(kv_of_query), kv_heads, written, width))
+    return PlannedShape(tuple(layers), 0)
+
+
+@pytest.mark.parametrize(("name", "ratio", "gguf_type"), GGUF_CASES)
+def test_each_tensor_gets_the_type_llama_cpp_gives_it(written, exported, name, ratio, gguf_type):
+    """The type rules alone, on the shape the checkpoint has: every tensor, in the file's order and with its type."""
+    folder = written[name, ratio, gguf_type]
+    out = exported(name, ratio, gguf_type)
+    geometry = estimator(name, ratio).geometry
+    tensors = gguf_tensors(geometry, written_shape(folder))
+    estimated = dict(zip((t.name for t in tensors), tensor_types(tensors, gguf_type, geometry.layers), strict=True))
+    assert estimated == out.tensor_types
 
 
 @pytest.mark.parametrize(("name", "ratio", "scheme"), SAFETENSORS_CASES)
@@ -117,3 +159,11 @@ def test_the_dense_estimate_counts_every_parameter_once() -> None:
         held = sum(parameter.numel() for parameter in model.parameters())  # the tied head once
         assert estimator(name, 0.0).candidate(0.0, "gguf", "f16").estimated_params == held, name
         assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight), "the fixtures tie their head"
+
+
+def test_the_safetensors_estimate_follows_the_dtype_setting(tmp_path) -> None:
+    model, tokenizer = load_model(str(STORIES), dtype="bfloat16")  # the fixture's own dtype is float32
+    save_pruned(model, tokenizer, tmp_path)
+    settings = small_config(0.5, dtype="bfloat16")
+    candidate = Estimator(load_config(str(STORIES)), settings).candidate(0.0, "safetensors", "none")
+    assert_close(candidate.estimated_bytes, weight_bytes(tmp_path), "stories260K in bfloat16")
