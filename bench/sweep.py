@@ -54,11 +54,12 @@ def goal_in_singles(k: int) -> float:
     return 1 + GOAL_PER_EXTRA_RATIO * (k - 1)
 
 
-def prune_settings(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    """The job's defaults (greedy, gradient allocation at alpha 1, least-squares compensation) on a short
-    calibration."""
+def prune_settings(args: argparse.Namespace, mode: str, compensation: str = "least_squares") -> dict[str, Any]:
+    """The job's defaults (greedy, gradient allocation at alpha 1, least-squares compensation unless another is
+    asked for) on a short calibration."""
     return {
         "ratio": args.ratios[0],
+        "compensation": compensation,
         "device": "cpu",
         "datasets_dir": args.datasets_dir,
         "calibration": {
@@ -188,6 +189,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument(
+        "--runs",
+        nargs="+",
+        metavar="MODEL:MODE[:COMPENSATION]",
+        help="these runs only, in this order (default: every model in every mode, least-squares compensation)",
+    )
+    parser.add_argument(
         "--single-ratios",
         nargs="*",
         default=[],
@@ -204,6 +211,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.measure:
         measure_here(*args.measure)
         return {}
+    runs = [
+        (name, mode, rest[0] if rest else "least_squares")
+        for name, mode, *rest in (
+            run.split(":") for run in (args.runs or [f"{m}:{mode}" for m in args.models for mode in args.modes])
+        )
+    ]
     single_ratios = {
         name: [float(r) for r in ratios.split(",")] for name, ratios in (s.split("=", 1) for s in args.single_ratios)
     }
@@ -213,43 +226,65 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     scratch = Path(tempfile.mkdtemp(prefix="casp-sweep-"))
     try:
-        for name in args.models:
-            model_dir, model = _model_dir(name, args, scratch)
-            for mode in args.modes:
-                settings = prune_settings(args, mode)
-                sweep = measure(model_dir, settings, args.ratios, "sweep")
-                singles = [
-                    measure(model_dir, settings, [ratio], "single") for ratio in single_ratios.get(name, args.ratios)
-                ]
-                results.append(
-                    {
-                        "model": name,
-                        **model,
-                        "mode": mode,
-                        "ratios": args.ratios,
-                        "comparison": compare(sweep, singles, args.ratios),
-                        "sweep": sweep,
-                        "singles": singles,
-                    }
-                )
-                print(json.dumps({k: results[-1][k] for k in ("model", "mode", "comparison")}, indent=1), flush=True)
+        model_dirs: dict[str, tuple[Path, dict[str, Any]]] = {}
+        for name, mode, compensation in runs:
+            if name not in model_dirs:
+                model_dirs[name] = _model_dir(name, args, scratch)
+            model_dir, model = model_dirs[name]
+            settings = prune_settings(args, mode, compensation)
+            sweep = measure(model_dir, settings, args.ratios, "sweep")
+            singles = [
+                measure(model_dir, settings, [ratio], "single") for ratio in single_ratios.get(name, args.ratios)
+            ]
+            results.append(
+                {
+                    "model": name,
+                    **model,
+                    "mode": mode,
+                    "compensation": compensation,
+                    "ratios": args.ratios,
+                    "comparison": compare(sweep, singles, args.ratios),
+                    "sweep": sweep,
+                    "singles": singles,
+                }
+            )
+            print(json.dumps({k: results[-1][k] for k in ("model", "mode", "comparison")}, indent=1), flush=True)
+            # Written after every run: a long bench stopped part way keeps what it measured.
+            payload = _payload(machine, args, argv, runs, single_ratios, results, time.perf_counter() - started)
+            write_json(args.out / "sweep.json", payload)
+            (args.out / "sweep.md").write_text(render(payload))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return payload
+
+
+def _payload(
+    machine: dict[str, Any],
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    runs: list[tuple[str, str, str]],
+    single_ratios: dict[str, list[float]],
+    results: list[dict[str, Any]],
+    seconds: float,
+) -> dict[str, Any]:
     payload = {
-        "machine": finish_machine_info(machine),
+        "machine": finish_machine_info(dict(machine)),
         "settings": {
-            **{k: v for k, v in prune_settings(args, "dense").items() if k not in ("datasets_dir", "ratio")},
+            **{
+                k: v
+                for k, v in prune_settings(args, "dense").items()
+                if k not in ("datasets_dir", "ratio", "compensation")
+            },
             "ratios": args.ratios,
+            "runs": [":".join(run) for run in runs],
             "single_ratios": single_ratios,
             "goal": f"k ratios in dense mode <= 1 + {GOAL_PER_EXTRA_RATIO} (k - 1) single prunes",
             "command": "python -m bench.sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
         },
         "results": results,
-        "total_seconds": time.perf_counter() - started,
+        "total_seconds": seconds,
     }
     assert all_finite(payload)
-    write_json(args.out / "sweep.json", payload)
-    (args.out / "sweep.md").write_text(render(payload))
     return payload
 
 
@@ -263,20 +298,23 @@ def render(payload: dict[str, Any]) -> str:
         concurrency_note(payload["machine"]),
         "",
         f"Ratios {', '.join(f'{r:g}' for r in settings['ratios'])}; the job's defaults (greedy, gradient "
-        f"allocation, alpha 1, least-squares compensation) on {calibration['n_samples']} x {calibration['seq_len']} "
-        f"tokens of `{calibration['dataset']}`, CPU. Goal: {settings['goal']}. Wall seconds of the pruning only "
+        "allocation, alpha 1, least-squares compensation unless the row says otherwise) on "
+        f"{calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, CPU. "
+        f"Goal: {settings['goal']}. Wall seconds of the pruning only "
         "(the model is loaded before the clock starts), each measurement in a fresh process. Command: "
         f"`{settings['command']}`.",
         "",
-        "| model | mode | k | sweep (s) | one single prune (s) | k separate prunes (s) | sweep in single prunes "
-        "| goal | met | each ratio after the shared work, in single prunes | peak RSS sweep / single (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | mode | compensation | k | sweep (s) | one single prune (s) | k separate prunes (s) "
+        "| sweep in single prunes | goal | met | each ratio after the shared work, in single prunes "
+        "| peak RSS sweep / single (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in payload["results"]:
         c = result["comparison"]
         separate = f"{c['separate_seconds']:.1f}" + (" (estimated: k x the mean)" if c["separate_estimated"] else "")
         lines.append(
-            f"| {result['model']} | {result['mode']} | {c['k']} | {c['sweep_seconds']:.1f} | {c['single_seconds']:.1f} "
+            f"| {result['model']} | {result['mode']} | {result['compensation']} | {c['k']} "
+            f"| {c['sweep_seconds']:.1f} | {c['single_seconds']:.1f} "
             f"| {separate} | **{c['sweep_in_singles']:.2f}** (CPU time: {c['sweep_cpu_in_singles']:.2f}) "
             f"| {c['goal_in_singles']:.2f} | {'yes' if c['goal_met'] else '**no**'} "
             f"| {c['per_ratio_in_singles']:.2f} | {c['sweep_peak_rss_mib']:.0f} / {c['single_peak_rss_mib']:.0f} |"
@@ -286,7 +324,7 @@ def render(payload: dict[str, Any]) -> str:
         c = result["comparison"]
         stages = list(dict.fromkeys([*c["single_stage_seconds"], *result["sweep"]["shared_stage_seconds"]]))
         lines += [
-            f"### {result['model']}, {result['mode']} calibration",
+            f"### {result['model']}, {result['mode']} calibration, compensation {result['compensation']}",
             "",
             "| stage | one single prune (mean) | sweep: shared, once | sweep: per ratio (mean) |",
             "|---|---|---|---|",
