@@ -120,25 +120,32 @@ def sweep_config(**settings: object) -> PruneConfig:
 
 def test_keep_all_keeps_every_candidate_and_the_pick_of_a_perplexity_target_is_the_smallest(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    calibration = {"dataset": "wikitext2:validation", "n_samples": 4, "seq_len": 64, "mode": "dense"}
     config = sweep_config(
-        target={"max_perplexity_increase": 10.0}, ratios=[0.3], gguf_types=["f16", "q8_0"], keep="all"
+        target={"max_perplexity_increase": 10.0},
+        ratios=[0.2, 0.4],
+        gguf_types=["f16", "q8_0"],
+        keep="all",
+        calibration=calibration,  # the layer pass shared by the ratios (prune_ratios' dense mode)
     )
     report = run_job(str(STORIES), config, out)
     frontier = json.loads((out / FRONTIER_FILE).read_text())
     candidates, pick = frontier["candidates"], frontier["pick"]
-    assert len(candidates) == 2 + 2 and all(point["within_target"] for point in candidates)
+    assert len(candidates) == 2 + 2 * 2 and all(point["within_target"] for point in candidates)
     assert pick == min((point for point in candidates if not point["dense"]), key=lambda point: point["bytes"])
     # Every point's file is in the output where frontier.json says, each GGUF the size measured.
     for point in candidates:
         path = out / point["path"]
         assert path.is_file() and path.stat().st_size == point["bytes"], point
-    assert {path.name for path in (out / CANDIDATES_DIR).iterdir()} == {"dense", "ratio-0.30", "ratio-0.30-block32"}
+    assert {path.name for path in (out / CANDIDATES_DIR).iterdir()} == {
+        "dense", "ratio-0.20", "ratio-0.40", "ratio-0.20-block32", "ratio-0.40-block32",
+    }  # fmt: skip
     # Each candidate folder is a checkpoint of its ratio, loadable as it is.
-    model, _ = load_pruned(out / CANDIDATES_DIR / "ratio-0.30-block32")
-    settings = json.loads((out / CANDIDATES_DIR / "ratio-0.30-block32" / "config.json").read_text())["casp"]["settings"]
-    assert settings["ratio"] == 0.3 and settings["gguf_type"] == "q8_0"
+    model, _ = load_pruned(out / CANDIDATES_DIR / "ratio-0.40-block32")
+    settings = json.loads((out / CANDIDATES_DIR / "ratio-0.40-block32" / "config.json").read_text())["casp"]["settings"]
+    assert settings["ratio"] == 0.4 and settings["gguf_type"] == "q8_0"
     assert sum(p.numel() for p in model.parameters()) == next(
-        point["params"] for point in candidates if (point["ratio"], point["variant"]) == (0.3, "q8_0")
+        point["params"] for point in candidates if (point["ratio"], point["variant"]) == (0.4, "q8_0")
     )
     # The pick at the top of the output too, its report and card those of its single-ratio job.
     assert pick["path"] == gguf_file_name(pick["variant"]) and (out / pick["path"]).stat().st_size == pick["bytes"]
