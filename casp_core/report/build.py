@@ -164,7 +164,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# CASP pruning report: {report['model']}",
         "",
-        f"- target ratio {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f} "
+        f"- {'ratio picked by the sweep' if report.get('frontier') else 'target ratio'} {report['target_ratio']:.3f}, "
+        f"achieved {report['achieved_ratio']:.4f} "
         f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
         *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
         f"- solver `{settings['solver']}`, {_budget(report)}, "

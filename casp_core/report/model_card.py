@@ -133,7 +133,8 @@ def _what_was_pruned(report: dict[str, Any], base: str) -> list[str]:
         "channels are removed, chosen per layer from the correlations of their outputs on calibration text, "
         "and the kept weights are refitted to make up for them. The layers stay dense matrices, smaller.",
         "",
-        f"- ratio asked {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f}: "
+        f"- ratio {'picked by the sweep' if report.get('frontier') else 'asked'} {report['target_ratio']:.3f}, "
+        f"achieved {report['achieved_ratio']:.4f}: "
         f"{params['dense']:,} -> {params['pruned']:,} parameters ({params['counted']})",
         *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
     ]

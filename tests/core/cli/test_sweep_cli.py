@@ -102,4 +102,5 @@ def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(
     for document in ("report.md", "README.md"):
         text = (out / document).read_text()
         assert "## Sweep: the candidates and the pick" in text and "![perplexity against size](frontier.png)" in text
+        assert f"picked by the sweep {pick['ratio']:.3f}, achieved " in text
     assert not (out / CANDIDATES_DIR).exists()
