@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import device_memory, engines, load, quality, quantized, recovery, speed, sweep
+from bench import device_memory, engines, frontier, load, quality, quantized, recovery, speed, sweep
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -291,3 +291,30 @@ def test_sweep_tiny(tmp_path: Path) -> None:
     assert measured["peak_rss_mib"] >= measured["loaded_rss_mib"] > 0
     markdown = (tmp_path / "sweep.md").read_text()
     assert "| ptbwiki-7M | dense | least_squares | 2 |" in markdown and "## Where the time goes" in markdown
+
+
+def test_frontier_tiny(tmp_path: Path) -> None:
+    """stories260K at two ratios in f16 and q8_0 on 4 x 128 calibration tokens and 4 evaluation windows."""
+    payload = frontier.main(
+        ["--models", "stories260K", "--ratios", "0.3", "0.5", "--gguf-types", "f16", "q8_0", "--n-samples", "4",
+         "--eval-windows", "4", "--out", str(tmp_path)]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "frontier.json").read_text())
+    assert written == json.loads(json.dumps(payload)) and all_finite(written)
+    (run,) = written["models"]
+    points = run["frontier"]["candidates"]
+    assert {(point["ratio"], point["variant"]) for point in points} == {
+        (ratio, variant) for ratio in (0.0, 0.3, 0.5) for variant in ("f16", "q8_0")
+    }
+    assert set(points[0]["perplexity"]) == {"wikitext2", "ptb:test"}
+    # The issue's budget applied to the measured points: the pick is the best pruned file within 70 % of dense f16.
+    dense_f16 = next(point for point in points if point["dense"] and point["variant"] == "f16")
+    budget = run["budget"]
+    assert budget["max_bytes"] == int(0.7 * dense_f16["bytes"])
+    within = [p for p in points if not p["dense"] and p["bytes"] <= budget["max_bytes"]]
+    assert budget["pick"] == min(within, key=lambda point: point["perplexity"]["wikitext2"])
+    beaten = frontier.dense_beats(points)
+    assert all(dense["bytes"] <= point["bytes"] for point, dense in beaten)
+    markdown = (tmp_path / "frontier.md").read_text()
+    assert f"- A dense file beats {len(beaten)} of the 4 pruned points" in markdown
+    assert (tmp_path / "frontier-stories260K.png").stat().st_size > 0
