@@ -468,9 +468,9 @@ class PruneConfig(PruneSettings):
 def setting_fields(model: type[BaseModel] = PruneSettings, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(dotted name, FieldInfo) of every setting, depth first, in declaration order; parts are walked, not named."""
     for name, info in model.model_fields.items():
-        annotation = part_of(info.annotation)
-        if annotation is not None:
-            yield from setting_fields(annotation, f"{prefix}{name}.")
+        part = part_of(info.annotation)
+        if part is not None:
+            yield from setting_fields(part, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", info
 
@@ -478,8 +478,7 @@ def setting_fields(model: type[BaseModel] = PruneSettings, prefix: str = "") -> 
 def part_of(annotation: Any) -> type[BaseModel] | None:
     """The part a field holds (`calibration`: CalibrationConfig; `target`, optional: TargetConfig); None for a
     setting."""
-    members = [arg for arg in get_args(annotation) if arg is not NoneType] if is_optional(annotation) else [annotation]
-    part = members[0] if len(members) == 1 else None
+    part = without_none(annotation)
     return part if isinstance(part, type) and issubclass(part, BaseModel) else None
 
 
