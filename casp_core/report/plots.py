@@ -161,7 +161,13 @@ def plot_frontier(frontier: dict[str, Any], path: Path) -> Path:
         axes.axvline(target["max_bytes"] / 1e6, color="tab:red", linestyle="--", label="budget")
     elif target.get("max_perplexity_increase") is not None:
         limit = frontier["dense_perplexity"][text] * (1 + target["max_perplexity_increase"])
-        axes.axhline(limit, color="tab:red", linestyle="--", label="allowed perplexity")
+        highest = max(
+            (v for v in (_value(point, "perplexity", text) for point in points) if not math.isnan(v)), default=0
+        )
+        if limit <= 1.5 * highest:
+            axes.axhline(limit, color="tab:red", linestyle="--", label="allowed perplexity")
+        else:  # drawn, it would squeeze every point against the axis
+            axes.set_title(f"Perplexity against size ({frontier['format']}); allowed: up to {limit:.4g}")
     axes.legend(fontsize="small")
     return _save(figure, path)
 
