@@ -39,7 +39,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from casp_core.checkpoint import save_pruned
 from casp_core.config import PruneConfig
 from casp_core.errors import BudgetUnmet
-from casp_core.eval.engine import EngineFigures, artifact_table, measure_exports, measure_gguf
+from casp_core.eval.engine import EngineFigures, artifact_table, engine_speed, gguf_perplexity, measure_exports
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
 from casp_core.export.gguf import GgufExport, export_gguf, gguf_file_name
 from casp_core.export.gguf_types import quantizer_block, require_llama_cpp
@@ -92,8 +92,6 @@ class Point:
     within_target: bool
     on_front: bool = False  # no other point is both smaller and lower in perplexity on the first text
     path: str | None = None  # where its file is in the output: the pick's, and every candidate's with keep "all"
-    prefill_tokens_per_s: float | None = None  # GGUF: llama.cpp at one thread (casp_core.eval.engine)
-    decode_tokens_per_s: float | None = None
     zero_shot: dict[str, Any] | None = None  # the model's (unquantized) in transformers, when the job asks for it
 
     def to_dict(self) -> dict[str, Any]:
@@ -209,15 +207,11 @@ def measure_variant(
     by the caller, who knows the target)."""
     started = time.perf_counter()
     run.check_cancelled()
-    speed: dict[str, float] = {}
     if fmt == GGUF:
+        # Perplexity alone: the speed runs (several prompts per file) would cost a large model's sweep more than
+        # its measurement; the pick's file gets them in its row of the table of files.
         export = export_gguf(measured.folder, measured.folder / gguf_file_name(variant), variant)
-        figures = measure_gguf(export.path, plan.texts, run)
-        size, perplexity = export.bytes, dict(figures.perplexity)
-        speed = {
-            "prefill_tokens_per_s": figures.prefill_tokens_per_s,
-            "decode_tokens_per_s": figures.decode_tokens_per_s,
-        }
+        size, perplexity = export.bytes, gguf_perplexity(export.path, plan.texts, run)
     elif variant == NO_QUANTIZATION:
         size, perplexity = weight_bytes(measured.folder), dict(measured.figures.perplexity)
     else:
@@ -237,7 +231,6 @@ def measure_variant(
         dense=measured.ratio == 0.0,
         within_target=False,
         zero_shot={"average_acc": zero_shot["average_acc"], "tasks": zero_shot["tasks"]} if zero_shot else None,
-        **speed,
     )
 
 
@@ -685,11 +678,12 @@ def write_pick_files(sweep: Sweep, config: PruneConfig, pick: Point, run: Run) -
                 QuantizationInput(model, sweep.tokenizer, sweep.staging, config.quantization, plan), run
             )
     if pick.format == GGUF:
-        # The pick's GGUF (its only export) is the file measured in the sweep, written again alike: its figures
-        # are the sweep's.
-        engine_figures: list[EngineFigures | None] = [
-            EngineFigures(pick.perplexity, pick.prefill_tokens_per_s, pick.decode_tokens_per_s)
-        ]
+        # The pick's GGUF (its only export) is the file measured in the sweep, written again alike: its perplexity
+        # is the sweep's; its speed is measured now.
+        with run.stage("evaluation_gguf"):
+            engine_figures: list[EngineFigures | None] = [
+                EngineFigures(pick.perplexity, *engine_speed(exports[0].path))
+            ]
     else:  # the GGUF a safetensors sweep's job asked for beside its checkpoint, measured as a single-ratio job's
         with run.stage("evaluation_gguf") if exports else nullcontext():
             engine_figures = measure_exports(exports, plan.texts, run)

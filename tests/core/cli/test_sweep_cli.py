@@ -84,6 +84,7 @@ def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(
     assert report["frontier"] == frontier and report["target_ratio"] == pick["ratio"]
     (row,) = [row for row in report["artifacts"]["rows"] if row["format"] == "gguf"]
     assert row["bytes"] == pick["bytes"] and row["perplexity"] == pick["perplexity"]
+    assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0  # llama.cpp's speed, of the pick alone
     # A dense point within the budget that beats the pick is worth a warning: the user may want it instead.
     better_dense = [
         point
