@@ -207,17 +207,17 @@ def measure_variant(
     by the caller, who knows the target)."""
     started = time.perf_counter()
     run.check_cancelled()
+    path = variant_path(measured.folder, fmt, variant)
     if fmt == GGUF:
         # Perplexity alone: the speed runs (several prompts per file) would cost a large model's sweep more than
         # its measurement; the pick's file gets them in its row of the table of files.
-        export = export_gguf(measured.folder, measured.folder / gguf_file_name(variant), variant)
-        size, perplexity = export.bytes, gguf_perplexity(export.path, plan.texts, run)
+        export = export_gguf(measured.folder, path, variant)
+        size, perplexity = export.bytes, gguf_perplexity(path, plan.texts, run)
     elif variant == NO_QUANTIZATION:
-        size, perplexity = weight_bytes(measured.folder), dict(measured.figures.perplexity)
-    else:
-        folder = measured.folder.with_name(f"{measured.folder.name}-{variant}")
-        shutil.copytree(measured.folder, folder)
-        quantized = quantize(QuantizationInput(copy.deepcopy(measured.model), tokenizer, folder, variant, plan), run)
+        size, perplexity = weight_bytes(path), dict(measured.figures.perplexity)
+    else:  # a copy of the checkpoint, quantized in place
+        shutil.copytree(measured.folder, path)
+        quantized = quantize(QuantizationInput(copy.deepcopy(measured.model), tokenizer, path, variant, plan), run)
         size, perplexity = quantized.weight_bytes_after, dict(quantized.perplexity)
     zero_shot = measured.figures.zero_shot
     return Point(
@@ -235,7 +235,8 @@ def measure_variant(
 
 
 def variant_path(folder: Path, fmt: str, variant: str) -> Path:
-    """Where `measure_variant` wrote a variant of the model saved in `folder`."""
+    """Where a variant of the model saved in `folder` is written: a GGUF file in it, the checkpoint itself, or a
+    quantized copy beside it."""
     if fmt == GGUF:
         return folder / gguf_file_name(variant)
     return folder if variant == NO_QUANTIZATION else folder.with_name(f"{folder.name}-{variant}")
