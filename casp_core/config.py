@@ -439,6 +439,10 @@ class PruneConfig(PruneSettings):
             )
         if checked.is_sweep and not max(checked.ratios) <= checked.r_max:
             raise InvalidConfig(f"ratios: must be at most r_max ({checked.r_max}), got {max(checked.ratios)}")
+        if checked.is_sweep and checked.recovery.method != "none":
+            raise InvalidConfig("recovery: a sweep (target) does not recover its candidates; give a ratio to recover")
+        if checked.is_sweep and not checked.evaluation.perplexity:
+            raise InvalidConfig("evaluation.perplexity: a sweep (target) picks by perplexity: give at least one text")
         if checked.ratio is not None and not checked.ratio <= checked.r_max:
             raise InvalidConfig(f"r_max: must be in [ratio, 1], got {checked.r_max}")
         if checked.alpha == AUTO_ALPHA and checked.calibration.n_samples < 2:

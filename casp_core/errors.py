@@ -67,3 +67,10 @@ class CheckpointNotWritable(CaspError):
     """`casp upgrade` could not write into the checkpoint (read-only folder or file, full disk)."""
 
     code = "checkpoint_not_writable"
+
+
+class BudgetUnmet(CaspError):
+    """No candidate of a sweep met its target once written and measured (the size estimates that chose the
+    candidates are close, not exact); the message names the closest one produced."""
+
+    code = "budget_unmet"

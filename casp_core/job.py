@@ -1,44 +1,47 @@
 """The whole job: load, evaluate the dense model, prune, [evaluate, recover,] save, evaluate the result, [quantize,]
-report.
+report; or, for a job with a target instead of a ratio, the sweep (casp_core.sweep).
 
-The command line and the service call `run_job`; `STAGES` is what it reports, in order, and the worker's
-progress bar is built from it; `job_stages` is the part of it one job reports.
+The command line and the service call `run_job`; `STAGES` (`SWEEP_STAGES` for a sweep) is what it reports, in
+order, and the worker's progress bar is built from it; `job_stages` is the part of it one job reports. The steps
+both kinds of job share are in casp_core.job_steps.
 """
 
 import json
-import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from casp_core.budget import check_reachable
-from casp_core.calibration import calibration_windows
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import PruneConfig, RecoveryConfig
-from casp_core.errors import InvalidConfig
 from casp_core.eval.engine import artifact_table, measure_exports
-from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
-from casp_core.eval.perplexity import default_seq_len
-from casp_core.export.gguf import GgufExport, export_checkpoint
-from casp_core.export.gguf_types import check_gguf_type, quantizer_block, require_llama_cpp
-from casp_core.model import check_model_reference, decoder_layers, load_model, resolve_device
+from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
+from casp_core.export.gguf_types import quantizer_block, require_llama_cpp
+from casp_core.job_steps import (
+    Inputs,
+    Pruned,
+    RetryState,
+    checkpoint_perplexity,
+    load_dense,
+    read_inputs,
+    save_checkpoint,
+    staged_output,
+    write_job_report,
+)
+from casp_core.model import check_model_reference, resolve_device
 from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune
-from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot, snapshot_fingerprint
-from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, QuantizedCheckpoint, check_quantization, quantize
+from casp_core.pruned_snapshot import PrunedSnapshot, snapshot_fingerprint
+from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, quantize
 from casp_core.recovery import ADAPTER_DIR, RecoveryResult, recover
 from casp_core.recovery_data import TrainingData, load_training_data
-from casp_core.report.build import build_report, pruning_section, write_report
-from casp_core.report.model_card import write_model_card
-from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve, write_plots
-from casp_core.report.publish import base_model_of, public_name, without_local_paths
-from casp_core.rounding import fallback_warning, speed_warning
+from casp_core.report.build import pruning_section
+from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve
+from casp_core.report.publish import public_name
 from casp_core.run import Run
+from casp_core.sweep import run_sweep
 
 # The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration,
 # evaluation and recovery data); "evaluation" comes for the dense model, then (with recovery) for the pruned model
@@ -59,71 +62,19 @@ STAGES = (
 )
 RECOVERY_STAGES = (6, 7)  # the indices in STAGES of the stages only a job with recovery reports
 QUANTIZATION_STAGE = 10  # the index in STAGES of the stage only a job with quantization reports
+# A sweep's: "dense_points" is the dense model written and measured in each candidate format; "sweep" is every
+# candidate in turn (pruned, written, measured); "checkpoint" the pick's files as a single-ratio job writes them.
+SWEEP_STAGES = ("load", "calibration", "evaluation", "dense_points", "sweep", "checkpoint", "report")
 
 
 def job_stages(config: PruneConfig) -> tuple[str, ...]:
     """The stages run_job reports for `config`, in order."""
+    if config.is_sweep:
+        return SWEEP_STAGES
     skipped = set() if config.recovery.method != "none" else set(RECOVERY_STAGES)
     if config.quantization == NO_QUANTIZATION:
         skipped.add(QUANTIZATION_STAGE)
     return tuple(stage for index, stage in enumerate(STAGES) if index not in skipped)
-
-
-@contextmanager
-def staged_output(out_dir: Path) -> Iterator[Path]:
-    """Work goes to a staging directory renamed to `out_dir` when the block ends without error: a crash never
-    leaves a half checkpoint."""
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise InvalidConfig(f"out: {out_dir} exists and is not empty")
-    staging = out_dir.parent / f".{out_dir.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-        if out_dir.exists():
-            out_dir.rmdir()
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-@dataclass
-class Inputs:
-    """Every text the job reads, read before the long work starts so that a missing file fails the job at once."""
-
-    windows: torch.Tensor | None  # the calibration tokens; None when resuming after pruning
-    plan: EvaluationPlan
-    training: TrainingData | None  # recovery's sequences, when the job recovers
-
-
-@dataclass
-class Pruned:
-    """The pruned model and what the report needs from the stages that made it."""
-
-    model: PreTrainedModel
-    pruning: dict[str, Any]  # `pruning_section`
-    dense_figures: Figures
-    pruned_figures: Figures | None  # measured before recovery; without recovery, on the published model at the end
-
-
-@dataclass
-class RetryState:
-    """Where a job with recovery keeps what a retry resumes from: the pruned model (a `pruned_snapshot`, saved
-    after the pruned model's evaluation) and recovery's training state. `on_saved` is called with each saved path."""
-
-    directory: Path | None  # None: the job keeps nothing (no recovery, or no place given)
-    fingerprint: dict[str, Any]  # what a snapshot must match to be used
-    on_saved: Callable[[Path], None] | None
-
-    def pruned_snapshot(self) -> PrunedSnapshot | None:
-        return load_snapshot(self.directory, self.fingerprint) if self.directory is not None else None
-
-    def keep_pruned(self, snapshot: PrunedSnapshot) -> None:
-        if self.directory is None:
-            return
-        path = save_snapshot(self.directory, self.fingerprint, snapshot)
-        if self.on_saved is not None:
-            self.on_saved(path)
 
 
 def run_job(
@@ -133,16 +84,17 @@ def run_job(
     run: Run | None = None,
     *,
     revision: str | None = None,
-    recovery_state: Path | None = None,
-    on_recovery_state_saved: Callable[[Path], None] | None = None,
+    retry_state: Path | None = None,
+    on_retry_state_saved: Callable[[Path], None] | None = None,
     token: str | None = None,
 ) -> dict[str, Any]:
     """The whole job; `out_dir` ends up holding the checkpoint with its model card (README.md), report.json and
     report.md, or nothing. Nothing written there names a local path other than by its last part, and the
-    report returned is the one written. `recovery_state` is where a job with recovery saves its pruned model (a
-    `pruned_snapshot`, after the pruned model's evaluation) and the recovery stage its training state, and where a
-    retry resumes from both; `on_recovery_state_saved` is called with the path of each save (see `recover`).
-    `token`: a Hugging Face token for a private repository; it reaches the loader alone, nothing written or reported."""
+    report returned is the one written. `retry_state` is where a job keeps what a retry resumes from, and where a
+    retry finds it: with recovery, its pruned model (a `pruned_snapshot`, after the pruned model's evaluation) and
+    the recovery stage's training state; in a sweep, the candidates measured so far and the best one's model.
+    `on_retry_state_saved` is called with the path of each save (see `recover`). `token`: a Hugging Face token for
+    a private repository; it reaches the loader alone, nothing written or reported."""
     config.validate()
     check_model_reference(model)
     if quantizer_block(config):
@@ -150,10 +102,12 @@ def run_job(
     run = run or Run()
     out_dir = Path(out_dir)
     retry = RetryState(
-        recovery_state if config.recovery.method != "none" else None,
+        retry_state if config.recovery.method != "none" or config.is_sweep else None,
         snapshot_fingerprint(model, revision, config),
-        on_recovery_state_saved,
+        on_retry_state_saved,
     )
+    if config.is_sweep:
+        return run_sweep(model, config, out_dir, run, retry, revision=revision, token=token)
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)
@@ -218,49 +172,6 @@ def run_job(
     return report
 
 
-def load_dense(
-    model: str, revision: str | None, config: PruneConfig, run: Run, token: str | None = None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """The dense model, its tokenizer and its dtype's name; the ratio and the GGUF type are checked before any work."""
-    run.report("load", 0.0, f"loading {public_name(model)}")
-    dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
-    if "gguf" in config.export:
-        check_gguf_type(dense.config.hidden_size, config.gguf_type)
-    check_reachable(dense, config)
-    check_quantization(dense.config, config)
-    widths = [layer.mlp.down_proj.in_features for layer in decoder_layers(dense)]
-    for warning in (
-        speed_warning(widths, config.round_to),
-        fallback_warning(widths, config.round_to, config.gguf_type, quantizer_block(config)),
-    ):
-        if warning:
-            run.warn(warning)
-    return dense, tokenizer, str(dense.dtype).removeprefix("torch.")
-
-
-def read_inputs(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    config: PruneConfig,
-    run: Run,
-    snapshot: PrunedSnapshot | None,
-) -> Inputs:
-    """The calibration windows (unless resuming from `snapshot`), the evaluation texts and recovery's data."""
-    run.report("calibration", 0.0, "loading calibration and evaluation text")
-    windows = calibration_windows(model, tokenizer, config) if snapshot is None else None
-    plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(model))
-    training = None
-    if config.recovery.method == "lora":
-        training = load_training_data(
-            config.recovery.dataset,
-            tokenizer,
-            max_seq_len=config.recovery.max_seq_len,
-            context=model.config.max_position_embeddings,
-            datasets_dir=config.datasets_dir,
-        )
-    return Inputs(windows, plan, training)
-
-
 def prune_dense(
     dense: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -319,32 +230,6 @@ def recover_pruned(
     return recovery
 
 
-def save_checkpoint(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    source: str,
-    revision: str | None,
-    config: PruneConfig,
-    run: Run,
-    staging: Path,
-) -> list[GgufExport]:
-    """The checkpoint, with where it came from in its config, and the exports asked for."""
-    with run.stage("checkpoint"):
-        run.report("checkpoint", 0.0, "writing the checkpoint")
-        model.config.casp = {
-            "source_model": public_name(source),
-            "base_model": base_model_of(source),
-            "revision": revision,
-            "settings": without_local_paths(config.to_dict()),
-        }
-        save_pruned(model, tokenizer, staging)
-    if not config.export:
-        return []
-    with run.stage("export"):
-        run.report("checkpoint", 1.0, f"exporting {', '.join(config.export)}")
-        return export_checkpoint(staging, config.export, config.gguf_type)
-
-
 def evaluate_published(
     pruned: Pruned, tokenizer: PreTrainedTokenizerBase, plan: EvaluationPlan, run: Run
 ) -> dict[str, Any]:
@@ -361,60 +246,6 @@ def evaluate_published(
     if "zero_shot" in evaluation:
         evaluation["zero_shot"]["recovered"] = published.zero_shot
     return evaluation
-
-
-def checkpoint_perplexity(
-    evaluation: dict[str, Any], published: str, quantized: QuantizedCheckpoint | None
-) -> dict[str, float]:
-    """The transformers perplexity of the checkpoint as written: the `published` side's, or that of the quantized
-    checkpoint that replaced it."""
-    if quantized is not None:
-        return dict(quantized.perplexity)
-    return {name: entry[published] for name, entry in evaluation["perplexity"].items()}
-
-
-def write_job_report(
-    model: str,
-    config: PruneConfig,
-    pruned: Pruned,
-    evaluation: dict[str, Any],
-    recovery: RecoveryResult | None,
-    exports: list[GgufExport],
-    quantized: QuantizedCheckpoint | None,
-    artifacts: dict[str, Any],
-    run: Run,
-    *,
-    device: str,
-    dtype: str,
-    out: Path,
-) -> dict[str, Any]:
-    """report.json, report.md, the plots and the model card in `out`; returns the report written. A quantized
-    checkpoint's perplexity goes beside the unquantized model's, as `quantized` in each perplexity entry."""
-    report = build_report(
-        model_name=public_name(model),
-        config=config,
-        # The stages this attempt ran, over those of the attempt that saved the snapshot it resumed from (if any).
-        pruning={**pruned.pruning, "timings": {**pruned.pruning["timings"], **run.timer.stages}},
-        perplexity=evaluation.pop("perplexity"),
-        evaluation=evaluation,
-        device=device,
-        dtype=dtype,
-    )
-    if recovery is not None:
-        report["recovery"] = {**recovery.summary(), "adapter": ADAPTER_DIR}
-    report["warnings"] = list(run.warnings)
-    if exports:
-        report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]
-    if quantized is not None:
-        report["quantization"] = quantized.summary()
-        for name, entry in report["perplexity"].items():
-            entry["quantized"] = quantized.perplexity[name]
-    report["artifacts"] = artifacts
-    report["plots"] = [str(path.relative_to(out)) for path in write_plots(report, out)]
-    report = without_local_paths(report)
-    write_report(report, out)
-    write_model_card(out, report, base_model=base_model_of(model), exported=[export.path.name for export in exports])
-    return report
 
 
 def recover_checkpoint(

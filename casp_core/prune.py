@@ -5,10 +5,14 @@ at the end remove the masked units and verify that the smaller model computes wh
 is the loop, with the allocation before it and surgery and verification after it.
 """
 
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_ratios
@@ -22,6 +26,8 @@ from casp_core.budget import (
 )
 from casp_core.calibration import (
     LayerInputs,
+    SecondMoment,
+    StreamCrossMoment,
     calibration_windows,
     capture_first_layer_inputs,
     check_finite_moments,
@@ -33,6 +39,7 @@ from casp_core.calibration import (
 from casp_core.compensation import compensate_layer
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.model import (
+    AttentionGeometry,
     attention_geometry,
     decoder_layers,
     on_device,
@@ -42,10 +49,10 @@ from casp_core.model import (
 )
 from casp_core.placement import RESIDENT, Placement, choose_placement
 from casp_core.results import LayerReport, PruneResult, TemperatureChoice
-from casp_core.run import CPU, Run
-from casp_core.selection import choose_units, layer_q, params_kept
-from casp_core.surgery import fill_pruned_layer, kept_kv_heads, mask_layer, pruned_skeleton
-from casp_core.temperature import choose_alpha
+from casp_core.run import CPU, Run, StageTimer
+from casp_core.selection import LayerQ, choose_units, layer_q, params_kept
+from casp_core.surgery import fill_pruned_layer, head_columns, kept_kv_heads, mask_layer, pruned_skeleton
+from casp_core.temperature import choose_alpha, restored
 from casp_core.verification import verify
 
 
@@ -93,29 +100,62 @@ def prune_layer(
             )
         moments, cross_moments = recording.moments, recording.cross_moments
     check_finite_moments(moments, index)
-
     geometry = attention_geometry(model, layer)
-    with run.stage("solver"):
-        choice = choose_units(
-            layer, geometry, layer_q(layer, geometry, moments), moments, plan, index, removed_before, config.solver
-        )
-    attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
-    params_before = sum(sublayer_parameters(layer))
-    if config.compensation != "none":
-        with run.stage("compensation"):
-            attn.compensation, mlp.compensation = compensate_layer(
-                layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
-            )
-    del moments, cross_moments
-    params_after = params_kept(layer, choice)
-    kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
-    mask_layer(layer, geometry, pruning)
+    with run.stage("statistics"):
+        q = layer_q(layer, geometry, moments)
+    report = choose_and_mask(
+        layer,
+        geometry,
+        q,
+        moments,
+        cross_moments,
+        plan,
+        removed_before,
+        config,
+        run,
+        index=index,
+        ratio=ratio,
+        sensitivity=sensitivity,
+    )
+    del moments, cross_moments, q
     with run.stage("calibration_forward"):
         if stream.sequential:
             stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)
         else:
             stream.inputs.batches = dense_outputs
     layer.to(stream.home)
+    return report
+
+
+def choose_and_mask(
+    layer: nn.Module,
+    geometry: AttentionGeometry,
+    q: LayerQ,
+    moments: dict[str, SecondMoment],
+    cross_moments: dict[str, StreamCrossMoment] | None,
+    plan: BudgetPlan | UniformShape,
+    removed_before: int,
+    config: PruneConfig,
+    run: Run,
+    *,
+    index: int,
+    ratio: float,
+    sensitivity: float | None,
+) -> LayerReport:
+    """The layer's units for its budget in `plan`, chosen on Q; the kept ones compensated and the chosen ones
+    masked, in place."""
+    params_before = sum(sublayer_parameters(layer))
+    with run.stage("solver"):
+        choice = choose_units(layer, geometry, q, moments, plan, index, removed_before, config.solver)
+    attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
+    if config.compensation != "none":
+        with run.stage("compensation"):
+            attn.compensation, mlp.compensation = compensate_layer(
+                layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
+            )
+    params_after = params_kept(layer, choice)
+    kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
+    mask_layer(layer, geometry, pruning)
     return LayerReport(
         index=index,
         ratio=ratio,
@@ -140,6 +180,25 @@ class Allocation:
     temperature: TemperatureChoice | None  # alpha "auto" only
 
 
+def uses_sensitivities(config: PruneConfig) -> bool:
+    """Whether the allocation reads the gradient sensitivities S_l (the uniform shape and allocation do not)."""
+    return config.shape != UNIFORM_SHAPE and config.allocation == "gradient"
+
+
+def measure_sensitivities(
+    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, placement: Placement, run: Run
+) -> list[float]:
+    run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
+    return layer_sensitivities(
+        model,
+        windows,
+        batch_size=config.calibration.batch_size,
+        device=placement.device,
+        run=run,
+        home=placement.home,
+    )
+
+
 def allocate(
     model: PreTrainedModel,
     windows: torch.Tensor,
@@ -156,19 +215,11 @@ def allocate(
         return Allocation(
             uniform_ratios(n_layers, config.ratio), plan_uniform_shape(model, config), [None] * n_layers, None
         )
-    if config.allocation != "gradient":
+    if not uses_sensitivities(config):
         ratios = uniform_ratios(n_layers, config.ratio)
         return Allocation(ratios, plan_budget(model, ratios, config), [None] * n_layers, None)
     if sensitivities is None:
-        run.report("allocation", 0.0, "layer sensitivities from the cross-entropy gradient")
-        sensitivities = layer_sensitivities(
-            model,
-            windows,
-            batch_size=config.calibration.batch_size,
-            device=placement.device,
-            run=run,
-            home=placement.home,
-        )
+        sensitivities = measure_sensitivities(model, windows, config, placement, run)
     alpha, temperature = config.alpha, None
     if alpha == AUTO_ALPHA:
         temperature = choose_alpha(model, windows, sensitivities, config, placement.device, run, CPU, placement.home)
@@ -186,13 +237,14 @@ def prune_layers(
     config: PruneConfig,
     placement: Placement,
     run: Run,
+    first_layer_inputs: LayerInputs | None = None,
 ) -> list[LayerReport]:
-    """Every layer in turn, the calibration activations carried from one to the next (on the CPU between them)."""
+    """Every layer in turn, the calibration activations carried from one to the next (on the CPU between them),
+    from `first_layer_inputs` when given (they are not changed: the stream carries its own list of batches)."""
     calibration = config.calibration
-    with run.stage("calibration_forward"):
-        inputs = capture_first_layer_inputs(
-            model, windows, calibration.batch_size, placement.device, CPU, placement.home
-        )
+    if first_layer_inputs is None:
+        first_layer_inputs = capture_layer_inputs(model, windows, config, placement, run)
+    inputs = replace(first_layer_inputs, batches=list(first_layer_inputs.batches))
     # Compensating towards the dense model needs its inputs to each layer beside the pruned ones: a second set of
     # parked activations, carried only then (in dense mode the pruned stream is the dense one).
     sequential = calibration.mode == "sequential"
@@ -223,6 +275,37 @@ def prune_layers(
     return reports
 
 
+def capture_layer_inputs(
+    model: PreTrainedModel, windows: torch.Tensor, config: PruneConfig, placement: Placement, run: Run
+) -> LayerInputs:
+    """The first decoder layer's inputs for `windows`, on the CPU, as the layer loop starts from them."""
+    with run.stage("calibration_forward"):
+        return capture_first_layer_inputs(
+            model, windows, config.calibration.batch_size, placement.device, CPU, placement.home
+        )
+
+
+def place(model: PreTrainedModel, config: PruneConfig, run: Run, placement: Placement | None) -> Placement:
+    """`placement`, or `choose_placement`'s; reported, and the run's stages timed on its device."""
+    placement = placement or choose_placement(model, config, resolve_device(config.device))
+    run.report("placement", 1.0, placement.message())
+    run.time_on(placement.device)
+    return placement
+
+
+def resident(model: PreTrainedModel, placement: Placement) -> AbstractContextManager[None]:
+    """The whole model on the device while the layers are pruned when the placement is resident, else nothing."""
+    return on_device(model, placement.device, CPU) if placement.mode == RESIDENT else nullcontext()
+
+
+def load_windows(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: PruneConfig, run: Run
+) -> torch.Tensor:
+    with run.stage("calibration_data"):
+        run.report("calibration", 0.0, "loading calibration text")
+        return calibration_windows(model, tokenizer, config)
+
+
 def prune(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -231,6 +314,7 @@ def prune(
     *,
     windows: torch.Tensor | None = None,
     sensitivities: list[float] | None = None,
+    first_layer_inputs: LayerInputs | None = None,
     release_dense: bool = False,
     placement: Placement | None = None,
 ) -> PruneResult:
@@ -238,8 +322,10 @@ def prune(
 
     `windows` are the calibration tokens, read from `config.calibration` when not given; `sensitivities` are
     the gradient allocation's S_l, measured on `model` and `windows` when not given (a bench that prunes one
-    dense model many times measures them once). With `release_dense`, `model`'s decoder layers lose their
-    weights as the pruned ones are built and verified (a job, which has no use for the masked model after).
+    dense model many times measures them once); `first_layer_inputs` likewise, `windows` entering the first
+    decoder layer (`capture_layer_inputs`, on the same model and placement). With `release_dense`, `model`'s
+    decoder layers lose their weights as the pruned ones are built and verified (a job, which has no use for the
+    masked model after).
 
     `placement` (`choose_placement`'s when not given) says where the weights are while layers are pruned: resident,
     the model goes to the device once before the allocation and comes back once after the last layer (or an
@@ -250,36 +336,51 @@ def prune(
     config.validate()
     check_reachable(model, config)
     run = run or Run()
-    device = resolve_device(config.device)
-    placement = placement or choose_placement(model, config, device)
-    run.report("placement", 1.0, placement.message())
-    run.time_on(device)
+    placement = place(model, config, run, placement)
     if windows is None:
-        with run.stage("calibration_data"):
-            run.report("calibration", 0.0, "loading calibration text")
-            windows = calibration_windows(model, tokenizer, config)
+        windows = load_windows(model, tokenizer, config, run)
 
     params_dense = prunable_parameters(model)
     rounding = rounding_units(model, config)
-    with on_device(model, device, CPU) if placement.mode == RESIDENT else nullcontext():
+    with resident(model, placement):
         with run.stage("allocation"):
             allocation = allocate(model, windows, config, placement, run, sensitivities)
-        reports = prune_layers(model, windows, allocation, config, placement, run)
+        reports = prune_layers(model, windows, allocation, config, placement, run, first_layer_inputs)
 
+    return removed_units(
+        model, reports, allocation.temperature, config, windows, placement, run, params_dense, rounding, release_dense
+    )
+
+
+def removed_units(
+    masked: PreTrainedModel,
+    reports: list[LayerReport],
+    temperature: TemperatureChoice | None,
+    config: PruneConfig,
+    windows: torch.Tensor,
+    placement: Placement,
+    run: Run,
+    params_dense: int,
+    rounding: dict[str, Any],
+    release_masked: bool,
+) -> PruneResult:
+    """Surgery and verification: the physically smaller model built from `masked` (its units masked as `reports`
+    say) and checked to compute what `masked` computes; the result as `prune` returns it."""
     prunings = [report.pruning for report in reports]
     with run.stage("surgery"):
-        pruned = pruned_skeleton(model, prunings, plain=config.shape == UNIFORM_SHAPE)
+        pruned = pruned_skeleton(masked, prunings, plain=config.shape == UNIFORM_SHAPE)
     with run.stage("verification"):
-        # Each pruned layer is built just before it is compared, and with `release_dense` the masked layer is freed
-        # right after: host memory holds about one copy of the model, not the masked and the pruned side by side.
+        # Each pruned layer is built just before it is compared, and with `release_masked` the masked layer is
+        # freed right after: host memory holds about one copy of the model, not the masked and the pruned side by
+        # side.
         run.report("verification", 0.0, "pruned model against the masked model")
         verification = verify(
-            model,
+            masked,
             pruned,
             windows[:2, : min(windows.shape[1], 128)],
-            device,
-            fill_layer=lambda index: fill_pruned_layer(pruned, model, index, prunings[index]),
-            release_masked=release_dense,
+            placement.device,
+            fill_layer=lambda index: fill_pruned_layer(pruned, masked, index, prunings[index]),
+            release_masked=release_masked,
         )
     return PruneResult(
         model=pruned,
@@ -289,7 +390,218 @@ def prune(
         verification_max_abs_diff=verification.max_abs_diff,
         verification_max_relative_diff=verification.max_relative_diff,
         timings=run.timer.stages,
-        temperature=allocation.temperature,
+        temperature=temperature,
         placement=placement,
         rounding=rounding,
     )
+
+
+def ratio_config(config: PruneConfig, ratio: float) -> PruneConfig:
+    """`config` with `ratio` in place of its own, everything else the same."""
+    return config.model_copy(update={"ratio": ratio}, deep=True)
+
+
+def prune_ratios(
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    config: PruneConfig,
+    ratios: Sequence[float],
+    run: Run | None = None,
+    *,
+    windows: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    on_ratio: Callable[[float], None] | None = None,
+) -> Iterator[tuple[float, PruneResult]]:
+    """`dense` pruned at each of `ratios`, in their order, one result at a time: for each ratio what `prune` of a
+    copy of `dense` returns for `config` with that ratio and the same windows. `dense` is left unchanged.
+
+    The work every ratio shares is done once, before the first: the calibration windows, the sensitivities S_l
+    and the first decoder layer's inputs. In sequential calibration each ratio then prunes a copy of `dense` of its
+    own (its layers see the layers before them pruned at that ratio). In dense calibration no layer's statistics
+    depend on the ratio: one pass over the layers takes each layer's statistics and Q once and chooses, compensates
+    and masks every ratio's units on them, keeping per ratio only its masked o_proj and down_proj columns; each
+    ratio's surgery and verification come as its result is asked for.
+
+    `on_ratio(ratio)` is called as the work of that ratio alone starts (in dense mode: after the shared layer pass,
+    before its surgery). The settings of every ratio are checked before any work (InvalidConfig). `run`'s timer
+    counts the shared stages; each result's `timings`, its own ratio's. Cancelling (`run.should_cancel`) stops the
+    sweep at the next layer or ratio."""
+    configs = [ratio_config(config, ratio) for ratio in ratios]
+    for ratio_settings in configs:
+        ratio_settings.validate()
+        check_reachable(dense, ratio_settings)
+    return _prune_ratios(dense, tokenizer, configs, run or Run(), windows, placement, on_ratio)
+
+
+def _prune_ratios(
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    configs: list[PruneConfig],
+    run: Run,
+    windows: torch.Tensor | None,
+    placement: Placement | None,
+    on_ratio: Callable[[float], None] | None,
+) -> Iterator[tuple[float, PruneResult]]:
+    shared = configs[0]  # the ratios' configs differ in the ratio alone
+    placement = place(dense, shared, run, placement)
+    if windows is None:
+        windows = load_windows(dense, tokenizer, shared, run)
+    runs = [replace(run, timer=StageTimer(run.timer.device)) for _ in configs]
+    # In dense mode no layer's statistics depend on the ratio: one pass over the layers serves every ratio.
+    dense_mode = shared.calibration.mode == "dense"
+    passes: list[RatioPass | None] = []
+    with resident(dense, placement):
+        sensitivities = None
+        if uses_sensitivities(shared):
+            with run.stage("allocation"):
+                sensitivities = measure_sensitivities(dense, windows, shared, placement, run)
+        first_layer_inputs = capture_layer_inputs(dense, windows, shared, placement, run)
+        if dense_mode:
+            for ratio_settings, ratio_run in zip(configs, runs, strict=True):
+                with ratio_run.stage("allocation"):
+                    allocation = allocate(dense, windows, ratio_settings, placement, ratio_run, sensitivities)
+                passes.append(RatioPass(ratio_settings, ratio_run, allocation))
+            prune_layers_for_ratios(dense, first_layer_inputs, passes, placement, run)
+
+    params_dense = prunable_parameters(dense)
+    for index, (ratio_settings, ratio_run) in enumerate(zip(configs, runs, strict=True)):
+        run.check_cancelled()
+        if on_ratio is not None:
+            on_ratio(ratio_settings.ratio)
+        if dense_mode:
+            ratio_pass, passes[index] = passes[index], None  # its masked sub-layers go with its result
+            result = ratio_pass.finish(dense, windows, placement, params_dense)
+        else:
+            result = prune(
+                copy.deepcopy(dense),
+                tokenizer,
+                ratio_settings,
+                ratio_run,
+                windows=windows,
+                sensitivities=sensitivities,
+                first_layer_inputs=first_layer_inputs,
+                release_dense=True,  # the copy's masked layers: nobody reads them after verification
+                placement=placement,
+            )
+        yield ratio_settings.ratio, result
+
+
+@dataclass
+class MaskedLinear:
+    """One ratio's o_proj or down_proj of one layer, compensated and masked: its kept input columns (the others
+    are zero) and its bias, on the CPU."""
+
+    columns: torch.Tensor  # the kept input columns' numbers
+    weight: torch.Tensor  # those columns
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, linear: nn.Linear, pruned_columns: list[int]) -> "MaskedLinear":
+        weight = linear.weight.detach()
+        columns = torch.ones(linear.in_features, dtype=torch.bool)
+        columns[pruned_columns] = False
+        columns = columns.nonzero().flatten()
+        bias = None if linear.bias is None else linear.bias.detach().to(CPU, copy=True)
+        return cls(columns, weight.index_select(1, columns.to(weight.device)).to(CPU), bias)
+
+    @torch.no_grad()
+    def put_into(self, linear: nn.Linear) -> None:
+        """`linear` (a copy of the dense one, sharing its tensors) gets these weights as new tensors of its own."""
+        weight = torch.zeros_like(linear.weight, device=CPU).index_copy_(1, self.columns, self.weight)
+        linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
+        linear.bias = None if self.bias is None else nn.Parameter(self.bias, requires_grad=False)
+
+
+@dataclass
+class RatioPass:
+    """One ratio of a dense-mode sweep while the layers are pruned: its allocation, and for each layer done its
+    report and its masked o_proj and down_proj (the dense layer itself is left as it was)."""
+
+    config: PruneConfig
+    run: Run
+    allocation: Allocation
+    reports: list[LayerReport] = field(default_factory=list)
+    masked: list[tuple[MaskedLinear, MaskedLinear]] = field(default_factory=list)
+    removed: int = 0  # parameters the layers so far lost
+
+    def prune_layer(
+        self,
+        layer: nn.Module,
+        geometry: AttentionGeometry,
+        q: LayerQ,
+        moments: dict[str, SecondMoment],
+        index: int,
+    ) -> None:
+        """This ratio's units of the layer, chosen, compensated and masked on a copy of its o_proj and down_proj."""
+        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+        with restored(o_proj, down_proj):
+            report = choose_and_mask(
+                layer,
+                geometry,
+                q,
+                moments,
+                None,
+                self.allocation.plan,
+                self.removed,
+                self.config,
+                self.run,
+                index=index,
+                ratio=self.allocation.ratios[index],
+                sensitivity=self.allocation.sensitivities[index],
+            )
+            heads = head_columns(geometry, report.pruned_heads)
+            self.masked.append((MaskedLinear.of(o_proj, heads), MaskedLinear.of(down_proj, report.pruned_channels)))
+        self.removed += report.params_before - report.params_after
+        self.reports.append(report)
+
+    def finish(
+        self, dense: PreTrainedModel, windows: torch.Tensor, placement: Placement, params_dense: int
+    ) -> PruneResult:
+        """The masked model (a copy of `dense` that shares every weight but the masked ones), then surgery and
+        verification as `prune` ends."""
+        masked = copy.deepcopy(dense, {id(tensor): tensor for tensor in [*dense.parameters(), *dense.buffers()]})
+        for layer, (o_proj, down_proj) in zip(decoder_layers(masked), self.masked, strict=True):
+            o_proj.put_into(layer.self_attn.o_proj)
+            down_proj.put_into(layer.mlp.down_proj)
+        self.masked.clear()
+        return removed_units(
+            masked,
+            self.reports,
+            self.allocation.temperature,
+            self.config,
+            windows,
+            placement,
+            self.run,
+            params_dense,
+            rounding_units(dense, self.config),
+            release_masked=False,  # its other weights are the dense model's
+        )
+
+
+def prune_layers_for_ratios(
+    dense: PreTrainedModel,
+    first_layer_inputs: LayerInputs,
+    passes: list[RatioPass],
+    placement: Placement,
+    run: Run,
+) -> None:
+    """Dense mode, every ratio at once: each layer's statistics and Q once, from the dense model's activations,
+    then each ratio's units chosen on them. `dense` is left as it was."""
+    inputs = replace(first_layer_inputs, batches=list(first_layer_inputs.batches))
+    layers = decoder_layers(dense)
+    for index, layer in enumerate(layers):
+        run.check_cancelled()
+        run.report("pruning", index / len(layers), f"layer {index + 1} of {len(layers)}, {len(passes)} ratios")
+        with on_device(layer, placement.device, placement.home):
+            sublayers = {"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}
+            with run.stage("statistics"), record_inputs(sublayers) as moments:
+                outputs = run_layer(layer, inputs, placement.device, CPU)
+            check_finite_moments(moments, index)
+            geometry = attention_geometry(dense, layer)
+            with run.stage("statistics"):
+                q = layer_q(layer, geometry, moments)
+            for ratio_pass in passes:
+                ratio_pass.prune_layer(layer, geometry, q, moments, index)
+            del moments, q
+        inputs.batches = outputs
+    run.report("pruning", 1.0, "all layers pruned")

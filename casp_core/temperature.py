@@ -136,18 +136,15 @@ def held_out_losses(
 
 @contextmanager
 def restored(*linears: nn.Linear) -> Iterator[None]:
-    """The weights and biases of `linears` as they were on entry, whatever compensation and masking do inside."""
-    saved = [
-        (linear.weight.detach().clone(), None if linear.bias is None else linear.bias.detach().clone())
-        for linear in linears
-    ]
+    """The weights and biases of `linears` as they were on entry, whatever compensation and masking do inside:
+    inside, each linear works on copies of its own, and its tensors, never written, are put back on exit."""
+    saved = [(linear.weight, linear.bias) for linear in linears]
+    for linear, (weight, bias) in zip(linears, saved, strict=True):
+        linear.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for linear, (weight, bias) in zip(linears, saved, strict=True):
-                linear.weight.copy_(weight)
-                if bias is None:
-                    linear.bias = None  # the mean-bias compensation gives a bias where there was none
-                else:
-                    linear.bias.copy_(bias)
+        for linear, (weight, bias) in zip(linears, saved, strict=True):
+            linear.weight, linear.bias = weight, bias

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import device_memory, engines, load, quality, quantized, recovery, speed
+from bench import device_memory, engines, frontier, load, quality, quantized, recovery, speed, sweep
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -265,3 +265,56 @@ def test_quantized_dense_perplexity_at_equal_bytes_is_interpolated_in_log_bytes(
     assert (
         quantized._dense_at(dense, 99, "wikitext2") is None and quantized._dense_at(dense, 10_001, "wikitext2") is None
     )
+
+
+def test_sweep_tiny(tmp_path: Path) -> None:
+    """ptbwiki-7M in dense mode at two ratios on 4 x 32 tokens, one single prune timed (so k separate prunes are
+    an estimate): three fresh processes."""
+    payload = sweep.main(
+        ["--models", "ptbwiki-7M", "--modes", "dense", "--ratios", "0.2", "0.5", "--single-ratios",
+         "ptbwiki-7M=0.2", "--n-samples", "4", "--seq-len", "32", "--out", str(tmp_path)]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "sweep.json").read_text())
+    assert written == json.loads(json.dumps(payload)) and all_finite(written)
+    (result,) = written["results"]
+    comparison, measured = result["comparison"], result["sweep"]
+    assert [entry["ratio"] for entry in measured["per_ratio"]] == [0.2, 0.5]
+    assert all(abs(entry["achieved_ratio"] - entry["ratio"]) <= 0.01 for entry in measured["per_ratio"])
+    # Dense mode: the statistics are shared work, the solver and the verification each ratio's own.
+    assert {"allocation", "statistics"} <= set(measured["shared_stage_seconds"])
+    assert "statistics" not in comparison["per_ratio_stage_seconds"]
+    assert {"solver", "verification"} <= set(comparison["per_ratio_stage_seconds"])
+    (single,) = result["singles"]
+    assert comparison["sweep_in_singles"] == measured["seconds"] / single["seconds"]
+    assert comparison["separate_estimated"] and comparison["separate_seconds"] == 2 * single["seconds"]
+    assert comparison["goal_in_singles"] == 1.35 and comparison["goal_met"] == (comparison["sweep_in_singles"] <= 1.35)
+    assert measured["peak_rss_mib"] >= measured["loaded_rss_mib"] > 0
+    markdown = (tmp_path / "sweep.md").read_text()
+    assert "| ptbwiki-7M | dense | least_squares | 2 |" in markdown and "## Where the time goes" in markdown
+
+
+def test_frontier_tiny(tmp_path: Path) -> None:
+    """stories260K at two ratios in f16 and q8_0 on 4 x 128 calibration tokens and 4 evaluation windows."""
+    payload = frontier.main(
+        ["--models", "stories260K", "--ratios", "0.3", "0.5", "--gguf-types", "f16", "q8_0", "--n-samples", "4",
+         "--eval-windows", "4", "--out", str(tmp_path)]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "frontier.json").read_text())
+    assert written == json.loads(json.dumps(payload)) and all_finite(written)
+    (run,) = written["models"]
+    points = run["frontier"]["candidates"]
+    assert {(point["ratio"], point["variant"]) for point in points} == {
+        (ratio, variant) for ratio in (0.0, 0.3, 0.5) for variant in ("f16", "q8_0")
+    }
+    assert set(points[0]["perplexity"]) == {"wikitext2", "ptb:test"}
+    # The issue's budget applied to the measured points: the pick is the best pruned file within 70 % of dense f16.
+    dense_f16 = next(point for point in points if point["dense"] and point["variant"] == "f16")
+    budget = run["budget"]
+    assert budget["max_bytes"] == int(0.7 * dense_f16["bytes"])
+    within = [p for p in points if not p["dense"] and p["bytes"] <= budget["max_bytes"]]
+    assert budget["pick"] == min(within, key=lambda point: point["perplexity"]["wikitext2"])
+    beaten = frontier.dense_beats(points)
+    assert all(dense["bytes"] <= point["bytes"] for point, dense in beaten)
+    markdown = (tmp_path / "frontier.md").read_text()
+    assert f"- A dense file beats {len(beaten)} of the 4 pruned points" in markdown
+    assert (tmp_path / "frontier-stories260K.png").stat().st_size > 0

@@ -24,6 +24,7 @@ from casp_core.model import resolve_device
 from casp_core.pruned_snapshot import SNAPSHOT_FILE
 from casp_core.recovery import STATE_FILE
 from casp_core.run import Run
+from casp_core.sweep import SWEEP_STATE_FILE
 from service import jobs
 from service.db import session_scope
 from service.logs import add_log_context, job_log_context
@@ -51,6 +52,8 @@ STAGE_WEIGHTS = {
     "recovery": 30,
     "checkpoint": 5,
     "quantization": 5,
+    "dense_points": 5,
+    "sweep": 60,
     "report": 2,
     "upload": 5,
 }
@@ -203,9 +206,12 @@ class Heartbeat(threading.Thread):
 
 # Beside the attempts' folders and removed with them when an attempt ends. Each save is copied to the job's
 # storage too, and an attempt starts from the stored copy: a retry after a killed attempt (the reaper queues the
-# job again) resumes after pruning, and the recovery stage from its last save, on whichever machine it runs.
-RECOVERY_STATE = "recovery-state"
+# job again) resumes after pruning, and the recovery stage from its last save; a sweep after the candidates it
+# measured; on whichever machine it runs.
+RETRY_STATE = "retry-state"
+RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE)
 RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step")
+FRONTIER_SUMMARY = ("ratio", "format", "variant", "bytes", "params", "perplexity", "within_target")
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +223,14 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
         recovery = report["recovery"]
         summary["recovery"] = {key: recovery[key] for key in RECOVERY_SUMMARY}
         summary["recovery"]["final_loss"] = recovery["curve"][-1]["loss"] if recovery["curve"] else None
+    if "frontier" in report:
+        frontier = report["frontier"]
+        front = [point for point in frontier["candidates"] if point["on_front"]]
+        summary["frontier"] = {
+            "target": frontier["target"],
+            "front": [{key: point[key] for key in (*FRONTIER_SUMMARY, "dense")} for point in front],
+            "pick": {key: frontier["pick"][key] for key in FRONTIER_SUMMARY},
+        }
     return summary
 
 
@@ -324,9 +338,9 @@ def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, 
         device = resolve_device(config.device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        state_dir = out_dir.parent / RECOVERY_STATE
-        if "recovery" in attempt.segments.stages:
-            _restore_recovery_state(storage, attempt.job_id, state_dir)
+        state_dir = out_dir.parent / RETRY_STATE
+        if "recovery" in attempt.segments.stages or config.is_sweep:
+            _restore_retry_state(storage, attempt.job_id, state_dir)
         with model_folder(attempt, model, storage) as folder:
             report = run_job(
                 folder,
@@ -334,8 +348,8 @@ def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, 
                 out_dir,
                 Run(progress=attempt.report, should_cancel=attempt.should_cancel, on_warning=attempt.warn),
                 revision=model.revision,
-                recovery_state=state_dir,
-                on_recovery_state_saved=lambda path: _keep_recovery_state(storage, attempt.job_id, path),
+                retry_state=state_dir,
+                on_retry_state_saved=lambda path: _keep_retry_state(storage, attempt.job_id, path),
                 token=token,
             )
         if attempt.should_cancel():
@@ -384,11 +398,11 @@ def _drop_upload(storage: Storage, job_id: str) -> None:
         log.exception("could not remove the partial upload of job %s", job_id)
 
 
-def _restore_recovery_state(storage: Storage, job_id: str, state_dir: Path) -> None:
-    """Puts the stored pruned model and training state, the latest saves of any attempt, in `state_dir` (where an
-    earlier attempt on this machine may have left older ones)."""
+def _restore_retry_state(storage: Storage, job_id: str, state_dir: Path) -> None:
+    """Puts the stored pruned model and training state, or a sweep's state, the latest saves of any attempt, in
+    `state_dir` (where an earlier attempt on this machine may have left older ones)."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    for name in (SNAPSHOT_FILE, STATE_FILE):
+    for name in RETRY_FILES:
         try:
             if storage.get_work(job_id, name, state_dir / name):
                 log.info("job %s: %s restored from storage", job_id, name)
@@ -396,7 +410,7 @@ def _restore_recovery_state(storage: Storage, job_id: str, state_dir: Path) -> N
             log.exception("could not restore %s of job %s", name, job_id)
 
 
-def _keep_recovery_state(storage: Storage, job_id: str, path: Path) -> None:
+def _keep_retry_state(storage: Storage, job_id: str, path: Path) -> None:
     try:
         storage.put_work(job_id, path)
     except Exception:  # the job goes on; only a retry elsewhere loses this save

@@ -77,6 +77,13 @@ def run_prune(args: argparse.Namespace) -> int:
             for name, v in report["perplexity"].items()
         },
     }
+    if "frontier" in report:
+        pick = report["frontier"]["pick"]
+        summary["frontier"] = {
+            "pick": {key: pick[key] for key in ("ratio", "format", "variant", "bytes", "params", "perplexity")},
+            "candidates": len(report["frontier"]["candidates"]),
+            "file": "frontier.json",
+        }
     if "exports" in report:
         summary["exports"] = [with_engine_perplexity(export, report["artifacts"]) for export in report["exports"]]
         for export in report["exports"]:

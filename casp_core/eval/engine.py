@@ -141,8 +141,8 @@ def engine_speed(path: Path, repeats: int = SPEED_REPEATS) -> tuple[float, float
     return PREFILL_TOKENS / statistics.median(prefill_runs), DECODE_TOKENS / statistics.median(decode_runs)
 
 
-def measure_gguf(path: Path, texts: dict[str, EvaluationText], run: Run | None = None) -> EngineFigures:
-    """Perplexity on each text (the same windows as transformers') and speed, in llama.cpp at one thread."""
+def gguf_perplexity(path: Path, texts: dict[str, EvaluationText], run: Run | None = None) -> dict[str, float]:
+    """Perplexity on each text (the same windows as transformers'), in llama.cpp at one thread."""
     run = run or Run()
     perplexity = {}
     if texts:
@@ -152,6 +152,13 @@ def measure_gguf(path: Path, texts: dict[str, EvaluationText], run: Run | None =
                 perplexity[name] = engine_perplexity(llm, text, run)
         finally:
             llm.close()
+    return perplexity
+
+
+def measure_gguf(path: Path, texts: dict[str, EvaluationText], run: Run | None = None) -> EngineFigures:
+    """Perplexity on each text (the same windows as transformers') and speed, in llama.cpp at one thread."""
+    run = run or Run()
+    perplexity = gguf_perplexity(path, texts, run)
     run.check_cancelled()
     run.report("evaluation", 0.0, f"llama.cpp speed of {path.name}")
     prefill, decode = engine_speed(path)

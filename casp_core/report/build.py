@@ -11,6 +11,7 @@ from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
 from casp_core.placement import byte_size
 from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.frontier_section import render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
 from casp_core.results import PruneResult
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
@@ -163,7 +164,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# CASP pruning report: {report['model']}",
         "",
-        f"- target ratio {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f} "
+        f"- {'ratio picked by the sweep' if report.get('frontier') else 'target ratio'} {report['target_ratio']:.3f}, "
+        f"achieved {report['achieved_ratio']:.4f} "
         f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
         *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
         f"- solver `{settings['solver']}`, {_budget(report)}, "
@@ -180,6 +182,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             {"perplexity": report["perplexity"], **report["evaluation"], "artifacts": report.get("artifacts")}
         ),
         *render_gguf_section(report.get("exports", [])),
+        *render_frontier_section(report.get("frontier")),
         *recovery_section(report),
         *quantization_section(report),
         "## Objective z'Qz (sum over layers)",

@@ -18,6 +18,7 @@ from casp_core.data import HUB_SOURCES, evaluation_source
 from casp_core.modeling_casp_llama import CaspLlamaConfig
 from casp_core.report.build import quantization_section, recovery_section, rounding_line
 from casp_core.report.evaluation_section import render_evaluation_section
+from casp_core.report.frontier_section import render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
 from casp_core.report.plots import RECOVERY_CURVE
 from casp_core.report.publish import public_name
@@ -132,7 +133,8 @@ def _what_was_pruned(report: dict[str, Any], base: str) -> list[str]:
         "channels are removed, chosen per layer from the correlations of their outputs on calibration text, "
         "and the kept weights are refitted to make up for them. The layers stay dense matrices, smaller.",
         "",
-        f"- ratio asked {report['target_ratio']:.3f}, achieved {report['achieved_ratio']:.4f}: "
+        f"- ratio {'picked by the sweep' if report.get('frontier') else 'asked'} {report['target_ratio']:.3f}, "
+        f"achieved {report['achieved_ratio']:.4f}: "
         f"{params['dense']:,} -> {params['pruned']:,} parameters ({params['counted']})",
         *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
     ]
@@ -246,6 +248,7 @@ def render_model_card(
         "",
         render_evaluation_section(evaluation, title="Dense against pruned"),
         *render_gguf_section(report.get("exports", [])),
+        *render_frontier_section(report.get("frontier")),
         "## How to load it",
         "",
         *_usage(model_type, data.model_name, exported),

@@ -122,8 +122,59 @@ def plot_recovery_curve(curve: list[dict[str, float]], path: Path) -> Path:
     return _save(figure, path)
 
 
+FRONTIER_PLOT = "frontier.png"
+
+
+def plot_frontier(frontier: dict[str, Any], path: Path) -> Path:
+    """A sweep's candidates (`report["frontier"]`, casp_core.sweep): perplexity on the first text against the file
+    size, one line per ratio across its variants (the dense points as ratio 0), the Pareto front and the pick
+    marked, and the budget: a bytes budget as a vertical line, a perplexity increase as a horizontal one (a
+    parameters budget has no place on this axis; its candidates' `within_target` says which met it)."""
+    figure = Figure(figsize=(8, 5))
+    axes = figure.add_subplot()
+    text = frontier["perplexity_text"]
+    axes.set_title(f"Perplexity against size ({frontier['format']})")
+    axes.set_xlabel("bytes (MB)")
+    axes.set_ylabel(f"perplexity, {text}")
+    axes.grid(True, alpha=0.3)
+    points = frontier["candidates"]
+    for ratio in sorted({point["ratio"] for point in points}):
+        line = sorted((point for point in points if point["ratio"] == ratio), key=lambda point: point["bytes"])
+        sizes = [point["bytes"] / 1e6 for point in line]
+        perplexities = [_value(point, "perplexity", text) for point in line]
+        axes.plot(sizes, perplexities, marker="o", label="dense" if ratio == 0 else f"ratio {ratio:g}")
+        for point, size, perplexity in zip(line, sizes, perplexities, strict=True):
+            axes.annotate(point["variant"], (size, perplexity), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    front = sorted((point for point in points if point["on_front"]), key=lambda point: point["bytes"])
+    axes.plot(
+        [point["bytes"] / 1e6 for point in front],
+        [_value(point, "perplexity", text) for point in front],
+        color="black", linestyle=":", marker="s", markerfacecolor="none", markersize=10, label="Pareto front",
+    )  # fmt: skip
+    pick = frontier["pick"]
+    axes.plot(
+        [pick["bytes"] / 1e6], [_value(pick, "perplexity", text)], marker="*", color="gold", markersize=18,
+        markeredgecolor="black", linestyle="none", label=f"pick: ratio {pick['ratio']:g}, {pick['variant']}",
+    )  # fmt: skip
+    target = frontier["target"]
+    if target.get("max_bytes") is not None:
+        axes.axvline(target["max_bytes"] / 1e6, color="tab:red", linestyle="--", label="budget")
+    elif target.get("max_perplexity_increase") is not None:
+        limit = frontier["dense_perplexity"][text] * (1 + target["max_perplexity_increase"])
+        highest = max(
+            (v for v in (_value(point, "perplexity", text) for point in points) if not math.isnan(v)), default=0
+        )
+        if limit <= 1.5 * highest:
+            axes.axhline(limit, color="tab:red", linestyle="--", label="allowed perplexity")
+        else:  # drawn, it would squeeze every point against the axis
+            axes.set_title(f"Perplexity against size ({frontier['format']}); allowed: up to {limit:.4g}")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Writes the plots into `out_dir/plots/` and returns their paths."""
+    """Writes the plots into `out_dir/plots/` (a sweep's frontier plot: `out_dir/frontier.png`) and returns their
+    paths."""
     layers = sorted(report["layers"], key=lambda layer: layer["index"])
     plots_dir = Path(out_dir) / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -136,4 +187,6 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     ]
     if report.get("recovery", {}).get("curve"):
         plots.append(plot_recovery_curve(report["recovery"]["curve"], Path(out_dir) / RECOVERY_CURVE))
+    if report.get("frontier"):
+        plots.append(plot_frontier(report["frontier"], Path(out_dir) / FRONTIER_PLOT))
     return plots
