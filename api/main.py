@@ -13,7 +13,7 @@ from api import errors, unavailable
 from api.limits import RequestBodyLimit
 from api.log_context import JobLogContext
 from api.methods import Options
-from api.routes import files, health, jobs, models, usage
+from api.routes import files, health, jobs, keys, models, usage
 from api.streams import StreamSlots, watches_for
 from service.dispatch import Dispatcher, make_dispatcher
 from service.settings import Settings, local_devices, resolve_device
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None, background: BackgroundServices 
     app.add_middleware(Options)
     app.include_router(jobs.router)
     app.include_router(models.router)
+    app.include_router(keys.router)
     app.include_router(usage.router)
     app.include_router(files.router)
     app.include_router(health.router)

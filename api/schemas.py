@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from casp_core.config import Printable, PruneSettings, is_optional, part_of
 from casp_core.model import is_local_reference
+from service.jobs import WEBHOOK_EVENTS
 from service.paths import S3_SCHEME, UPLOAD_SCHEME
 from service.settings import DEVICES
 from service.tables import JOB_STATUSES
@@ -79,6 +80,20 @@ class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
         " (headers `webhook-id`, `webhook-timestamp`, `webhook-signature`) with the server's CASP_WEBHOOK_SECRET;"
         " its host must be one of CASP_WEBHOOK_ALLOWED_HOSTS",
     )
+    webhook_events: list[Literal[WEBHOOK_EVENTS]] | None = Field(  # type: ignore[valid-type]
+        None,
+        min_length=1,
+        max_length=len(WEBHOOK_EVENTS),
+        description="the events `webhook_url` receives; default the final three (`job.succeeded`, `job.failed`,"
+        " `job.cancelled`); `job.stage` adds one delivery per stage an attempt starts",
+    )
+
+    @field_validator("webhook_events")
+    @classmethod
+    def _events_once(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) < len(value):
+            raise ValueError("names an event twice")
+        return value
 
     @field_validator("model")
     @classmethod
@@ -156,8 +171,10 @@ class JobOut(BaseModel):
         description="when the artifacts of a succeeded job are (or were) deleted; then `GET` on them answers 410"
     )
     webhook_url: str | None
-    webhook_state: Literal["pending", "delivered", "failed"] | None = Field(
-        description="pending until the job's end is posted to `webhook_url`; each attempt is an event"
+    webhook_events: list[str] | None = Field(description="the events `webhook_url` receives; null without one")
+    webhook_state: Literal["pending", "delivered", "failed", "skipped"] | None = Field(
+        description="pending until the job's end is posted to `webhook_url`; each attempt is an event; skipped when"
+        " the job ended in a way its `webhook_events` leave out"
     )
 
 
@@ -213,6 +230,13 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 ModelId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{32}$", description="the uploaded model's id")]
 
 
+class HubTokenIn(BaseModel):
+    model_config = {"extra": "forbid", "strict": True}
+
+    # A Hugging Face token is `hf_` and a few dozen characters; no whitespace, so a pasted line break is refused.
+    token: str = Field(min_length=1, max_length=1000, pattern=r"^\S+$", description="the Hugging Face token")
+
+
 class ModelOut(BaseModel):
     id: str
     model: str = Field(description="what a job names as its `model` to prune this one: `casp://models/<id>`")
@@ -222,6 +246,27 @@ class ModelOut(BaseModel):
     files: int
     created_at: datetime
     expires_at: datetime = Field(description="when it is deleted (after CASP_ARTIFACT_RETENTION_SECONDS or its own)")
+
+
+class PresignedUploadIn(BaseModel):
+    model_config = {"extra": "forbid", "strict": True}
+
+    name: str | None = Field(
+        None,
+        pattern=MODEL_NAME_PATTERN,
+        description="the model's name (its pruned model card's); default: the archive's top folder, or `model`",
+    )
+    retention_seconds: int | None = Field(
+        None, gt=0, description="how long it is kept; default CASP_ARTIFACT_RETENTION_SECONDS, at most the maximum"
+    )
+
+
+class PresignedUploadOut(BaseModel):
+    id: str = Field(description="the upload's id, and the model's once completed")
+    upload_url: str = Field(description="PUT the tar (optionally gzip-compressed) here, with no other credentials")
+    upload_method: Literal["PUT"]
+    upload_expires_at: datetime = Field(description="when the URL stops taking the tar (CASP_URL_TTL_SECONDS)")
+    complete_url: str = Field(description="POST here once the tar is uploaded: `/v1/models/{id}/complete`")
 
 
 class ModelList(BaseModel):

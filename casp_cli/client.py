@@ -115,6 +115,10 @@ class ArtifactError(Exception):
         self.message = message
 
 
+# A presigned PUT's body is streamed in chunks of this size, each counted as it goes.
+PUT_CHUNK_BYTES = 1 << 20
+
+
 class ReadProgress:
     """A file whose reads are counted (httpx reads a multipart file in chunks): `on_read` gets the bytes read."""
 
@@ -213,12 +217,14 @@ class CaspClient:
         name: str | None = None,
         retention_seconds: int | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        presigned: bool = False,
     ) -> dict[str, Any]:
         """Packs the model's folder as a tar (its files at the top) and uploads it; `on_progress(sent, total)` as the
-        bytes go. Returns the uploaded model (`model`: what a job names to prune it)."""
-        form = {"name": name or folder.resolve().name}
+        bytes go. `presigned`: PUT straight into the service's bucket, then completed (S3 storage only). Returns the
+        uploaded model (`model`: what a job names to prune it)."""
+        fields: dict[str, Any] = {"name": name or folder.resolve().name}
         if retention_seconds is not None:
-            form["retention_seconds"] = str(retention_seconds)
+            fields["retention_seconds"] = retention_seconds
         with tempfile.TemporaryFile() as packed:
             with tarfile.open(fileobj=packed, mode="w") as tar:
                 for path in sorted(folder.iterdir()):
@@ -233,7 +239,20 @@ class CaspClient:
                 if on_progress:
                     on_progress(min(sent, total), total)
 
-            files = {"file": ("model.tar", ReadProgress(packed, counted), "application/x-tar")}
+            archive = ReadProgress(packed, counted)
+            if presigned:
+                upload = self._call("POST", "/v1/models/presigned", json=fields)
+                put = httpx.put(
+                    upload["upload_url"],
+                    content=iter(lambda: archive.read(PUT_CHUNK_BYTES), b""),
+                    headers={"Content-Length": str(total)},
+                    timeout=self.http.timeout,
+                )
+                if not put.is_success:  # the S3 server's own answer (XML), not the service's error shape
+                    raise CaspAPIError(put.status_code, f"the presigned upload was refused: {put.text[:300]}")
+                return self._call("POST", upload["complete_url"])
+            form = {key: str(value) for key, value in fields.items()}
+            files = {"file": ("model.tar", archive, "application/x-tar")}
             return self._call("POST", "/v1/models", files=files, data=form)
 
     def models(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:

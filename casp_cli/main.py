@@ -328,7 +328,9 @@ def cmd_models_upload(args: argparse.Namespace) -> int:
             bar.total = total
             bar.update(sent - bar.n)
 
-        uploaded = client.upload_model(folder, args.name, args.retention_seconds, on_progress=show)
+        uploaded = client.upload_model(
+            folder, args.name, args.retention_seconds, on_progress=show, presigned=args.presigned
+        )
     print(json.dumps(uploaded, indent=2))
     return 0
 
@@ -440,6 +442,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("path", help="the model's folder: config.json, the tokenizer, *.safetensors")
     p.add_argument("--name", help="the model's name (its pruned model card's); default: the folder's name")
     p.add_argument("--retention-seconds", type=positive_int, help="how long it is kept; default: the server's")
+    p.add_argument(
+        "--presigned",
+        action="store_true",
+        help="upload straight into the service's bucket through a presigned URL (servers with S3 storage)",
+    )
     p.set_defaults(run=cmd_models_upload)
     p = models_commands.add_parser("list", help="the models this key uploaded")
     _client_options(p)

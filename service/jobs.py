@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -25,6 +25,8 @@ from service.tables import (
     Artifact,
     Job,
     JobEvent,
+    PendingUpload,
+    StageDelivery,
     StageTiming,
     UploadedModel,
     new_id,
@@ -347,8 +349,12 @@ def _sees_upload(caller: Caller) -> Any:
     return True if caller.key_id is None else UploadedModel.owner_id == caller.key_id
 
 
-def add_uploaded_model(session: Session, caller: Caller, **fields: Any) -> UploadedModel:
-    row = UploadedModel(owner_id=caller.key_id, created_at=utcnow(), **fields)
+OwnedRow = TypeVar("OwnedRow", UploadedModel, PendingUpload)
+
+
+def add_owned(session: Session, caller: Caller, table: type[OwnedRow], **fields: Any) -> OwnedRow:
+    """A new uploaded model or pending upload of the caller's key."""
+    row = table(owner_id=caller.key_id, created_at=utcnow(), **fields)
     session.add(row)
     session.flush()
     return row
@@ -386,6 +392,23 @@ def forget_upload(session: Session, model_id: str) -> None:
     session.execute(delete(UploadedModel).where(UploadedModel.id == model_id))
 
 
+def get_pending_upload(session: Session, caller: Caller, upload_id: str) -> PendingUpload | None:
+    """The caller's pending upload, not yet expired; another key's answers as a missing one."""
+    query = select(PendingUpload).where(PendingUpload.id == upload_id, PendingUpload.expires_at > utcnow())
+    if caller.key_id is not None:
+        query = query.where(PendingUpload.owner_id == caller.key_id)
+    return session.scalar(query)
+
+
+def expired_pending_uploads(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
+    query = select(PendingUpload.id).where(PendingUpload.expires_at <= now)
+    return session.scalars(query.order_by(PendingUpload.expires_at).limit(limit)).all()
+
+
+def forget_pending_upload(session: Session, upload_id: str) -> None:
+    session.execute(delete(PendingUpload).where(PendingUpload.id == upload_id))
+
+
 # --- retention ------------------------------------------------------------------------------------------
 
 
@@ -412,40 +435,84 @@ def mark_expired(session: Session, job_id: str) -> bool:
 
 # --- webhooks -------------------------------------------------------------------------------------------
 
+# The events a webhook can receive; a job that names none receives the final ones.
+FINAL_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
+STAGE_EVENT = "job.stage"
+WEBHOOK_EVENTS = (*FINAL_EVENTS, STAGE_EVENT)
+
+
+@dataclass(frozen=True)
+class Deliveries:
+    """Where a kind of webhook delivery keeps its state: a job's end on the job row, a stage on its own row."""
+
+    table: Any
+    state: Any
+    attempts: Any
+    lease_until: Any
+
+    def open(self, now: datetime) -> Any:
+        """Still to be made, and no notifier holds it."""
+        return and_(self.state == "pending", or_(self.lease_until.is_(None), self.lease_until < now))
+
+    def claim(self, session: Session, row_id: str | int, now: datetime, lease: timedelta) -> Any:
+        """Holds a pending delivery for one notifier until `now + lease`; None when another holds it or it is done."""
+        claimed = session.execute(
+            update(self.table).where(self.table.id == row_id, self.open(now)).values({self.lease_until: now + lease})
+        ).rowcount
+        return session.get_one(self.table, row_id, populate_existing=True) if claimed else None
+
+    def attempted(self, session: Session, row_id: str | int, state: str) -> tuple[Any, str]:
+        """Counts an attempt; `state` "delivered" or "failed" ends the delivery. The row, and the outcome its
+        event begins with."""
+        values: dict[Any, Any] = {self.attempts: self.attempts + 1, self.state: state}
+        if state != "pending":
+            values[self.lease_until] = None
+        session.execute(update(self.table).where(self.table.id == row_id).values(values))
+        outcome = "delivered" if state == "delivered" else WEBHOOK_FAILURE_PREFIX
+        return session.get_one(self.table, row_id, populate_existing=True), outcome
+
+
+JOB_ENDS = Deliveries(Job, Job.webhook_state, Job.webhook_attempts, Job.webhook_lease_until)
+STAGES = Deliveries(StageDelivery, StageDelivery.state, StageDelivery.attempts, StageDelivery.lease_until)
+
 
 def pending_webhooks(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
     """Finished jobs whose webhook is still to be delivered and that no notifier holds, longest finished first."""
-    query = select(Job.id).where(
-        Job.webhook_state == "pending",
-        Job.status.in_(FINISHED_STATUSES),
-        or_(Job.webhook_lease_until.is_(None), Job.webhook_lease_until < now),
-    )
+    query = select(Job.id).where(JOB_ENDS.open(now), Job.status.in_(FINISHED_STATUSES))
     return session.scalars(query.order_by(Job.finished_at).limit(limit)).all()
 
 
 def claim_webhook(session: Session, job_id: str, now: datetime, lease: timedelta) -> Job | None:
-    """Holds a pending webhook for one notifier until `now + lease`; None when another holds it or it is done."""
-    claimed = session.execute(
-        update(Job)
-        .where(
-            Job.id == job_id,
-            Job.webhook_state == "pending",
-            or_(Job.webhook_lease_until.is_(None), Job.webhook_lease_until < now),
-        )
-        .values(webhook_lease_until=now + lease)
-    ).rowcount
-    return session.get_one(Job, job_id, populate_existing=True) if claimed else None
+    return JOB_ENDS.claim(session, job_id, now, lease)
+
+
+def pending_stage_deliveries(session: Session, now: datetime, limit: int = 100) -> Sequence[int]:
+    """`job.stage` deliveries still to be made that no notifier holds, oldest first."""
+    query = select(StageDelivery.id).where(STAGES.open(now))
+    return session.scalars(query.order_by(StageDelivery.id).limit(limit)).all()
+
+
+def claim_stage_delivery(session: Session, delivery_id: int, now: datetime, lease: timedelta) -> StageDelivery | None:
+    return STAGES.claim(session, delivery_id, now, lease)
+
+
+def stage_delivery_attempted(session: Session, delivery_id: int, message: str, *, state: str = "pending") -> None:
+    """Counts an attempt of a `job.stage` delivery, with its event on the job; as webhook_attempted."""
+    delivery, outcome = STAGES.attempted(session, delivery_id, state)
+    described = f"{STAGE_EVENT} {delivery.stage}, attempt {delivery.attempts}"
+    job = session.get_one(Job, delivery.job_id)
+    add_event(session, job, kind=WEBHOOK_EVENT_KIND, message=f"{outcome}: {message} ({described})")
+
+
+def skip_webhook(session: Session, job_id: str) -> None:
+    """The job ended in a way its `webhook_events` leave out: nothing is posted."""
+    session.execute(update(Job).where(Job.id == job_id).values(webhook_state="skipped", webhook_lease_until=None))
 
 
 def webhook_attempted(session: Session, job_id: str, message: str, *, state: str = "pending") -> int:
     """Counts an attempt with its event; `state` "delivered" or "failed" ends the delivery. Returns the attempt's
     number."""
-    values: dict[str, Any] = {"webhook_attempts": Job.webhook_attempts + 1, "webhook_state": state}
-    if state != "pending":
-        values["webhook_lease_until"] = None
-    session.execute(update(Job).where(Job.id == job_id).values(**values))
-    job = session.get_one(Job, job_id, populate_existing=True)
-    outcome = "delivered" if state == "delivered" else WEBHOOK_FAILURE_PREFIX
+    job, outcome = JOB_ENDS.attempted(session, job_id, state)
     add_event(session, job, kind=WEBHOOK_EVENT_KIND, message=f"{outcome}: {message} (attempt {job.webhook_attempts})")
     return job.webhook_attempts
 
@@ -523,10 +590,18 @@ def touch(
     """Heartbeat (and progress when given). False when the attempt no longer owns the job."""
     values: dict[str, Any] = {"heartbeat_at": utcnow()}
     if stage is not None:
-        values["stage"] = stage
+        started = update(Job).where(_ours(job_id, attempt), or_(Job.stage.is_(None), Job.stage != stage))
+        if session.execute(started.values(stage=stage)).rowcount:
+            _stage_started(session, session.get_one(Job, job_id), attempt, stage)
     if progress is not None:
         values["progress"] = progress
     return bool(session.execute(update(Job).where(_ours(job_id, attempt)).values(**values)).rowcount)
+
+
+def _stage_started(session: Session, job: Job, attempt: int, stage: str) -> None:
+    """A `job.stage` delivery, where the job's webhook takes them."""
+    if job.webhook_url and STAGE_EVENT in (job.webhook_events or ()):
+        session.add(StageDelivery(job_id=job.id, attempt=attempt, stage=stage, started_at=utcnow()))
 
 
 def release(session: Session, job_id: str, attempt: int) -> None:

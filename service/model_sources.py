@@ -6,7 +6,9 @@ An upload on local storage is a folder already. Anything in a bucket is download
 whose objects are unchanged is read from S3 once, and one whose objects changed is downloaded anew. A download goes
 to a partial folder first and is renamed into the cache whole, so a download cut short never enters it. When the
 cache holds more than CASP_MODEL_CACHE_MAX_BYTES, the least recently used entries go, except those a job is using
-(each job holds a shared lock on its entry; eviction takes an exclusive one or leaves the entry).
+(each job holds a shared lock on its entry; eviction takes an exclusive one or leaves the entry). A download holds
+an exclusive lock on its partial folder while it runs: a partial folder whose lock is free was left by a worker that
+died mid-download, and goes the next time the cache adds or finds an entry.
 """
 
 import contextlib
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
 from casp_core.errors import Cancelled, ModelNotFound
@@ -59,13 +62,20 @@ def list_objects(client: object, location: S3Location) -> list[StoredObject]:
     """The objects of the model's folder; the folder markers some tools write (keys ending in `/`) are skipped."""
     objects = []
     paginator = client.get_paginator("list_objects_v2")  # type: ignore[attr-defined]
-    for page in paginator.paginate(Bucket=location.bucket, Prefix=location.prefix + "/"):
-        for item in page.get("Contents", []):
-            relative = item["Key"][len(location.prefix) + 1 :]
-            if relative and not relative.endswith("/"):
-                if any(part in ("", ".", "..") for part in relative.split("/")):
-                    raise ModelNotFound(f"{location}: the object name {relative!r} cannot be a file name")
-                objects.append(StoredObject(relative, item["Size"], item["ETag"]))
+    try:
+        for page in paginator.paginate(Bucket=location.bucket, Prefix=location.prefix + "/"):
+            for item in page.get("Contents", []):
+                relative = item["Key"][len(location.prefix) + 1 :]
+                if relative and not relative.endswith("/"):
+                    if any(part in ("", ".", "..") for part in relative.split("/")):
+                        raise ModelNotFound(f"{location}: the object name {relative!r} cannot be a file name")
+                    objects.append(StoredObject(relative, item["Size"], item["ETag"]))
+    except ClientError as exc:  # a wrong key, no such bucket, no right to list it: the job's error, not a crash
+        code = exc.response.get("Error", {}).get("Code", "an error")
+        raise ModelNotFound(
+            f"{location}: the S3 server refused to list it ({code}); the bucket is read with its entry of"
+            " CASP_MODEL_BUCKET_CREDENTIALS, else CASP_S3_*"
+        ) from exc
     if not objects:
         raise ModelNotFound(f"{location}: no objects under this prefix")
     return sorted(objects, key=lambda stored: stored.relative)
@@ -105,6 +115,7 @@ class ModelCache:
         objects = list_objects(client, location)
         entry = entry_name(location, objects)
         with self._exclusive():
+            self._remove_abandoned_partials()
             cached = (self.root / entry).is_dir()
         if cached:
             progress(1.0, f"{location}: in the model cache, its objects unchanged; nothing downloaded")
@@ -135,6 +146,9 @@ class ModelCache:
         total = sum(stored.size for stored in objects) or 1
         done = 0
         partial = self.root / f"{PARTIAL_PREFIX}{uuid.uuid4().hex}"
+        with self._exclusive():  # the lock is held before the folder exists: a cleaner never sees it free
+            downloading = self._lock_path(partial.name).open("a")
+            fcntl.flock(downloading, fcntl.LOCK_EX)
         try:
             for stored in objects:
                 target = partial / name / stored.relative
@@ -154,7 +168,21 @@ class ModelCache:
                     partial.rename(self.root / entry)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+            self._lock_path(partial.name).unlink(missing_ok=True)
+            downloading.close()
         progress(1.0, f"downloaded {location}: {len(objects)} files, {megabytes(total)}")
+
+    def _remove_abandoned_partials(self) -> None:
+        """Partial folders whose download's lock is free: their worker died (the lock went with its process).
+        Called under the cache's exclusive lock, which a download takes to create its partial folder's lock."""
+        for partial in self.root.glob(f"{PARTIAL_PREFIX}*"):
+            with self._lock_path(partial.name).open("a") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # still downloading
+                    continue
+                shutil.rmtree(partial, ignore_errors=True)
+                self._lock_path(partial.name).unlink()
 
     def _evict(self, keep: str) -> None:
         """Least recently used entries out, until the cache is within its bound; entries in use stay."""

@@ -14,7 +14,7 @@ from service import jobs
 from service.db import session_scope
 from service.dispatch import Dispatcher, send
 from service.settings import Settings
-from service.storage import Storage
+from service.storage import S3Storage, Storage
 from service.tables import utcnow
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,20 @@ def sweep_expired_uploads(settings: Settings, storage: Storage) -> list[str]:
     return swept
 
 
+def sweep_expired_pending_uploads(settings: Settings, storage: Storage) -> list[str]:
+    """Presigned uploads never completed: their tar (if one was PUT), then the row."""
+    with session_scope(settings.database) as session:
+        expired = jobs.expired_pending_uploads(session, utcnow())
+    for upload_id in expired:
+        if isinstance(storage, S3Storage):  # only S3 storage hands out presigned uploads
+            storage.delete_pending_upload(upload_id)
+        with session_scope(settings.database) as session:
+            jobs.forget_pending_upload(session, upload_id)
+    if expired:
+        log.info("retention: deleted the expired presigned uploads %s", list(expired))
+    return list(expired)
+
+
 class Reaper(threading.Thread):
     def __init__(self, settings: Settings, dispatcher: Dispatcher, storage: Storage) -> None:
         super().__init__(name="casp-reaper", daemon=True)
@@ -147,5 +161,6 @@ class Reaper(threading.Thread):
             try:
                 sweep_expired(self.settings, self.storage)
                 sweep_expired_uploads(self.settings, self.storage)
+                sweep_expired_pending_uploads(self.settings, self.storage)
             except Exception as exc:  # the database may be briefly away; try again next round
                 log.warning("retention sweep failed: %s: %s", type(exc).__name__, exc)

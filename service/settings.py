@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     storage_url: str | None = None
     s3_endpoint_url: str | None = None
     # Where clients reach the S3 server, when it differs from where the service does (`minio:9000` inside
-    # docker compose): download URLs are presigned for this host.
+    # docker compose): download URLs and presigned model uploads are signed for this host.
     s3_public_endpoint_url: str | None = None
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = None

@@ -9,7 +9,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 from urllib.parse import quote, urlparse
 
 import boto3
@@ -227,6 +227,30 @@ class S3Storage:
 
     def model_location(self, model_id: str, name: str) -> S3Location:
         return S3Location(self.bucket, self.key(model_id, name, "models"), self.credentials)
+
+    def _pending_key(self, upload_id: str) -> str:
+        return self.key(f"{upload_id}.tar", folder="model-uploads")
+
+    def pending_upload_url(self, upload_id: str, ttl_seconds: int) -> str:
+        """A URL that PUTs the tar of a presigned model upload without credentials until it expires."""
+        return (self.presigner or self.client).generate_presigned_url(
+            "put_object", Params={"Bucket": self.bucket, "Key": self._pending_key(upload_id)}, ExpiresIn=ttl_seconds
+        )
+
+    def pending_upload_size(self, upload_id: str) -> int | None:
+        """The size of the tar PUT to the upload's URL; None while nothing was."""
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self._pending_key(upload_id))["ContentLength"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+
+    def read_pending_upload(self, upload_id: str, target: BinaryIO) -> None:
+        self.client.download_fileobj(self.bucket, self._pending_key(upload_id), target)
+
+    def delete_pending_upload(self, upload_id: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._pending_key(upload_id))
 
     def check_writable(self, min_free_bytes: int) -> None:
         # A bucket has no free space to read: only writing is checked.

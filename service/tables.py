@@ -78,6 +78,9 @@ class Job(Base):
     expires_at: Mapped[datetime | None]
     # Where the job's end is posted; `webhook_state` is "pending" until then, "delivered" or "failed" after.
     webhook_url: Mapped[str | None] = mapped_column(Text)
+    # The events the webhook receives (`job.succeeded`, `job.failed`, `job.cancelled`, `job.stage`); None: the
+    # three final ones. A final one left out ends `webhook_state` "skipped".
+    webhook_events: Mapped[list[str] | None] = mapped_column(JSON)
     webhook_state: Mapped[str | None] = mapped_column(String(16))
     webhook_attempts: Mapped[int] = mapped_column(Integer, default=0)
     # A notifier delivering it holds it until then (its attempts and their waits), so two never post at once.
@@ -143,3 +146,36 @@ class UploadedModel(Base):
     files: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
+
+
+class PendingUpload(Base):
+    """A model upload handed out as a presigned URL (`POST /v1/models/presigned`, S3 storage only): the key PUTs its
+    tar to `model-uploads/<id>.tar` in the artifact bucket, then completes it (`POST /v1/models/{id}/complete`), which
+    checks the tar and makes it an UploadedModel of the same id. One never completed goes once it expires."""
+
+    __tablename__ = "pending_uploads"
+    __table_args__ = (Index("ix_pending_uploads_expires_at", "expires_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    name: Mapped[str | None] = mapped_column(String(100))  # None: the archive's top folder, or `model`
+    retention_seconds: Mapped[int] = mapped_column(Integer)  # the uploaded model's, once accepted
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+
+
+class StageDelivery(Base):
+    """A `job.stage` webhook delivery: written when an attempt of a job whose `webhook_events` name it starts a
+    stage, delivered by the notifiers as the job's end is (a lease, retries, each attempt an event of the job)."""
+
+    __tablename__ = "stage_deliveries"
+    __table_args__ = (Index("ix_stage_deliveries_state", "state"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)  # the job's attempt that started the stage
+    stage: Mapped[str] = mapped_column(String(32))
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # then "delivered" or "failed"
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_until: Mapped[datetime | None]

@@ -10,7 +10,8 @@ Headers of each POST:
 - `webhook-id: <job id>.<event>` (the same on every attempt, so a receiver can drop a repeat),
   `webhook-timestamp: <unix seconds>`, `webhook-signature: v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`
   keyed with CASP_WEBHOOK_SECRET's UTF-8 bytes
-- `Casp-Event: job.succeeded` (or `job.failed`, `job.cancelled`)
+- `Casp-Event: job.succeeded` (or `job.failed`, `job.cancelled`, or `job.stage` for a stage started, where the job's
+  `webhook_events` name it: one delivery per stage an attempt starts, from its own rows, `stage_deliveries`)
 - `Casp-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`: casp's own header before Standard
   Webhooks, kept for one release so that receivers can switch
 """
@@ -113,25 +114,33 @@ def post_signed(settings: Settings, url: str, body: bytes, event: str, message_i
     return response.is_success, f"HTTP {response.status_code}"
 
 
-def deliver(settings: Settings, job_body: JobBody, job_id: str, stopped: threading.Event) -> bool | None:
-    """Posts the finished job to its webhook until it is taken (2xx) or the attempts are used up; None when
-    another notifier holds it or it was delivered meanwhile."""
-    # Long enough for every attempt and wait: a live notifier never loses its lease.
-    lease = timedelta(seconds=settings.webhook_max_attempts * (settings.webhook_timeout_seconds + MAX_BACKOFF_SECONDS))
-    with session_scope(settings.database) as session:
-        job = jobs.claim_webhook(session, job_id, utcnow(), lease)
-        if job is None or job.webhook_url is None:
-            return None
-        url, event, done_before = job.webhook_url, f"job.{job.status}", job.webhook_attempts
-        body = json.dumps(job_body(job), separators=(",", ":")).encode()
+def lease_of(settings: Settings) -> timedelta:
+    """Long enough for every attempt and wait: a live notifier never loses its lease."""
+    return timedelta(seconds=settings.webhook_max_attempts * (settings.webhook_timeout_seconds + MAX_BACKOFF_SECONDS))
+
+
+# Records an attempt: (what happened, the delivery's state after it: "pending", "delivered" or "failed").
+RecordAttempt = Callable[[str, str], None]
+
+
+def post_until_taken(
+    settings: Settings,
+    delivery: tuple[str, bytes, str, str],
+    done_before: int,
+    record: RecordAttempt,
+    stopped: threading.Event,
+) -> bool:
+    """Posts `delivery` (url, body, event, message id) until it is taken (2xx) or the attempts are used up,
+    counting on from `done_before`; records each attempt."""
+    url, body, event, message_id = delivery
     numbers = itertools.count(done_before + 1)
 
     def attempt() -> bool:
         number = next(numbers)
-        delivered, message = post_signed(settings, url, body, event, f"{job_id}.{event}")
-        state = "delivered" if delivered else "failed" if number >= settings.webhook_max_attempts else "pending"
-        with session_scope(settings.database) as session:
-            jobs.webhook_attempted(session, job_id, message, state=state)
+        delivered, message = post_signed(settings, url, body, event, message_id)
+        record(
+            message, "delivered" if delivered else "failed" if number >= settings.webhook_max_attempts else "pending"
+        )
         return delivered
 
     retrying = tenacity.Retrying(
@@ -147,6 +156,55 @@ def deliver(settings: Settings, job_body: JobBody, job_id: str, stopped: threadi
     return retrying(attempt)
 
 
+def deliver(settings: Settings, job_body: JobBody, job_id: str, stopped: threading.Event) -> bool | None:
+    """Posts the finished job to its webhook until it is taken (2xx) or the attempts are used up; None when
+    another notifier holds it, it was delivered meanwhile, or the job's `webhook_events` leave its end out."""
+    with session_scope(settings.database) as session:
+        job = jobs.claim_webhook(session, job_id, utcnow(), lease_of(settings))
+        if job is None or job.webhook_url is None:
+            return None
+        event = f"job.{job.status}"
+        if event not in (job.webhook_events or jobs.FINAL_EVENTS):
+            jobs.skip_webhook(session, job_id)
+            return None
+        url, done_before = job.webhook_url, job.webhook_attempts
+        body = json.dumps(job_body(job), separators=(",", ":")).encode()
+
+    def record(message: str, state: str) -> None:
+        with session_scope(settings.database) as session:
+            jobs.webhook_attempted(session, job_id, message, state=state)
+
+    return post_until_taken(settings, (url, body, event, f"{job_id}.{event}"), done_before, record, stopped)
+
+
+def deliver_stage(settings: Settings, delivery_id: int, stopped: threading.Event) -> bool | None:
+    """Posts a `job.stage` delivery: `{"type": "job.stage", "job_id", "attempt", "stage", "started_at"}`, with the
+    webhook id `<job id>.job.stage.<attempt>.<stage>`. None when another notifier holds it or it is done."""
+    with session_scope(settings.database) as session:
+        delivery = jobs.claim_stage_delivery(session, delivery_id, utcnow(), lease_of(settings))
+        if delivery is None:
+            return None
+        url = session.get_one(Job, delivery.job_id).webhook_url
+        assert url is not None  # only a job with a webhook gets deliveries
+        started_at = jobs.aware(delivery.started_at)
+        payload = {
+            "type": jobs.STAGE_EVENT,
+            "job_id": delivery.job_id,
+            "attempt": delivery.attempt,
+            "stage": delivery.stage,
+            "started_at": started_at.isoformat().replace("+00:00", "Z"),
+        }
+        message_id = f"{delivery.job_id}.{jobs.STAGE_EVENT}.{delivery.attempt}.{delivery.stage}"
+        done_before = delivery.attempts
+    body = json.dumps(payload, separators=(",", ":")).encode()
+
+    def record(message: str, state: str) -> None:
+        with session_scope(settings.database) as session:
+            jobs.stage_delivery_attempted(session, delivery_id, message, state=state)
+
+    return post_until_taken(settings, (url, body, jobs.STAGE_EVENT, message_id), done_before, record, stopped)
+
+
 class Notifier(threading.Thread):
     """Delivers the webhooks of finished jobs; runs beside the API (casp_cli.app), where webhooks are on."""
 
@@ -160,7 +218,13 @@ class Notifier(threading.Thread):
         while not self.stopped.wait(self.settings.webhook_poll_seconds):
             try:
                 with session_scope(self.settings.database) as session:
+                    stages = jobs.pending_stage_deliveries(session, utcnow())
                     pending = jobs.pending_webhooks(session, utcnow())
+                # The stages first: a job's start is older than its end.
+                for delivery_id in stages:
+                    if self.stopped.is_set():
+                        return
+                    deliver_stage(self.settings, delivery_id, self.stopped)
                 for job_id in pending:
                     if self.stopped.is_set():
                         return

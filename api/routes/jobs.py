@@ -106,6 +106,8 @@ def resolve_dataset(spec: str, loc: Loc, settings: Settings, source_of: Callable
 
 def check_webhook(body: JobCreate, settings: Settings) -> str | None:
     if body.webhook_url is None:
+        if body.webhook_events is not None:
+            raise invalid(("webhook_events",), "only goes with a `webhook_url`")
         return None
     if not settings.webhook_secret:
         raise invalid(("webhook_url",), "webhooks are off on this server (no CASP_WEBHOOK_SECRET)")
@@ -164,6 +166,7 @@ def job_out(job: Job) -> JobOut:
         finished_at=jobs.aware(job.finished_at),
         expires_at=jobs.aware(job.expires_at),
         webhook_url=job.webhook_url,
+        webhook_events=(job.webhook_events or list(jobs.FINAL_EVENTS)) if job.webhook_url else None,
         webhook_state=job.webhook_state,  # type: ignore[arg-type]
     )
 
@@ -219,7 +222,7 @@ def create_job(
     }
     webhook_url = check_webhook(body, settings)
     if webhook_url:
-        fields |= {"webhook_url": webhook_url, "webhook_state": "pending"}
+        fields |= {"webhook_url": webhook_url, "webhook_events": body.webhook_events, "webhook_state": "pending"}
     request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     limits = jobs.limits_of(session, caller, settings)
     try:

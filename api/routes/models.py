@@ -8,24 +8,45 @@ from pathlib import Path
 from typing import Annotated, BinaryIO
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, Response, UploadFile, status
+from fastapi.exceptions import RequestValidationError
+from sqlalchemy.orm import Session
 
 from api.deps import CallerDep, SessionDep, SettingsDep, StorageDep
 from api.errors import responses
+from api.json_body import JsonRoute
 from api.routes.jobs import invalid, retention_of
-from api.schemas import MODEL_NAME_PATTERN, JobIdText, ModelId, ModelList, ModelOut
+from api.schemas import (
+    MODEL_NAME_PATTERN,
+    JobIdText,
+    ModelId,
+    ModelList,
+    ModelOut,
+    PresignedUploadIn,
+    PresignedUploadOut,
+)
 from casp_core.errors import CaspError
 from casp_core.model import check_model_folder
 from service import jobs
 from service.paths import UPLOAD_SCHEME
-from service.storage import files_of
-from service.tables import UploadedModel, new_id, utcnow
+from service.settings import Settings
+from service.storage import S3Storage, Storage, files_of
+from service.tables import PendingUpload, UploadedModel, new_id, utcnow
 
-router = APIRouter(prefix="/v1/models", tags=["models"], responses=responses(401, 422))
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=responses(401, 422), route_class=JsonRoute)
 
 ARCHIVE = ("file",)
 # A model folder has a config, weights, a tokenizer: a few dozen files even sharded.
 MAX_FILES = 1000
+# A presigned upload's tar may be completed this long after its URL expired (a large PUT started in time).
+PENDING_GRACE = timedelta(days=1)
 PACKING_HINT = "pack the model's folder as `tar -C FOLDER -cf model.tar .` (or `casp models upload FOLDER`)"
+
+
+def scratch_of(settings: Settings) -> Path:
+    """Where archives are read and unpacked: a folder of the server's own, not the system's /tmp."""
+    scratch = settings.home / "uploads"
+    scratch.mkdir(parents=True, exist_ok=True)
+    return scratch
 
 
 def model_out(row: UploadedModel) -> ModelOut:
@@ -65,7 +86,7 @@ def unpack(archive: BinaryIO, target: Path, max_bytes: int) -> Path:
     raise invalid(ARCHIVE, f"no config.json at the top of the archive; {PACKING_HINT}")
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=ModelOut, responses=responses(413))
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ModelOut, responses=responses(400, 413))
 def upload_model(
     file: Annotated[UploadFile, File(description="the model's folder as a tar archive (optionally gzip-compressed)")],
     session: SessionDep,
@@ -87,10 +108,24 @@ def upload_model(
     """Checked before it is kept: a config of a supported family, a tokenizer, and safetensors weights whose
     tensors and shapes are the config's (read from the files' headers). Otherwise 422 on `file`, saying why."""
     retention = retention_of(retention_seconds, settings)
-    scratch = settings.home / "uploads"
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch) as unpacked:
-        folder = unpack(file.file, Path(unpacked), settings.max_upload_bytes)
+    row = accept_archive(file.file, name, retention, new_id(), session, caller, settings, storage)
+    session.commit()
+    return model_out(row)
+
+
+def accept_archive(
+    archive: BinaryIO,
+    name: str | None,
+    retention: int,
+    model_id: str,
+    session: Session,
+    caller: jobs.Caller,
+    settings: Settings,
+    storage: Storage,
+) -> UploadedModel:
+    """The archive checked, stored as the model `model_id` and recorded (uncommitted); 422 on `file` or `name`."""
+    with tempfile.TemporaryDirectory(dir=scratch_of(settings)) as unpacked:
+        folder = unpack(archive, Path(unpacked), settings.max_upload_bytes)
         chosen = name or (folder.name if folder != Path(unpacked) else "model")
         if not re.match(MODEL_NAME_PATTERN, chosen):
             raise invalid(("name",), f"the archive's folder {chosen[:100]!r} is no model name: give `name`")
@@ -101,11 +136,11 @@ def upload_model(
             raise invalid(ARCHIVE, f"{exc.code}: {exc.message.replace(str(folder), chosen)}") from exc
         files = files_of(folder)
         size = sum(path.stat().st_size for _, path in files)
-        model_id = new_id()
         storage.put_model(model_id, chosen, folder)
-    row = jobs.add_uploaded_model(
+    return jobs.add_owned(
         session,
         caller,
+        UploadedModel,
         id=model_id,
         name=chosen,
         model_type=config.model_type,
@@ -113,7 +148,91 @@ def upload_model(
         files=len(files),
         expires_at=utcnow() + timedelta(seconds=retention),
     )
+
+
+def finish_pending(session: Session, bucket: S3Storage, upload_id: str) -> None:
+    """The pending upload done with, accepted or refused: its tar and its row go."""
+    bucket.delete_pending_upload(upload_id)
+    jobs.forget_pending_upload(session, upload_id)
     session.commit()
+
+
+def s3_storage(storage: Storage) -> S3Storage:
+    if not isinstance(storage, S3Storage):
+        raise HTTPException(
+            status.HTTP_400_BAD_REQUEST,
+            "presigned uploads need S3 storage (CASP_STORAGE_URL=s3://...); this server takes the tar as a multipart"
+            " upload to POST /v1/models",
+        )
+    return storage
+
+
+@router.post(
+    "/presigned",
+    status_code=status.HTTP_201_CREATED,
+    response_model=PresignedUploadOut,
+    responses=responses(400),
+)
+def presign_upload(
+    body: PresignedUploadIn, session: SessionDep, caller: CallerDep, settings: SettingsDep, storage: StorageDep
+) -> PresignedUploadOut:
+    """A URL to PUT the model's tar to, straight into the artifact bucket, then `POST /v1/models/{id}/complete`,
+    which checks it as `POST /v1/models` checks a multipart upload. The URL expires after CASP_URL_TTL_SECONDS; a
+    tar not completed within a day after that is deleted. S3 storage only (400 otherwise)."""
+    bucket = s3_storage(storage)
+    retention = retention_of(body.retention_seconds, settings)
+    now = utcnow()
+    row = jobs.add_owned(
+        session,
+        caller,
+        PendingUpload,
+        name=body.name,
+        retention_seconds=retention,
+        expires_at=now + timedelta(seconds=settings.url_ttl_seconds) + PENDING_GRACE,
+    )
+    url = bucket.pending_upload_url(row.id, settings.url_ttl_seconds)
+    session.commit()
+    return PresignedUploadOut(
+        id=row.id,
+        upload_url=url,
+        upload_method="PUT",
+        upload_expires_at=now + timedelta(seconds=settings.url_ttl_seconds),
+        complete_url=f"/v1/models/{row.id}/complete",
+    )
+
+
+@router.post(
+    "/{upload_id}/complete",
+    status_code=status.HTTP_201_CREATED,
+    response_model=ModelOut,
+    responses=responses(400, 404, 409),
+)
+def complete_upload(
+    upload_id: ModelId, session: SessionDep, caller: CallerDep, settings: SettingsDep, storage: StorageDep
+) -> ModelOut:
+    """Checks the tar PUT to the presigned URL as a multipart upload is checked; 201 with the model (the upload's
+    id), or 422 on `file` with the reason. Either way the upload is done with: a refused tar is deleted, and a new
+    presigned upload starts again. 409 while nothing was PUT; 404 for an unknown, expired or another key's id."""
+    bucket = s3_storage(storage)
+    pending = jobs.get_pending_upload(session, caller, upload_id)
+    if pending is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no pending upload {upload_id}")
+    size = bucket.pending_upload_size(pending.id)
+    if size is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, "nothing was uploaded yet: PUT the tar to the upload's URL first")
+    try:
+        if size > settings.max_upload_bytes:
+            raise invalid(ARCHIVE, f"larger than {settings.max_upload_bytes} bytes (CASP_MAX_UPLOAD_BYTES)")
+        with tempfile.TemporaryFile(dir=scratch_of(settings)) as archive:
+            bucket.read_pending_upload(pending.id, archive)
+            archive.seek(0)
+            row = accept_archive(
+                archive, pending.name, pending.retention_seconds, pending.id, session, caller, settings, storage
+            )
+    except RequestValidationError:
+        finish_pending(session, bucket, pending.id)
+        raise
+    finish_pending(session, bucket, pending.id)
     return model_out(row)
 
 

@@ -1,15 +1,17 @@
 """The workers' model cache against the real S3 server: a download enters it whole or not at all, unchanged objects
-are not read again, changed ones are, and the least recently used entry goes first, unless a job is using it."""
+are not read again, changed ones are, and the least recently used entry goes first, unless a job is using it. What a
+download that died left behind goes; what a running download writes stays."""
 
+import fcntl
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from casp_core.errors import Cancelled
-from service.model_sources import PARTIAL_PREFIX, ModelCache
-from service.settings import S3Credentials
-from service.storage import S3Location
+from casp_core.errors import Cancelled, ModelNotFound
+from service.model_sources import LOCKS, PARTIAL_PREFIX, ModelCache, local_folder, locate
+from service.settings import S3Credentials, Settings
+from service.storage import S3Location, make_storage
 from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET
 from tests.service_fixtures import put_model as put_objects
 
@@ -109,3 +111,62 @@ def test_the_least_recently_used_model_goes_first_unless_a_job_uses_it(
         assert (held / "model.safetensors").is_file()
     assert len(entries(tmp_path / "held")) == 2
     assert [fetch(cache, first), fetch(cache, third)] == ["found", "found"]
+
+
+def test_a_partial_download_whose_worker_died_is_removed_and_a_running_one_is_not(
+    models_bucket: tuple[Any, S3Credentials], tmp_path: Path
+) -> None:
+    location = put_model(models_bucket, "cache-test/partials/stories260K")
+    cache = ModelCache(tmp_path, max_bytes=10 * model_bytes())
+    # A worker killed mid-download leaves its partial folder, and its lock file unlocked (or none at all).
+    (tmp_path / LOCKS).mkdir()
+    for name, lock_file in (("died-with-lock", True), ("died-before-locking", False)):
+        (tmp_path / f"{PARTIAL_PREFIX}{name}" / "stories260K").mkdir(parents=True)
+        (tmp_path / f"{PARTIAL_PREFIX}{name}" / "stories260K" / "model.safetensors").write_bytes(b"x" * 1000)
+        if lock_file:
+            (tmp_path / LOCKS / f"{PARTIAL_PREFIX}{name}").touch()
+    # Another worker of this machine is downloading: it holds its partial folder's lock.
+    running = tmp_path / f"{PARTIAL_PREFIX}running"
+    (running / "stories260K").mkdir(parents=True)
+    with (tmp_path / LOCKS / running.name).open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert fetch(cache, location) == "downloaded"
+        assert [p.name for p in tmp_path.glob(f"{PARTIAL_PREFIX}*")] == [running.name]
+        assert sorted(p.name for p in (tmp_path / LOCKS).iterdir() if p.name.startswith(PARTIAL_PREFIX)) == [
+            running.name
+        ]
+        assert fetch(cache, location) == "found"  # a cache hit cleans as well: the running one still stays
+        assert running.is_dir()
+    # Its worker died: the lock went with it.
+    assert fetch(cache, location) == "found"
+    assert not list(tmp_path.glob(f"{PARTIAL_PREFIX}*")) and not list((tmp_path / LOCKS).glob(f"{PARTIAL_PREFIX}*"))
+
+
+def test_a_bucket_is_read_with_its_own_credentials_where_the_settings_name_them(
+    models_bucket: tuple[Any, S3Credentials], tmp_path: Path
+) -> None:
+    location = put_model(models_bucket, "cache-test/credentials/stories260K")
+    model = f"s3://{MODELS_BUCKET}/{location.prefix}"
+    _, credentials = models_bucket
+    # The artifact storage's credentials cannot read the models bucket (another account, say).
+    storage_only = Settings(
+        home=tmp_path,
+        s3_endpoint_url=credentials.endpoint_url,
+        s3_access_key_id=credentials.access_key_id,
+        s3_secret_access_key="not-the-models-secret",
+        allowed_model_buckets=[MODELS_BUCKET],
+    )
+    with_own = storage_only.model_copy(update={"model_bucket_credentials": {MODELS_BUCKET: credentials}})
+    for settings in (storage_only, with_own):
+        assert locate(None, model, None, make_storage(settings), settings) == S3Location(  # type: ignore[arg-type]
+            MODELS_BUCKET, location.prefix, settings.bucket_credentials(MODELS_BUCKET)
+        )
+    refused = locate(None, model, None, make_storage(storage_only), storage_only)  # type: ignore[arg-type]
+    refusal = r"refused to list it \(SignatureDoesNotMatch\).*CREDENTIALS"
+    with pytest.raises(ModelNotFound, match=refusal), local_folder(refused, storage_only, Recorder(), lambda: False):
+        pass
+    recorder = Recorder()
+    source = locate(None, model, None, make_storage(with_own), with_own)  # type: ignore[arg-type]
+    with local_folder(source, with_own, recorder, lambda: False) as folder:
+        assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
+    assert recorder.messages[-1].startswith(f"downloaded {model}")

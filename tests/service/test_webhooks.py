@@ -18,9 +18,12 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from casp_cli.app import service_app
+from service import jobs
+from service.db import session_scope
 from service.settings import Settings
+from service.tables import StageDelivery
 from tests.api.test_api import PARKED, refusal
-from tests.service_fixtures import REPO, wait_for
+from tests.service_fixtures import REPO, TINY_JOB, WorkerProcess, finished, wait_for, wait_job
 
 pytestmark = pytest.mark.service
 
@@ -167,3 +170,101 @@ def test_webhook_urls_are_checked_at_submit(hooked: Settings, receiver: Receiver
         with TestClient(service_app(settings)) as api:
             error = refusal(api.post("/v1/jobs", json={**PARKED, "webhook_url": url}))
         assert error["param"] == "webhook_url" and reason in error["message"], (url, error)
+
+
+def stages_started(api: TestClient, job_id: str) -> list[str]:
+    """The stages the job's first attempt started, in order, as its events show them."""
+    stages: list[str] = []
+    events = api.get(f"/v1/jobs/{job_id}/events").json()
+    assert not events["has_more"]
+    for event in events["data"]:
+        if event["attempt"] == 1 and event["stage"] and (not stages or stages[-1] != event["stage"]):
+            stages.append(event["stage"])
+    return stages
+
+
+def test_job_stage_posts_each_stage_started_and_the_events_a_job_names_are_all_it_gets(
+    hooked: Settings, receiver: Receiver, worker: WorkerProcess
+) -> None:
+    receiver.failures = 1  # the first stage's delivery is tried again
+    job_request = {
+        **TINY_JOB,
+        "device": "cpu",
+        "webhook_url": receiver.url,
+        "webhook_events": ["job.stage", "job.failed"],
+    }
+    with TestClient(service_app(hooked)) as api:
+        created = api.post("/v1/jobs", json=job_request)
+        assert created.status_code == 201, created.text
+        job = created.json()
+        assert job["webhook_events"] == ["job.stage", "job.failed"]
+        done = wait_job(api, job["id"], {}, finished, "the job to finish")
+        assert done["status"] == "succeeded", done["error"]
+        stages = stages_started(api, job["id"])
+        assert len(stages) >= 4 and stages[0] == "load", stages
+        # It succeeded, which its events leave out: nothing is posted for its end.
+        wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["webhook_state"] == "skipped", 30, "the end skipped")
+        wait_for(lambda: len(receiver.received) == len(stages) + 1, 30, "a delivery per stage")
+        messages = webhook_events(api, job["id"])
+        # The defaults: the three final events, for a job that names none.
+        plain = api.post("/v1/jobs", json={**PARKED, "webhook_url": receiver.url}).json()
+        assert plain["webhook_events"] == ["job.succeeded", "job.failed", "job.cancelled"]
+        api.post(f"/v1/jobs/{plain['id']}/cancel")
+    time.sleep(1)  # nothing more comes
+    assert messages[:2] == [
+        f"failed: HTTP 500 (job.stage {stages[0]}, attempt 1)",
+        f"delivered: HTTP 200 (job.stage {stages[0]}, attempt 2)",
+    ]
+    assert messages[2:] == [f"delivered: HTTP 200 (job.stage {stage}, attempt 1)" for stage in stages[1:]]
+    posted = []
+    verified = documented_receiver()
+    for _, headers, body in receiver.received[1:]:  # the first answered 500
+        assert headers["Casp-Event"] == "job.stage"
+        payload = Webhook(SECRET.encode()).verify(body, headers)
+        assert verified(SECRET.encode(), headers, body)
+        assert headers["webhook-id"] == f"{job['id']}.job.stage.1.{payload['stage']}"
+        assert (payload["type"], payload["job_id"], payload["attempt"]) == ("job.stage", job["id"], 1)
+        posted.append(payload["stage"])
+    assert posted == stages
+    assert receiver.received[0][2] == receiver.received[1][2]  # the retry posts the same body
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"webhook_events": ["job.stage"]}, "only goes with a `webhook_url`"),
+        ({"webhook_url": "http://127.0.0.1:9/x", "webhook_events": ["job.started"]}, "'job.stage'"),
+        ({"webhook_url": "http://127.0.0.1:9/x", "webhook_events": ["job.stage", "job.stage"]}, "names an event twice"),
+        ({"webhook_url": "http://127.0.0.1:9/x", "webhook_events": []}, "at least 1 item"),
+    ],
+)
+def test_webhook_events_are_checked_at_submit(hooked: Settings, change: dict[str, Any], reason: str) -> None:
+    with TestClient(service_app(hooked)) as api:
+        error = refusal(api.post("/v1/jobs", json={**PARKED, **change}))
+    assert error["param"].startswith("webhook_events") and reason in error["message"], error
+
+
+def test_a_stage_delivery_is_written_once_per_stage_started_and_only_for_jobs_that_ask(
+    hooked: Settings, receiver: Receiver
+) -> None:
+    quiet = hooked.model_copy(update={"webhook_poll_seconds": 3600.0})  # nothing delivered: the rows are looked at
+    with TestClient(service_app(quiet)) as api:
+        asks, plain, no_hook = (
+            api.post("/v1/jobs", json={**PARKED, **extra}).json()["id"]
+            for extra in (
+                {"webhook_url": receiver.url, "webhook_events": ["job.stage"]},
+                {"webhook_url": receiver.url},
+                {},
+            )
+        )
+    for job_id in (asks, plain, no_hook):
+        with session_scope(quiet.database) as session:
+            attempt = jobs.claim_job(session, job_id, "by-hand")
+            assert attempt is not None
+            for stage in ("load", "load", "calibrate", "calibrate", "prune"):  # progress within a stage repeats it
+                assert jobs.touch(session, job_id, attempt.attempts, stage=stage, progress=1.0)
+    with session_scope(quiet.database) as session:
+        written = session.query(StageDelivery).filter(StageDelivery.job_id.in_([asks, plain, no_hook])).all()
+        assert sorted((row.job_id, row.attempt, row.stage) for row in written) == sorted(
+            (asks, 1, stage) for stage in ("load", "calibrate", "prune")
+        )

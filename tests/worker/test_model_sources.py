@@ -1,20 +1,27 @@
 """Models from where teams keep them, through the API and a real Celery worker (PostgreSQL, Redis, SeaweedFS S3):
-a model in a bucket (downloaded once, then read from the worker's cache), a model uploaded as a tar (its key's
-alone, checked before it is kept), and what is refused at submit with a 422 naming `model`."""
+a model in a bucket (downloaded once, then read from the worker's cache), a model uploaded as a tar, in the request
+or to a presigned URL (its key's alone, checked before it is kept), and what is refused at submit with a 422 naming
+`model`."""
 
 import io
 import json
 import subprocess
 import sys
 import tarfile
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from casp_cli.app import service_app
+from service.db import session_scope
+from service.reaper import sweep_expired_pending_uploads, sweep_expired_uploads
 from service.settings import Settings
+from service.storage import make_storage
+from service.tables import PendingUpload, UploadedModel, utcnow
 from tests.api.test_api import refusal
 from tests.service_fixtures import (
     ALLOWED_MODELS_PREFIX,
@@ -24,6 +31,7 @@ from tests.service_fixtures import (
     TINY_JOB,
     WorkerProcess,
     download,
+    embedded_settings,
     finished,
     put_model,
     serving,
@@ -175,28 +183,146 @@ def test_a_bad_upload_is_refused_with_the_reason(
 
 
 def test_casp_models_upload_shows_its_progress_and_prints_the_model(
-    distributed_settings: Settings, keys: dict[str, dict[str, str]]
+    distributed_settings: Settings, keys: dict[str, dict[str, str]], tmp_path: Path
 ) -> None:
     key = keys["alice"]["Authorization"].removeprefix("Bearer ")
+
+    def casp_models_upload(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "casp_cli.main", "models", "upload", *args, "--url", url],
+            cwd=REPO,
+            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     with serving(service_app(distributed_settings)) as url:
-        done = subprocess.run(
-            [sys.executable, "-m", "casp_cli.main", "models", "upload", str(DEMO_MODEL), "--url", url],
-            cwd=REPO,
-            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-        uploaded = json.loads(done.stdout)
-        assert uploaded["name"] == "stories260K" and uploaded["model"].startswith("casp://models/")
-        assert "uploading: 100%" in done.stderr
-        missing = subprocess.run(
-            [sys.executable, "-m", "casp_cli.main", "models", "upload", str(REPO / "nowhere"), "--url", url],
-            cwd=REPO,
-            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        uploaded = []
+        for how in ([], ["--presigned"]):  # through the API, or straight into the bucket
+            done = casp_models_upload(url, str(DEMO_MODEL), *how)
+            assert done.returncode == 0, done.stderr
+            uploaded.append(json.loads(done.stdout))
+            assert uploaded[-1]["name"] == "stories260K" and uploaded[-1]["model"].startswith("casp://models/")
+            assert uploaded[-1]["size"] == sum(path.stat().st_size for path in DEMO_MODEL.iterdir())
+            assert "uploading: 100%" in done.stderr
+        assert uploaded[0]["id"] != uploaded[1]["id"]
+        missing = casp_models_upload(url, str(REPO / "nowhere"))
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0, missing.stderr
+    with serving(service_app(embedded_settings(tmp_path))) as url:  # local storage: no presigned uploads
+        refused = casp_models_upload(url, str(DEMO_MODEL), "--presigned")
+    assert refused.returncode == 2 and "presigned uploads need S3 storage" in refused.stderr.splitlines()[-1]
+
+
+def presign(api: TestClient, headers: dict[str, str], **body: Any) -> dict[str, Any]:
+    created = api.post("/v1/models/presigned", json=body, headers=headers)
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
+def test_a_presigned_upload_is_checked_when_completed_and_is_its_keys_alone(
+    api: TestClient,
+    worker: WorkerProcess,
+    keys: dict[str, dict[str, str]],
+    distributed_settings: Settings,
+    models_bucket: tuple[Any, Any],
+) -> None:
+    alice, bob = keys["alice"], keys["bob"]
+    upload = presign(api, alice, name="presigned-stories")
+    assert upload["upload_method"] == "PUT" and upload["complete_url"] == f"/v1/models/{upload['id']}/complete"
+    # Completing before the tar is there says so; the URL takes the tar with no other credentials.
+    assert refusal(api.post(upload["complete_url"], headers=alice), 409)["code"] == "conflict"
+    assert httpx.put(upload["upload_url"], content=model_tar(), timeout=30).status_code == 200
+    # Another key's complete answers as for an unknown upload, and leaves it be.
+    assert refusal(api.post(upload["complete_url"], headers=bob), 404)["code"] == "not_found"
+
+    completed = api.post(upload["complete_url"], headers=alice)
+    assert completed.status_code == 201, completed.text
+    model = completed.json()
+    assert (model["id"], model["name"], model["model_type"], model["files"]) == (
+        upload["id"],
+        "presigned-stories",
+        "llama",
+        6,
+    )
+    assert model["size"] == sum(path.stat().st_size for path in DEMO_MODEL.iterdir())
+    # The tar is gone from the bucket once completed, and the upload with it.
+    client, _ = models_bucket
+    leftover = client.list_objects_v2(Bucket="casp-test", Prefix="artifacts/model-uploads/").get("Contents", [])
+    assert leftover == []
+    assert refusal(api.post(upload["complete_url"], headers=alice), 404)["code"] == "not_found"
+
+    assert model["id"] in [m["id"] for m in api.get("/v1/models", headers=alice).json()["data"]]
+    assert model["id"] not in [m["id"] for m in api.get("/v1/models", headers=bob).json()["data"]]
+    error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": model["model"]}, headers=bob))
+    assert error["param"] == "model" and "no uploaded model" in error["message"]
+    job, _ = run(api, alice, model["model"])
+    assert abs(job["result"]["achieved_ratio"] - 0.3) < 0.02
+
+
+def test_a_bad_presigned_upload_is_refused_with_the_reason_and_deleted(
+    api: TestClient, keys: dict[str, dict[str, str]], models_bucket: tuple[Any, Any]
+) -> None:
+    alice = keys["alice"]
+    before = api.get("/v1/models", headers=alice).json()["data"]
+    upload = presign(api, alice)
+    wrong_width = model_tar(change={"config.json": config_with(intermediate_size=176)})
+    assert httpx.put(upload["upload_url"], content=wrong_width, timeout=30).status_code == 200
+    error = refusal(api.post(upload["complete_url"], headers=alice))
+    reason = "unsupported_model: the weights do not match config.json: model.layers.0.mlp.down_proj.weight has shape"
+    assert error["param"] == "file" and f"{reason} [64, 172], config.json makes it [64, 176]" in error["message"]
+    assert "uploads" not in error["message"]  # no server path
+    assert api.get("/v1/models", headers=alice).json()["data"] == before
+    client, _ = models_bucket
+    assert client.list_objects_v2(Bucket="casp-test", Prefix="artifacts/model-uploads/").get("Contents", []) == []
+    assert refusal(api.post(upload["complete_url"], headers=alice), 404)["code"] == "not_found"
+    # A name that is no model name is refused when the upload is asked for.
+    assert refusal(api.post("/v1/models/presigned", json={"name": "../x"}, headers=alice))["param"] == "name"
+
+
+def test_presigned_uploads_need_s3_storage(tmp_path: Path) -> None:
+    with TestClient(service_app(embedded_settings(tmp_path))) as client:
+        error = refusal(client.post("/v1/models/presigned", json={}), 400)
+    assert "presigned uploads need S3 storage" in error["message"] and "multipart" in error["message"]
+
+
+def test_a_presigned_upload_never_completed_is_deleted_once_it_expires(
+    api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings, models_bucket: tuple[Any, Any]
+) -> None:
+    alice = keys["alice"]
+    upload = presign(api, alice)
+    assert httpx.put(upload["upload_url"], content=model_tar(), timeout=30).status_code == 200
+    client, _ = models_bucket
+    tar_key = f"artifacts/model-uploads/{upload['id']}.tar"
+    assert client.head_object(Bucket="casp-test", Key=tar_key)["ContentLength"] > 0
+    storage = make_storage(distributed_settings)
+    assert upload["id"] not in sweep_expired_pending_uploads(distributed_settings, storage)  # not expired yet
+    with session_scope(distributed_settings.database) as session:
+        session.get_one(PendingUpload, upload["id"]).expires_at = utcnow() - timedelta(seconds=1)
+    assert upload["id"] in sweep_expired_pending_uploads(distributed_settings, storage)
+    assert client.list_objects_v2(Bucket="casp-test", Prefix=tar_key).get("Contents", []) == []
+    assert refusal(api.post(upload["complete_url"], headers=alice), 404)["code"] == "not_found"
+
+
+def test_an_upload_is_kept_for_its_retention_then_swept(
+    api: TestClient, keys: dict[str, dict[str, str]], distributed_settings: Settings, models_bucket: tuple[Any, Any]
+) -> None:
+    alice = keys["alice"]
+    too_long = distributed_settings.max_artifact_retention_seconds + 1
+    error = refusal(upload(api, alice, model_tar(), retention_seconds=str(too_long)))
+    assert error["param"] == "retention_seconds" and "CASP_MAX_ARTIFACT_RETENTION_SECONDS" in error["message"]
+    model = upload(api, alice, model_tar(), retention_seconds="60").json()
+    created, expires = (datetime.fromisoformat(model[name]) for name in ("created_at", "expires_at"))
+    assert abs((expires - created).total_seconds() - 60) < 1
+    client, _ = models_bucket
+    stored = f"artifacts/models/{model['id']}/"
+    assert len(client.list_objects_v2(Bucket="casp-test", Prefix=stored).get("Contents", [])) == 6
+    storage = make_storage(distributed_settings)
+    assert model["id"] not in sweep_expired_uploads(distributed_settings, storage)
+    with session_scope(distributed_settings.database) as session:
+        session.get_one(UploadedModel, model["id"]).expires_at = utcnow() - timedelta(seconds=1)
+    assert model["id"] in sweep_expired_uploads(distributed_settings, storage)
+    assert client.list_objects_v2(Bucket="casp-test", Prefix=stored).get("Contents", []) == []
+    assert model["id"] not in [m["id"] for m in api.get("/v1/models", headers=alice).json()["data"]]
+    error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": model["model"]}, headers=alice))
+    assert error["param"] == "model" and "no uploaded model" in error["message"]
