@@ -207,10 +207,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--models-dir", default=default_models_dir())
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--render", type=Path, metavar="JSON", help="only rewrite sweep.md (in --out) from this JSON")
     args = parser.parse_args(argv)
     if args.measure:
         measure_here(*args.measure)
         return {}
+    if args.render:
+        payload = json.loads(args.render.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sweep.md").write_text(render(payload))
+        return payload
     runs = [
         (name, mode, rest[0] if rest else "least_squares")
         for name, mode, *rest in (
@@ -319,6 +325,7 @@ def render(payload: dict[str, Any]) -> str:
             f"| {c['goal_in_singles']:.2f} | {'yes' if c['goal_met'] else '**no**'} "
             f"| {c['per_ratio_in_singles']:.2f} | {c['sweep_peak_rss_mib']:.0f} / {c['single_peak_rss_mib']:.0f} |"
         )
+    lines += ["", "## The goal", "", *(_verdict(result) for result in payload["results"])]
     lines += ["", "## Where the time goes (seconds)", ""]
     for result in payload["results"]:
         c = result["comparison"]
@@ -340,6 +347,23 @@ def render(payload: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _verdict(result: dict[str, Any]) -> str:
+    """Met or not, and what each ratio's own work is made of: the stages that dominate it."""
+    c = result["comparison"]
+    per_ratio = c["per_ratio_stage_seconds"]
+    total = sum(per_ratio.values()) or 1.0
+    largest = sorted(per_ratio, key=per_ratio.__getitem__, reverse=True)[:2]
+    shares = " and ".join(f"{stage} {per_ratio[stage] / total:.0%}" for stage in largest)
+    kind = "the issue's goal" if result["mode"] == "dense" else "the dense-mode goal's bound, for comparison"
+    return (
+        f"- {result['model']}, {result['mode']} calibration, compensation {result['compensation']}: {c['k']} ratios "
+        f"cost {c['sweep_in_singles']:.2f} single prunes against {c['goal_in_singles']:.2f} ({kind}): "
+        f"{'met' if c['goal_met'] else '**not met**'}. The shared work took {c['shared_seconds']:.0f} s once; each "
+        f"ratio then adds {c['per_ratio_in_singles']:.2f} of a single prune (the goal allows "
+        f"{GOAL_PER_EXTRA_RATIO}), mostly {shares} of its own stages."
+    )
 
 
 if __name__ == "__main__":

@@ -291,6 +291,10 @@ def test_sweep_tiny(tmp_path: Path) -> None:
     assert measured["peak_rss_mib"] >= measured["loaded_rss_mib"] > 0
     markdown = (tmp_path / "sweep.md").read_text()
     assert "| ptbwiki-7M | dense | least_squares | 2 |" in markdown and "## Where the time goes" in markdown
+    assert ("met." if comparison["goal_met"] else "**not met**.") in markdown.split("## The goal")[1]
+    # --render writes the same markdown from the JSON alone.
+    sweep.main(["--render", str(tmp_path / "sweep.json"), "--out", str(tmp_path / "rendered")])
+    assert (tmp_path / "rendered" / "sweep.md").read_text() == markdown
 
 
 def test_frontier_tiny(tmp_path: Path) -> None:
