@@ -414,35 +414,64 @@ def prune_ratios(
 ) -> Iterator[tuple[float, PruneResult]]:
     """`dense` pruned at each of `ratios`, in their order, one result at a time: for each ratio what `prune` of a
     copy of `dense` returns for `config` with that ratio and the same windows. `dense` is left unchanged.
-
-    The work every ratio shares is done once, before the first: the calibration windows, the sensitivities S_l
-    and the first decoder layer's inputs. In sequential calibration each ratio then prunes a copy of `dense` of its
-    own (its layers see the layers before them pruned at that ratio). In dense calibration no layer's statistics
-    depend on the ratio: one pass over the layers takes each layer's statistics and Q once and chooses, compensates
-    and masks every ratio's units on them, keeping per ratio only its masked o_proj and down_proj columns; each
-    ratio's surgery and verification come as its result is asked for.
-
-    `on_ratio(ratio)` is called as the work of that ratio alone starts (in dense mode: after the shared layer pass,
-    before its surgery). The settings of every ratio are checked before any work (InvalidConfig). `run`'s timer
-    counts the shared stages; each result's `timings`, its own ratio's. Cancelling (`run.should_cancel`) stops the
-    sweep at the next layer or ratio."""
+    `on_ratio(ratio)` is called as the work of that ratio alone starts; see `prune_configs` for the rest."""
     configs = [ratio_config(config, ratio) for ratio in ratios]
-    for ratio_settings in configs:
-        ratio_settings.validate()
-        check_reachable(dense, ratio_settings)
-    return _prune_ratios(dense, tokenizer, configs, run or Run(), windows, placement, on_ratio)
+
+    def started(index: int) -> None:
+        if on_ratio is not None:
+            on_ratio(ratios[index])
+
+    results = prune_configs(dense, tokenizer, configs, run, windows=windows, placement=placement, on_start=started)
+    return ((ratio_settings.ratio, result) for ratio_settings, result in results)
 
 
-def _prune_ratios(
+# What the configs of one `prune_configs` call may differ in: nothing any statistic depends on.
+PER_CONFIG_SETTINGS = ("ratio", "export", "gguf_type", "quantization")
+
+
+def prune_configs(
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    configs: Sequence[PruneConfig],
+    run: Run | None = None,
+    *,
+    windows: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> Iterator[tuple[PruneConfig, PruneResult]]:
+    """`dense` pruned with each of `configs`, in their order, one result at a time: for each what `prune` of a copy
+    of `dense` returns for it with the same windows. `dense` is left unchanged. The configs may differ only where
+    no statistic depends on it: the ratio, and the rounding their exports ask for (a sweep's GGUF types).
+
+    The work every config shares is done once, before the first: the calibration windows, the sensitivities S_l
+    and the first decoder layer's inputs. In sequential calibration each config then prunes a copy of `dense` of
+    its own (its layers see the layers before them pruned at its ratio). In dense calibration no layer's
+    statistics depend on the config: one pass over the layers takes each layer's statistics and Q once and
+    chooses, compensates and masks every config's units on them, keeping per config only its masked o_proj and
+    down_proj columns; each config's surgery and verification come as its result is asked for.
+
+    `on_start(index)` is called as the work of `configs[index]` alone starts (in dense mode: after the shared layer
+    pass, before its surgery). Every config is checked before any work (InvalidConfig). `run`'s timer counts the
+    shared stages; each result's `timings`, its own config's. Cancelling (`run.should_cancel`) stops the sweep at
+    the next layer or config."""
+    shared = [{k: v for k, v in config.model_dump().items() if k not in PER_CONFIG_SETTINGS} for config in configs]
+    assert all(settings == shared[0] for settings in shared), f"configs differ beyond {PER_CONFIG_SETTINGS}"
+    for config in configs:
+        config.validate()
+        check_reachable(dense, config)
+    return _prune_configs(dense, tokenizer, list(configs), run or Run(), windows, placement, on_start)
+
+
+def _prune_configs(
     dense: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     configs: list[PruneConfig],
     run: Run,
     windows: torch.Tensor | None,
     placement: Placement | None,
-    on_ratio: Callable[[float], None] | None,
-) -> Iterator[tuple[float, PruneResult]]:
-    shared = configs[0]  # the ratios' configs differ in the ratio alone
+    on_start: Callable[[int], None] | None,
+) -> Iterator[tuple[PruneConfig, PruneResult]]:
+    shared = configs[0]  # for what they share: the configs differ in the ratio and the rounding alone
     placement = place(dense, shared, run, placement)
     if windows is None:
         windows = load_windows(dense, tokenizer, shared, run)
@@ -466,8 +495,8 @@ def _prune_ratios(
     params_dense = prunable_parameters(dense)
     for index, (ratio_settings, ratio_run) in enumerate(zip(configs, runs, strict=True)):
         run.check_cancelled()
-        if on_ratio is not None:
-            on_ratio(ratio_settings.ratio)
+        if on_start is not None:
+            on_start(index)
         if dense_mode:
             ratio_pass, passes[index] = passes[index], None  # its masked sub-layers go with its result
             result = ratio_pass.finish(dense, windows, placement, params_dense)
@@ -483,7 +512,7 @@ def _prune_ratios(
                 release_dense=True,  # the copy's masked layers: nobody reads them after verification
                 placement=placement,
             )
-        yield ratio_settings.ratio, result
+        yield ratio_settings, result
 
 
 @dataclass

@@ -9,7 +9,7 @@ candidate as a single-ratio job of that ratio and format would have written it.
    round alike (a quantized GGUF type rounds the FFN widths to its block, as its single-ratio job would);
 2. read the texts; evaluate the dense model in transformers;
 3. the dense reference points: the dense model written in each variant and measured;
-4. each unit in turn (`prune.prune_ratios`: the statistics shared by the ratios computed once): the pruned model
+4. each unit in turn (`prune.prune_configs`: the work the units share computed once): the pruned model
    evaluated in transformers (perplexity, and the zero-shot tasks when asked), written to
    `candidates/ratio-0.30/`, each variant exported or quantized there and measured in its serving engine
    (llama.cpp for GGUF, transformers for safetensors); its points kept in the retry state, with the pruned model
@@ -56,7 +56,7 @@ from casp_core.job_steps import (
 )
 from casp_core.model import load_model, resolve_device
 from casp_core.placement import Placement, choose_placement
-from casp_core.prune import prune_ratios
+from casp_core.prune import prune_configs
 from casp_core.pruned_snapshot import PrunedSnapshot
 from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, QuantizedCheckpoint, quantize, weight_bytes
 from casp_core.report.build import pruning_section
@@ -127,7 +127,7 @@ class Unit:
 
 def sweep_units(candidates: list[Candidate], config: PruneConfig) -> list[Unit]:
     """The candidates as units of work: grouped by the rounding their variant's single-ratio job would use, then by
-    ratio. prune_ratios serves one group at a time, so the units of a group come together, ratios in order."""
+    ratio (in dense calibration `prune_configs` finishes them in this order after its one pass over the layers)."""
     groups: dict[int | None, dict[float, list[str]]] = {}
     for candidate in candidates:
         block = quantizer_block(config.candidate_config(candidate.ratio, candidate.format, candidate.variant))
@@ -151,8 +151,9 @@ class SweepProgress:
     started: float = 0.0  # when work on the current unit started (perf_counter)
     _within: float = 0.0
 
-    def sharing(self, ratios: list[float]) -> None:
-        """The work the ratios of a group share comes first, within the first unit's share."""
+    def sharing(self, units: list["Unit"]) -> None:
+        """The work the units share comes first, within the first unit's share."""
+        ratios = sorted({unit.ratio for unit in units})
         self.name, self._within = f"statistics shared by ratios {', '.join(f'{ratio:g}' for ratio in ratios)}", 0.0
 
     def start(self, name: str) -> None:
@@ -531,36 +532,31 @@ def sweep_candidates_of(
     placement: Placement,
     run: Run,
 ) -> None:
-    """Every unit not yet finished: pruned (one `prune_ratios` per rounding group), measured, kept."""
+    """Every unit not yet finished: pruned (one `prune_configs` for them all: the work they share done once),
+    measured, kept."""
     progress = SweepProgress(run, len(units))
     todo = [unit for unit in units if unit.key not in sweep.state.finished]
     progress.done = len(units) - len(todo)
     if progress.done:  # a retry
         run.report(SWEEP_STAGE, progress.done / len(units), f"{progress.done} of {len(units)} candidates measured")
-    groups: dict[int | None, list[Unit]] = {}
-    for unit in todo:
-        groups.setdefault(unit.block, []).append(unit)
+    progress.sharing(todo)
     unit_run = progress.unit_run()
-    for group in groups.values():
-        by_ratio = {unit.ratio: unit for unit in group}
-        progress.sharing(list(by_ratio))
 
-        def started(ratio: float, by_ratio: dict[float, Unit] = by_ratio) -> None:
-            progress.start(by_ratio[ratio].describe())
+    def started(index: int) -> None:
+        progress.start(todo[index].describe())
 
-        pruned = prune_ratios(
-            dense,
-            sweep.tokenizer,
-            unit_config(sweep.config, group[0], sweep.fmt),
-            list(by_ratio),
-            unit_run,
-            windows=sweep.inputs.windows,
-            placement=placement,
-            on_ratio=started,
-        )
-        for ratio, result in pruned:
-            measure_unit(sweep, by_ratio[ratio], result, time.perf_counter() - progress.started, unit_run)
-            progress.finish()
+    pruned = prune_configs(
+        dense,
+        sweep.tokenizer,
+        [unit_config(sweep.config, unit, sweep.fmt) for unit in todo],
+        unit_run,
+        windows=sweep.inputs.windows,
+        placement=placement,
+        on_start=started,
+    )
+    for unit, (_, result) in zip(todo, pruned, strict=True):
+        measure_unit(sweep, unit, result, time.perf_counter() - progress.started, unit_run)
+        progress.finish()
 
 
 def measure_unit(sweep: Sweep, unit: Unit, result: PruneResult, prune_seconds: float, run: Run) -> None:

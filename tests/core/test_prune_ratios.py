@@ -10,7 +10,7 @@ import casp_core.prune
 from casp_core.calibration import calibration_windows
 from casp_core.errors import Cancelled, InvalidConfig
 from casp_core.model import load_model
-from casp_core.prune import prune, prune_ratios
+from casp_core.prune import prune, prune_configs, prune_ratios
 from casp_core.run import Run
 from tests.conftest import PTBWIKI, small_config
 
@@ -105,6 +105,27 @@ def test_dense_mode_takes_each_layers_statistics_once_for_every_ratio(ptbwiki, m
     for name, tensor in dense.state_dict().items():
         assert torch.equal(tensor, dense_before[name]), name
     assert {name for name, _ in dense.named_parameters()} == set(dense_before) - {"lm_head.weight"}
+
+
+def test_configs_of_other_roundings_share_the_sensitivities_and_the_layer_pass(ptbwiki, monkeypatch):
+    """A sweep's GGUF types round the FFN widths differently (q8_0 to its block of 32): one call still measures
+    S_l once and, in dense mode, each layer's statistics once for both roundings."""
+    dense, tokenizer = ptbwiki
+    config = sweep_config("dense")
+    configs = [
+        config.model_copy(update={"ratio": 0.3}),
+        config.model_copy(update={"ratio": 0.3, "export": ["gguf"], "gguf_type": "q8_0"}),
+    ]
+    sensitivities = counted(monkeypatch, casp_core.prune, "layer_sensitivities")
+    statistics = counted(monkeypatch, casp_core.prune, "record_inputs")
+    results = list(prune_configs(dense, tokenizer, configs))
+    assert (len(sensitivities), len(statistics)) == (1, dense.config.num_hidden_layers)
+    windows = calibration_windows(dense, tokenizer, config)
+    for (swept_config, swept), asked in zip(results, configs, strict=True):
+        assert swept_config is asked
+        assert_same_pruning(swept, prune(copy.deepcopy(dense), tokenizer, asked, windows=windows))
+    widths = [[layer.mlp.down_proj.in_features for layer in result.model.model.layers] for _, result in results]
+    assert all(width % 32 == 0 for width in widths[1]) and widths[0] != widths[1]
 
 
 def test_a_bad_ratio_is_refused_before_any_work(ptbwiki):
