@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from casp_core.allocation import allocate_ratios, uniform_ratios
 from casp_core.budget import channels_to_prune, plan_budget, plan_uniform_shape
 from casp_core.config import AUTO_ALPHA, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig
-from casp_core.export.gguf_types import FLOAT_TYPES
+from casp_core.export.gguf_types import BASE_TYPE, FALLBACK, FLOAT_TYPES
 from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
 
 GGUF_ALIGNMENT = 32
@@ -46,23 +46,6 @@ GGML_BLOCKS = {
     "Q5_K": (176, 256),
     "Q6_K": (210, 256),
 }
-# The type a GGUF type gives a weight unless its mix says otherwise (llama_ftype_get_default_type).
-BASE_TYPE = {
-    "f32": "F32",
-    "f16": "F16",
-    "bf16": "BF16",
-    "q8_0": "Q8_0",
-    "q6_k": "Q6_K",
-    "q5_k_m": "Q5_K",
-    "q5_k_s": "Q5_K",
-    "q4_k_m": "Q4_K",
-    "q4_k_s": "Q4_K",
-    "q4_0": "Q4_0",
-    "q5_0": "Q5_0",
-    "iq4_nl": "IQ4_NL",
-}
-# tensor_type_fallback: what a 256-block type becomes on rows that are not a multiple of 256.
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 # The GGUF's header, its model keys and, per tokenizer entry, the token's text, score and type (measured on the
 # fixtures: tests/core/test_size_estimate.py).
 GGUF_HEADER_BYTES = 1_500

@@ -41,7 +41,14 @@ from safetensors import safe_open
 
 from casp_core.config import GGUF_TYPES
 from casp_core.errors import CaspError, InvalidConfig, ModelNotFound, UnsupportedModel
-from casp_core.export.gguf_types import SUPER_BLOCK, check_gguf_type, is_quantized, require_llama_cpp
+from casp_core.export.gguf_types import (
+    BASE_TYPE,
+    FALLBACK,
+    SUPER_BLOCK,
+    check_gguf_type,
+    is_quantized,
+    require_llama_cpp,
+)
 from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
 
 _FLOAT = {
@@ -54,21 +61,8 @@ _FILE_TYPE = {
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
 }
-# The type each quantized GGUF type gives a weight by default; the mix gives some others (Q6_K to the output, ...).
-_BASE_TYPE = {
-    "q8_0": "Q8_0",
-    "q6_k": "Q6_K",
-    "q5_k_m": "Q5_K",
-    "q5_k_s": "Q5_K",
-    "q4_k_m": "Q4_K",
-    "q4_k_s": "Q4_K",
-    "q4_0": "Q4_0",
-    "q5_0": "Q5_0",
-    "iq4_nl": "IQ4_NL",
-}
-# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): the 32-block type a 256-block type becomes on rows that
-# are not a multiple of 256, keyed by what it becomes.
-_FALLBACK_FROM = {"Q5_0": "Q4_K", "Q5_1": "Q5_K", "Q8_0": "Q6_K", "IQ4_NL": "IQ4_XS", "Q4_0": "Q3_K"}
+# What a fallback type was before it fell back (casp_core.export.gguf_types.FALLBACK, the other way round).
+_FALLBACK_FROM = {fallback: base for base, fallback in FALLBACK.items()}
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "casp_llama")
 
 
@@ -439,7 +433,7 @@ def fallbacks(tensors: list[Any], gguf_type: str) -> tuple[Fallback, ...]:
             continue
         if type_name == "F16":
             found.append(Fallback(tensor.name, type_name, None, row_length))
-        elif type_name in _FALLBACK_FROM and type_name != _BASE_TYPE[gguf_type]:
+        elif type_name in _FALLBACK_FROM and type_name != BASE_TYPE[gguf_type]:
             found.append(Fallback(tensor.name, type_name, _FALLBACK_FROM[type_name], row_length))
     return tuple(found)
 

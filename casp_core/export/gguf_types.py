@@ -17,6 +17,25 @@ SUPER_BLOCK = 256  # QK_K
 BLOCK = 32  # QK8_0, QK4_0, QK5_0, QK4_NL
 K_QUANTS = ("q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s")
 BLOCK_32_TYPES = ("q8_0", "q4_0", "q5_0", "iq4_nl")
+# The ggml type each GGUF type gives a weight by default (llama_ftype_get_default_type); llama.cpp's mix gives
+# some others (Q6_K to the output, ...).
+BASE_TYPE = {
+    "f32": "F32",
+    "f16": "F16",
+    "bf16": "BF16",
+    "q8_0": "Q8_0",
+    "q6_k": "Q6_K",
+    "q5_k_m": "Q5_K",
+    "q5_k_s": "Q5_K",
+    "q4_k_m": "Q4_K",
+    "q4_k_s": "Q4_K",
+    "q4_0": "Q4_0",
+    "q5_0": "Q5_0",
+    "iq4_nl": "IQ4_NL",
+}
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): the 32-block type a 256-block type becomes on rows that
+# are not a multiple of 256.
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL", "Q3_K": "Q4_0"}
 LLAMA_CPP_MISSING = "llama-cpp-python is not installed: pip install 'casp[gguf]'"
 
 
