@@ -54,13 +54,16 @@ class CaspGemma2Config(Gemma2Config):
     layer_kv_of_query: list | None = None
     layer_num_kv_heads: list | None = None
     layer_intermediate_sizes: list | None = None
-    # Mean-bias compensation (FLAP) biases o_proj and down_proj alone; Gemma's `attention_bias` would bias q/k/v
-    # too and it has no MLP bias. None: `attention_bias`.
+    # Gemma's `attention_bias` is one switch for q/k/v/o and it has no MLP bias; mean-bias compensation (FLAP)
+    # biases o_proj and down_proj alone. The same switches as casp_llama's; None: `attention_bias`.
+    attention_qkv_bias: bool | None = None
     attention_o_bias: bool | None = None
     mlp_down_bias: bool = False
     casp: dict | None = None  # provenance: the dense model, the pruning settings
 
     def __post_init__(self, **kwargs) -> None:
+        if self.attention_qkv_bias is None:
+            self.attention_qkv_bias = self.attention_bias
         if self.attention_o_bias is None:
             self.attention_o_bias = self.attention_bias
         super().__post_init__(**kwargs)
@@ -79,11 +82,14 @@ class CaspGemma3TextConfig(Gemma3TextConfig):
     layer_kv_of_query: list | None = None
     layer_num_kv_heads: list | None = None
     layer_intermediate_sizes: list | None = None
+    attention_qkv_bias: bool | None = None
     attention_o_bias: bool | None = None
     mlp_down_bias: bool = False
     casp: dict | None = None
 
     def __post_init__(self, **kwargs) -> None:
+        if self.attention_qkv_bias is None:
+            self.attention_qkv_bias = self.attention_bias
         if self.attention_o_bias is None:
             self.attention_o_bias = self.attention_bias
         super().__post_init__(**kwargs)
@@ -114,7 +120,7 @@ class LayerHeadsAttention:
         self.is_causal = not config.use_bidirectional_attention
         self.attn_logit_softcapping = config.attn_logit_softcapping
         self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
-        bias = config.attention_bias
+        bias = config.attention_qkv_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
