@@ -30,7 +30,7 @@ from casp_core.calibration import capture_first_layer_inputs, run_layer
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
 from casp_core.config import RecoveryConfig
-from casp_core.errors import UnsupportedExport, UnsupportedModel
+from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
 from casp_core.export.gguf import export_gguf
 from casp_core.families import family_of
 from casp_core.model import attention_geometry, check_supported_config, decoder_layers, load_model
@@ -125,6 +125,22 @@ def test_pipeline_checkpoint_loads_back_exact(
     pruned, masked, tokenizer = pipeline_pruned[family]
     assert type(pruned) is CLASSES[family][0]
     assert_computes_the_same(masked, written_and_loaded_back(pruned, tokenizer, tmp_path))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bias_compensation_is_carried_per_layer_and_refused_in_gemma_s_own_class(
+    family: str, dense_folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """Mean-bias compensation biases o_proj and down_proj: the per-layer class carries them (before Gemma's
+    post-norms, as the masked model has them); Gemma's own config has no down_proj bias, so the uniform shape
+    refuses it before any work."""
+    model, tokenizer = load_model(str(dense_folders[family]))
+    with pytest.raises(InvalidConfig, match=r"compensation: bias .* shape uniform cannot save it"):
+        prune_small(model, tokenizer, 0.5, "greedy", shape="uniform", compensation="bias")
+    result = prune_small(model, tokenizer, 0.5, "greedy", compensation="bias")
+    assert result.model.config.attention_o_bias and result.model.config.mlp_down_bias
+    assert not result.model.config.attention_qkv_bias
+    assert_computes_the_same(model, written_and_loaded_back(result.model, tokenizer, tmp_path), generation=False)
 
 
 @pytest.mark.parametrize(
