@@ -40,8 +40,7 @@ from casp_core.recovery_data import load_training_data
 from casp_core.run import CPU
 from casp_core.surgery import remove_units
 from tests.conftest import REPO
-from tests.core.fresh_process import run_python
-from tests.core.test_families import (
+from tests.core.families.helpers import (
     COMMON,
     VOCAB,
     WINDOW,
@@ -50,10 +49,11 @@ from tests.core.test_families import (
     layer_outputs_of_the_model_s_own_forward,
     masked_copy,
     prune_small,
-    small_run,  # noqa: F401 (a fixture)
+    small_run_arguments,
     write_dense,
     written_and_loaded_back,
 )
+from tests.core.fresh_process import run_python
 
 GEMMA = {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24, "tie_word_embeddings": False}
 GEMMA3_ROPE = {  # Gemma 3 4B's layout: the global layers' rope scaled, the sliding layers' with their own base
@@ -80,6 +80,11 @@ VERSIONS = ("locked", "lowest")
 def dense_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gemma")
     return {name: write_dense(make(), root / name) for name, make in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return small_run_arguments(tmp_path_factory.mktemp("text"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,7 +162,7 @@ def test_casp_prune_succeeds(
     ratio: str,
     solver: str,
     dense_folders: dict[str, Path],
-    small_run: list[str],  # noqa: F811 (the fixture imported above)
+    small_run: list[str],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -264,7 +269,7 @@ def test_checkpoints_load_where_users_load_them(
 def test_recovery_trains_the_pruned_model(
     family: str,
     pipeline_pruned: dict[str, tuple[PreTrainedModel, PreTrainedModel, Any]],
-    small_run: list[str],  # noqa: F811 (the fixture imported above)
+    small_run: list[str],
     tmp_path: Path,
 ) -> None:
     """LoRA on every projection of the pruned Gemma (names as in LLaMA), merged back: same shapes, new weights, and
