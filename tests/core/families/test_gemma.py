@@ -292,13 +292,26 @@ def test_recovery_trains_the_pruned_model(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gguf_export_is_refused_naming_the_family(family: str, dense_folders: dict[str, Path], tmp_path: Path) -> None:
-    """llama.cpp's per-layer architecture (deci) has no Gemma layer and casp writes no other: refused from the
-    config, before any work, suggesting the uniform shape, for the dense and the pruned checkpoint alike."""
+def test_gguf_export_is_refused_naming_the_family(
+    family: str,
+    dense_folders: dict[str, Path],
+    small_run: list[str],
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """casp writes llama.cpp's llama and deci architectures, neither of which has Gemma's layer: `casp prune` refuses
+    from the dense config in one line before any work, suggesting the uniform shape, and the export of a pruned
+    checkpoint is refused as well, writing nothing."""
     model, tokenizer = load_model(str(dense_folders[family]))
     name = family_of(model.config).name
-    with pytest.raises(UnsupportedExport, match=rf"{name} .*use shape uniform"):
-        family_of(model.config).check_gguf(model.config)
+    out = tmp_path / "out"
+    arguments = ["prune", "--model", str(dense_folders[family]), "--ratio", "0.3", "--out", str(out)]
+    capfd.readouterr()
+    status = cli.main([*arguments, "--export", "gguf", *small_run])
+    errors = capfd.readouterr().err.strip().splitlines()
+    assert status == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"casp: error: unsupported_export: GGUF export: {name} (model type"), errors
+    assert "use shape uniform" in errors[0] and not out.exists()
     save_pruned(remove_units(model, chosen_prunings(8)), tokenizer, tmp_path / "pruned")
     with pytest.raises(UnsupportedExport, match=rf"GGUF export: {name} \(model type 'casp_"):
         export_gguf(tmp_path / "pruned", tmp_path / "model.gguf")
