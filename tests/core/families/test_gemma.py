@@ -39,6 +39,7 @@ from casp_core.recovery import recover
 from casp_core.recovery_data import load_training_data
 from casp_core.run import CPU
 from casp_core.surgery import remove_units
+from casp_core.upgrade import upgrade_checkpoint
 from tests.conftest import REPO
 from tests.core.families.helpers import (
     COMMON,
@@ -96,6 +97,10 @@ def test_chosen_units_prune_exactly(family: str, dense_folders: dict[str, Path],
     assert type(pruned) is CLASSES[family][0] and pruned.model.layers[0].self_attn.gather_kv
     assert pruned.config.layer_kv_of_query[1] == [] and pruned.config.head_dim == 16
     assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+    # Both modeling files travel with the checkpoint (the Gemma one imports the key/value gather from the other),
+    # and `casp upgrade` finds them current.
+    assert {"modeling_casp_gemma.py", "modeling_casp_llama.py"} <= {path.name for path in tmp_path.iterdir()}
+    assert upgrade_checkpoint(tmp_path)["status"] == "up_to_date"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
