@@ -254,7 +254,7 @@ class CaspGemma3PreTrainedModel(Gemma3PreTrainedModel):
     config: CaspGemma3TextConfig
     _no_split_modules = ["CaspGemma3DecoderLayer"]
     _can_record_outputs = {"hidden_states": CaspGemma3DecoderLayer, "attentions": CaspGemma3Attention}
-    input_modalities = ("text",)
+    input_modalities = ("text",)  # Gemma3PreTrainedModel's are the multimodal model's: image and text
 
 
 class CaspGemma3TextModel(LayerShapesModel, CaspGemma3PreTrainedModel, Gemma3TextModel):

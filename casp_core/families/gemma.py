@@ -22,8 +22,8 @@ from casp_core.modeling_casp_gemma import (
 
 _GGUF_REFUSAL = (
     "casp's GGUF writer writes llama.cpp's llama and deci architectures, which have no post-norms, soft-capping or "
-    "scaled embedding, and not llama.cpp's {arch}; use shape uniform, whose checkpoint is {cls} (llama.cpp's own "
-    "convert_hf_to_gguf.py takes it), or the safetensors checkpoint"
+    "scaled embedding, and not llama.cpp's {arch}; use shape uniform without the gguf export and convert its "
+    "checkpoint ({cls}) with llama.cpp's convert_hf_to_gguf.py, or serve the safetensors checkpoint"
 )
 
 
@@ -32,7 +32,7 @@ class Gemma2(Family):
     biases), and in what the family's own config and llama.cpp accept:
     - Gemma2Config has one bias switch for q/k/v/o and none for the MLP, so the uniform shape cannot hold mean-bias
       compensation's down_proj bias; like LlamaConfig it asks hidden_size to be a multiple of the head count;
-    - a sequence classifier built with `use_bidirectional_attention` is not a causal LM and is refused."""
+    - `use_bidirectional_attention` (EmbeddingGemma's encoder) makes it no causal LM: refused."""
 
     name = "Gemma 2"
     model_types = ("gemma2",)
