@@ -55,6 +55,7 @@ from tests.core.families.helpers import (
     written_and_loaded_back,
 )
 from tests.core.fresh_process import run_python
+from tests.core.test_generation import lowest_supported_transformers
 
 GEMMA = {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24, "tie_word_embeddings": False}
 GEMMA3_ROPE = {  # Gemma 3 4B's layout: the global layers' rope scaled, the sliding layers' with their own base
@@ -75,6 +76,8 @@ CLASSES = {
 }
 LOWEST_TRANSFORMERS = REPO / ".venv" / "transformers-lowest"  # `make install`, as for tests/core/test_generation.py
 VERSIONS = ("locked", "lowest")
+# Gemma 2's soft-capping has no SDPA path in transformers 5.24 (it refuses the implementation); Gemma 3 runs both.
+ATTENTIONS = {"gemma2": ("eager",), "gemma3": ("eager", "sdpa")}
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +183,10 @@ def test_casp_prune_succeeds(
     assert type(load_pruned(out)[0]) is CLASSES[family][0]
 
 
-# Run in a fresh process that never imports casp_core: each argument REFERENCE:CHECKPOINT:TRUST, the masked dense
-# model and the checkpoint, loaded with trust_remote_code as TRUST says; the first argument, where not empty, is a
-# transformers installed apart that goes first on the path.
+# Run in a fresh process that never imports casp_core: each argument REFERENCE:CHECKPOINT:TRUST:ATTENTIONS, the
+# masked dense model and the checkpoint, loaded with trust_remote_code as TRUST says, with each attention
+# implementation named (comma-separated); the first argument, where not empty, is a transformers installed apart
+# that goes first on the path.
 FRESH_LOAD = """
 import json, sys
 if sys.argv[1]:
@@ -193,35 +197,40 @@ from transformers import AutoModelForCausalLM
 torch.set_num_threads(1)
 tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(3))
 for pair in sys.argv[2:]:
-    reference_path, path, trust = pair.split(":")
-    reference = AutoModelForCausalLM.from_pretrained(reference_path, attn_implementation="eager").double().eval()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, trust_remote_code=trust == "trust", attn_implementation="eager"
-    ).double().eval()
+    reference_path, path, trust, attentions = pair.split(":")
     prompt = tokens[:1, :6]
-    with torch.no_grad():
-        expected = reference(tokens).logits
-        difference = (model(tokens).logits - expected).abs().max().item() / max(1.0, expected.abs().max().item())
-        generated = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        reference_generated = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    print(json.dumps({
-        "checkpoint": path,
-        "class": type(model).__name__,
-        "transformers": transformers.__version__,
-        "relative_difference": difference,
-        "same_generation": torch.equal(generated, reference_generated),
-        "distinct_tokens": len(set(generated[0, 6:].tolist())),
-        "casp_core_imported": "casp_core" in sys.modules,
-    }), flush=True)
+    # Each implementation against the reference in the same one: eager and SDPA differ in the last digits.
+    for attention in attentions.split(","):
+        reference = AutoModelForCausalLM.from_pretrained(reference_path, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, trust_remote_code=trust == "trust", attn_implementation=attention
+        )
+        reference, model = reference.double().eval(), model.double().eval()
+        with torch.no_grad():
+            expected = reference(tokens).logits
+            difference = (model(tokens).logits - expected).abs().max().item() / max(1.0, expected.abs().max().item())
+            generated = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            reference_generated = reference.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        print(json.dumps({
+            "checkpoint": path,
+            "attention": attention,
+            "class": type(model).__name__,
+            "transformers": transformers.__version__,
+            "relative_difference": difference,
+            "same_generation": torch.equal(generated, reference_generated),
+            "distinct_tokens": len(set(generated[0, 6:].tolist())),
+            "casp_core_imported": "casp_core" in sys.modules,
+        }), flush=True)
 """
 
 
 @pytest.fixture(scope="module")
 def fresh_loads(
     dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, dict[tuple[str, str], dict]]:
-    """Per transformers version, per (family, shape), what the fresh process saw: the per-layer checkpoint of the
-    chosen units (trust_remote_code=True) and the pipeline's uniform shape at 0.35 (trust_remote_code=False)."""
+) -> dict[str, dict[tuple[str, str, str], dict]]:
+    """Per transformers version, per (family, shape, attention), what the fresh process saw: the per-layer
+    checkpoint of the chosen units (trust_remote_code=True) and the pipeline's uniform shape at 0.35
+    (trust_remote_code=False)."""
     root = tmp_path_factory.mktemp("fresh")
     pairs, written = [], {}
     for family, folder in dense_folders.items():
@@ -234,7 +243,7 @@ def fresh_loads(
         model.save_pretrained(root / f"{family}-uniform-masked")
         for shape, trust in (("per_layer", "trust"), ("uniform", "no")):
             checkpoint = root / f"{family}-{shape}"
-            pairs.append(f"{checkpoint}-masked:{checkpoint}:{trust}")
+            pairs.append(f"{checkpoint}-masked:{checkpoint}:{trust}:{','.join(ATTENTIONS[family])}")
             written[str(checkpoint)] = (family, shape)
     assert LOWEST_TRANSFORMERS.is_dir(), f"{LOWEST_TRANSFORMERS} is missing: run `make install`"
     cwd = root / "elsewhere"
@@ -247,27 +256,29 @@ def fresh_loads(
     for version, outcome in outcomes.items():
         assert outcome.returncode == 0, outcome.stderr[-3000:]
         lines = [json.loads(line) for line in outcome.stdout.splitlines() if line.startswith("{")]
-        records[version] = {written[record["checkpoint"]]: record for record in lines}
+        records[version] = {(*written[record["checkpoint"]], record["attention"]): record for record in lines}
     return records
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoints_load_where_users_load_them(
-    family: str, version: str, fresh_loads: dict[str, dict[tuple[str, str], dict]]
+    family: str, version: str, fresh_loads: dict[str, dict[tuple[str, str, str], dict]]
 ) -> None:
     """The per-layer checkpoint with its own modeling file (trust_remote_code=True), the uniform shape as
     transformers' own Gemma class (trust_remote_code=False), in a process that never imports casp_core, under the
     locked and the lowest supported transformers: the masked model's logits and greedy generation."""
     per_layer_class, own_class = CLASSES[family]
-    for shape, expected_class in (("per_layer", per_layer_class), ("uniform", own_class)):
-        record = fresh_loads[version][(family, shape)]
-        where = f"{family}, {shape}, transformers {record['transformers']}"
-        assert record["class"] == expected_class.__name__, where
+    mine = {key: record for key, record in fresh_loads[version].items() if key[0] == family}
+    shapes = (("per_layer", per_layer_class), ("uniform", own_class))
+    assert sorted(mine) == sorted((family, shape, attention) for shape, _ in shapes for attention in ATTENTIONS[family])
+    for (_, shape, attention), record in mine.items():
+        where = f"{family}, {shape}, {attention}, transformers {record['transformers']}"
+        assert record["class"] == dict(shapes)[shape].__name__, where
         assert not record["casp_core_imported"], where
         assert record["relative_difference"] <= 1e-9, where
         assert record["same_generation"] and record["distinct_tokens"] > 3, where
-    assert (version == "lowest") == (record["transformers"] == "5.4.0"), record["transformers"]
+        assert (version == "lowest") == (record["transformers"] == lowest_supported_transformers()), where
 
 
 @pytest.mark.parametrize("family", FAMILIES)
