@@ -96,6 +96,12 @@ def pruned_skeleton(model: PreTrainedModel, prunings: list[LayerPruning], *, pla
     for name, buffer in model.model.rotary_emb.named_buffers():
         setattr(rotary, name, buffer.detach().clone())
     pruned.model.rotary_emb = rotary
+    # The other buffers outside the decoder layers (Gemma's embedding scale, sqrt(hidden_size) in the weights'
+    # dtype), likewise the source model's values.
+    for name, buffer in model.named_buffers():
+        if not name.startswith(("model.layers.", "model.rotary_emb.")):
+            module, _, buffer_name = name.rpartition(".")
+            setattr(pruned.get_submodule(module), buffer_name, buffer.detach().clone())
     return pruned.eval()
 
 
