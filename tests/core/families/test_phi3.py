@@ -1,0 +1,218 @@
+"""Phi-3 / Phi-4: fused qkv_proj and gate_up_proj cut per head and per channel, exactly.
+
+Tiny random checkpoints built with transformers' Phi3Config: a Phi-3-mini-4k-like one (full rotary, a sliding
+window on every layer), a Phi-4-mini-like one (partial rotary 0.75, longrope, tied embeddings) and a Phi-4-like
+one (full rotary, plain RoPE, no window: what the GGUF export takes). Their numbers say nothing about quality.
+"""
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM, PretrainedConfig
+
+from casp_core.budget import attention_params_removed, channel_params
+from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.cli import main as cli
+from casp_core.errors import InvalidConfig, UnsupportedExport
+from casp_core.export.gguf import check_exportable, export_gguf
+from casp_core.families import family_of, projections
+from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
+from casp_core.modeling_casp_phi3 import CaspPhi3ForCausalLM
+from casp_core.surgery import remove_units
+from tests.core.fresh_process import run_python
+from tests.core.test_families import (
+    COMMON,
+    VOCAB,
+    WINDOW,
+    assert_computes_the_same,
+    chosen_prunings,
+    masked_copy,
+    prune_small,
+    small_run,  # noqa: F401 (a fixture)
+    write_dense,
+    written_and_loaded_back,
+)
+from tests.core.test_generation import LOWEST_TRANSFORMERS
+
+PHI3 = {**COMMON, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
+HEAD_DIM = COMMON["hidden_size"] // COMMON["num_attention_heads"]
+# Phi-3.5 / Phi-4-mini's longrope: one factor per rotated frequency (head_dim * 3/4 / 2 = 3 here), the long ones
+# from position 16 on, which the test inputs pass.
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.75,
+    "short_factor": [1.0, 1.3, 1.7],
+    "long_factor": [2.0, 3.0, 5.0],
+}
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "phi3-mini": lambda: Phi3Config(**PHI3, sliding_window=WINDOW),
+    "phi4-mini": lambda: Phi3Config(
+        **PHI3, rope_parameters=LONGROPE, original_max_position_embeddings=16, tie_word_embeddings=True
+    ),
+    "phi4": lambda: Phi3Config(**PHI3),
+}
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dense")
+    return {name: write_dense(make(), root / name) for name, make in CONFIGS.items()}
+
+
+def fused_rows(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Each layer's (qkv_proj rows, gate_up_proj rows)."""
+    return [(layer.self_attn.qkv_proj.out_features, layer.mlp.gate_up_proj.out_features) for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("name", ["phi3-mini", "phi4-mini"])
+def test_chosen_units_prune_exactly(name: str, dense: dict[str, Path], tmp_path: Path) -> None:
+    """Uneven key/value groups, a layer without heads, a whole group gone: still fused, and what the masked model
+    computes after writing and loading back (in this process with the file the checkpoint carries)."""
+    model, tokenizer = load_model(str(dense[name]))
+    prunings = chosen_prunings(8)
+    pruned = remove_units(model, prunings)
+    assert type(pruned) is CaspPhi3ForCausalLM and pruned.model.layers[0].self_attn.gather_kv
+    # Layer 0 keeps 5 query heads over 2 key/value heads, layer 1 none, layer 2 4 heads over 1; FFN 93, 48, 96.
+    assert fused_rows(pruned) == [((5 + 2 * 2) * HEAD_DIM, 2 * 93), (0, 2 * 48), ((4 + 2 * 1) * HEAD_DIM, 2 * 96)]
+    assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+
+
+def test_projections_are_views_and_counts_agree_with_surgery(dense: dict[str, Path]) -> None:
+    """q/k/v/gate/up are row blocks of the fused weights (no copy), and what the budget counts as removed is what
+    surgery removes."""
+    model, _ = load_model(str(dense["phi4-mini"]))
+    layer = decoder_layers(model)[0]
+    parts = projections(layer)
+    qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
+    assert parts.k.weight.data_ptr() == qkv[8 * HEAD_DIM].data_ptr()
+    assert parts.v.weight.data_ptr() == qkv[10 * HEAD_DIM].data_ptr()
+    assert parts.up.weight.data_ptr() == gate_up[COMMON["intermediate_size"]].data_ptr()
+    assert [p.out_features for p in (parts.q, parts.k, parts.v, parts.gate, parts.up)] == [64, 16, 16, 96, 96]
+    prunings = chosen_prunings(8)
+    pruned = remove_units(model, prunings)
+    for dense_layer, pruned_layer, pruning in zip(decoder_layers(model), decoder_layers(pruned), prunings, strict=True):
+        geometry = attention_geometry(model, dense_layer)
+        expected = attention_params_removed(dense_layer, geometry, list(pruning.pruned_heads))
+        expected += len(pruning.pruned_channels) * channel_params(dense_layer)
+        assert sum(sublayer_parameters(dense_layer)) - sum(sublayer_parameters(pruned_layer)) == expected
+
+
+@pytest.mark.parametrize(("name", "ratio"), [("phi4-mini", "0.3"), ("phi4-mini", "0.5"), ("phi3-mini", "0.5")])
+def test_casp_prune_succeeds_and_verifies(
+    name: str,
+    ratio: str,
+    dense: dict[str, Path],
+    small_run: list[str],  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "pruned"
+    status = cli.main(["prune", "--model", str(dense[name]), "--ratio", ratio, "--out", str(out), *small_run])
+    assert status == 0, capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["verification"]["max_relative_diff"] <= 1e-10
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "casp_phi3" and sum(map(len, config["layer_kv_of_query"])) < 3 * 8
+    assert (out / "modeling_casp_phi3.py").is_file() and (out / "modeling_casp_llama.py").is_file()
+
+
+# Run in a fresh interpreter from another folder, nothing of this repository importable (tests/core/fresh_process):
+# the lowest transformers first on the path when its folder is given, then each checkpoint loaded as a user would
+# (remote code for the per-layer class, none for the uniform shape), its float64 logits and greedy tokens saved.
+LOAD_FRESH = """
+import json, sys
+lowest, *checkpoints = sys.argv[1:]
+if lowest:
+    sys.path.insert(0, lowest)
+import torch, transformers
+from transformers import AutoModelForCausalLM
+tokens = torch.load("tokens.pt")
+for index, checkpoint in enumerate(checkpoints):
+    path, remote = checkpoint.rsplit(":", 1)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote == "remote").eval().double()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        logits = model(tokens, use_cache=False).logits
+        generated = model.generate(tokens[:1, :6], max_new_tokens=14, do_sample=False, use_cache=True)
+    torch.save({"logits": logits, "generated": generated}, f"{index}.pt")
+    print(json.dumps({"class": type(model).__name__, "transformers": transformers.__version__}))
+print(json.dumps({"casp_core_imported": "casp_core" in sys.modules}))
+"""
+
+
+@pytest.fixture(scope="module")
+def pipeline_checkpoints(dense: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
+    """(checkpoint, loads with remote code, the masked dense model, the pruned model) of the pipeline at 0.5:
+    per layer on the Phi-4-mini-like model, and the uniform shape on it (longrope: no head count but the dense one
+    keeps Phi3Config's rope check) and on the Phi-3-mini-like model (heads pruned too)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    built = []
+    for name, shape in (("phi4-mini", "per_layer"), ("phi4-mini", "uniform"), ("phi3-mini", "uniform")):
+        model, tokenizer = load_model(str(dense[name]))
+        result = prune_small(model, tokenizer, 0.5, "greedy", shape=shape)  # masks `model`
+        folder = root / f"{name}-{shape}"
+        save_pruned(result.model, tokenizer, folder)
+        built.append((folder, shape == "per_layer", model, result.model))
+    return built
+
+
+def test_uniform_shape_is_phi3_s_own_class(pipeline_checkpoints: list[tuple]) -> None:
+    (_, _, _, per_layer), (longrope_folder, _, _, longrope), (folder, _, masked, uniform) = pipeline_checkpoints
+    assert type(per_layer) is CaspPhi3ForCausalLM
+    for checkpoint, model in ((longrope_folder, longrope), (folder, uniform)):
+        assert type(model) is Phi3ForCausalLM
+        assert "auto_map" not in json.loads((checkpoint / "config.json").read_text())
+        assert len(set(fused_rows(model))) == 1
+    assert longrope.config.num_attention_heads == 8 and longrope.config.intermediate_size < COMMON["intermediate_size"]
+    assert uniform.config.num_attention_heads < 8
+    assert_computes_the_same(masked, [uniform])
+
+
+@pytest.mark.parametrize("version", ["locked", "lowest"])
+def test_checkpoints_load_in_a_fresh_process_as_the_masked_model(
+    version: str, pipeline_checkpoints: list[tuple], tmp_path: Path
+) -> None:
+    """The per-layer checkpoint with trust_remote_code=True, the uniform ones with trust_remote_code=False, in a
+    process that never imports casp_core, under the locked and the lowest supported transformers: the masked
+    model's float64 logits (to rounding) and greedy tokens through the cache."""
+    tokens = torch.randint(0, VOCAB, (2, 4 * WINDOW), generator=torch.Generator().manual_seed(3))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    lowest = str(LOWEST_TRANSFORMERS) if version == "lowest" else ""
+    checkpoints = [f"{folder}:{'remote' if remote else 'plain'}" for folder, remote, _, _ in pipeline_checkpoints]
+    completed = run_python(LOAD_FRESH, lowest, *checkpoints, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    records = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert records[-1] == {"casp_core_imported": False}
+    expected_version = "5.4.0" if version == "lowest" else None
+    for index, (record, (_, remote, masked, _)) in enumerate(zip(records[:-1], pipeline_checkpoints, strict=True)):
+        assert record["class"] == ("CaspPhi3ForCausalLM" if remote else "Phi3ForCausalLM")
+        assert expected_version in (None, record["transformers"])
+        fresh = torch.load(tmp_path / f"{index}.pt")
+        reference = copy.deepcopy(masked).double()
+        reference.generation_config.eos_token_id = None
+        with torch.no_grad():
+            expected = reference(tokens, use_cache=False).logits
+            generated = reference.generate(tokens[:1, :6], max_new_tokens=14, do_sample=False, use_cache=True)
+        assert (fresh["logits"] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+        assert torch.equal(fresh["generated"], generated)
+
+
+def test_what_phi3_cannot_carry_is_refused(dense: dict[str, Path], tmp_path: Path) -> None:
+    """Mean-bias compensation in the uniform shape (Phi3 has no bias switch), and the GGUF export of partial rotary
+    and longrope, before any work."""
+    model, tokenizer = load_model(str(dense["phi3-mini"]))
+    with pytest.raises(InvalidConfig, match=r"compensation: bias .* shape uniform cannot save it"):
+        prune_small(model, tokenizer, 0.5, "greedy", shape="uniform", compensation="bias")
+    longrope = load_model(str(dense["phi4-mini"]))[0]
+    with pytest.raises(UnsupportedExport, match=r"Phi-3 .* partial_rotary_factor 0.75 and RoPE type 'longrope'"):
+        check_exportable(longrope.config)
+    pruned = remove_units(longrope, chosen_prunings(8))
+    save_pruned(pruned, tokenizer, tmp_path / "pruned")
+    with pytest.raises(UnsupportedExport, match="partial_rotary_factor 0.75"):
+        export_gguf(tmp_path / "pruned", tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists()
+    assert family_of(pruned.config).name == "Phi-3"
