@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM, PretrainedConfig
+import transformers
+from huggingface_hub.errors import StrictDataclassClassValidationError
+from transformers import Phi3Config, Phi3ForCausalLM, PretrainedConfig
 
 from casp_core.budget import attention_params_removed, channel_params
-from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.export.gguf import check_exportable, export_gguf
@@ -66,7 +68,9 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def fused_rows(model: torch.nn.Module) -> list[tuple[int, int]]:
     """Each layer's (qkv_proj rows, gate_up_proj rows)."""
-    return [(layer.self_attn.qkv_proj.out_features, layer.mlp.gate_up_proj.out_features) for layer in model.model.layers]
+    return [
+        (layer.self_attn.qkv_proj.out_features, layer.mlp.gate_up_proj.out_features) for layer in model.model.layers
+    ]
 
 
 @pytest.mark.parametrize("name", ["phi3-mini", "phi4-mini"])
@@ -121,34 +125,41 @@ def test_casp_prune_succeeds_and_verifies(
 
 
 # Run in a fresh interpreter from another folder, nothing of this repository importable (tests/core/fresh_process):
-# the lowest transformers first on the path when its folder is given, then each checkpoint loaded as a user would
-# (remote code for the per-layer class, none for the uniform shape), its float64 logits and greedy tokens saved.
+# the lowest transformers first on the path when its folder is given; for each pair, the masked dense model and the
+# checkpoint loaded as a user would (remote code for the per-layer class, none for the uniform shape), and the
+# float64 logits and greedy tokens through the cache of both saved. The reference runs in the same process: with
+# longrope, transformers 5.4's own Phi3ForCausalLM generates other tokens through the cache than 5.24's once the
+# sequence passes original_max_position_embeddings.
 LOAD_FRESH = """
 import json, sys
-lowest, *checkpoints = sys.argv[1:]
+lowest, *pairs = sys.argv[1:]
 if lowest:
     sys.path.insert(0, lowest)
 import torch, transformers
 from transformers import AutoModelForCausalLM
 tokens = torch.load("tokens.pt")
-for index, checkpoint in enumerate(checkpoints):
-    path, remote = checkpoint.rsplit(":", 1)
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote == "remote").eval().double()
+def outputs(path, remote):
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote).eval().double()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         logits = model(tokens, use_cache=False).logits
         generated = model.generate(tokens[:1, :6], max_new_tokens=14, do_sample=False, use_cache=True)
-    torch.save({"logits": logits, "generated": generated}, f"{index}.pt")
-    print(json.dumps({"class": type(model).__name__, "transformers": transformers.__version__}))
+    return type(model).__name__, {"logits": logits, "generated": generated}
+for index, pair in enumerate(pairs):
+    reference, checkpoint, remote = pair.split(":")
+    _, expected = outputs(reference, False)
+    name, actual = outputs(checkpoint, remote == "remote")
+    torch.save({"expected": expected, "actual": actual}, f"{index}.pt")
+    print(json.dumps({"class": name, "transformers": transformers.__version__}))
 print(json.dumps({"casp_core_imported": "casp_core" in sys.modules}))
 """
 
 
 @pytest.fixture(scope="module")
 def pipeline_checkpoints(dense: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
-    """(checkpoint, loads with remote code, the masked dense model, the pruned model) of the pipeline at 0.5:
-    per layer on the Phi-4-mini-like model, and the uniform shape on it (longrope: no head count but the dense one
-    keeps Phi3Config's rope check) and on the Phi-3-mini-like model (heads pruned too)."""
+    """(masked dense checkpoint, pruned checkpoint, loads with remote code, the masked model, the pruned model) of
+    the pipeline at 0.5: per layer on the Phi-4-mini-like model, and the uniform shape on it (longrope: only head
+    counts that keep Phi3Config's rope check) and on the Phi-3-mini-like model."""
     root = tmp_path_factory.mktemp("pipeline")
     built = []
     for name, shape in (("phi4-mini", "per_layer"), ("phi4-mini", "uniform"), ("phi3-mini", "uniform")):
@@ -156,20 +167,39 @@ def pipeline_checkpoints(dense: dict[str, Path], tmp_path_factory: pytest.TempPa
         result = prune_small(model, tokenizer, 0.5, "greedy", shape=shape)  # masks `model`
         folder = root / f"{name}-{shape}"
         save_pruned(result.model, tokenizer, folder)
-        built.append((folder, shape == "per_layer", model, result.model))
+        model.save_pretrained(root / f"{name}-{shape}-masked")
+        built.append((root / f"{name}-{shape}-masked", folder, shape == "per_layer", model, result.model))
     return built
 
 
 def test_uniform_shape_is_phi3_s_own_class(pipeline_checkpoints: list[tuple]) -> None:
-    (_, _, _, per_layer), (longrope_folder, _, _, longrope), (folder, _, masked, uniform) = pipeline_checkpoints
+    (*_, per_layer), (_, longrope_folder, _, _, longrope), (_, folder, _, masked, uniform) = pipeline_checkpoints
     assert type(per_layer) is CaspPhi3ForCausalLM
     for checkpoint, model in ((longrope_folder, longrope), (folder, uniform)):
         assert type(model) is Phi3ForCausalLM
         assert "auto_map" not in json.loads((checkpoint / "config.json").read_text())
         assert len(set(fused_rows(model))) == 1
-    assert longrope.config.num_attention_heads == 8 and longrope.config.intermediate_size < COMMON["intermediate_size"]
+    assert longrope.config.num_attention_heads in (6, 8)  # what Phi3Config's longrope check accepts here (below)
     assert uniform.config.num_attention_heads < 8
     assert_computes_the_same(masked, [uniform])
+
+
+def test_longrope_keeps_the_head_counts_phi3config_accepts() -> None:
+    """Phi3Config sizes longrope's factors from hidden_size // heads, whatever head_dim says: the uniform shape
+    offers exactly the head counts it accepts. Phi-4-mini's own shape keeps all 24 heads."""
+    tiny = CONFIGS["phi4-mini"]()
+    accepted = []
+    for heads in range(1, 9):
+        try:
+            Phi3Config(**{**tiny.to_dict(), "num_attention_heads": heads, "head_dim": HEAD_DIM})
+            accepted.append(heads)
+        except StrictDataclassClassValidationError:  # the locked transformers' config validation
+            pass
+    assert accepted == [h for h in range(1, 9) if family_of(tiny).allows_head_count(tiny, h)] == [6, 7, 8]
+    rope = {**LONGROPE, "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
+    phi4_mini = Phi3Config(hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, rope_parameters=rope)
+    assert [h for h in range(1, 25) if family_of(phi4_mini).allows_head_count(phi4_mini, h)] == [24]
+    assert family_of(CONFIGS["phi3-mini"]()).allows_head_count(CONFIGS["phi3-mini"](), 3)  # plain RoPE: any count
 
 
 @pytest.mark.parametrize("version", ["locked", "lowest"])
@@ -182,23 +212,24 @@ def test_checkpoints_load_in_a_fresh_process_as_the_masked_model(
     tokens = torch.randint(0, VOCAB, (2, 4 * WINDOW), generator=torch.Generator().manual_seed(3))
     torch.save(tokens, tmp_path / "tokens.pt")
     lowest = str(LOWEST_TRANSFORMERS) if version == "lowest" else ""
-    checkpoints = [f"{folder}:{'remote' if remote else 'plain'}" for folder, remote, _, _ in pipeline_checkpoints]
-    completed = run_python(LOAD_FRESH, lowest, *checkpoints, cwd=tmp_path)
+    assert not lowest or LOWEST_TRANSFORMERS.is_dir(), f"{LOWEST_TRANSFORMERS} is missing: run `make install`"
+    pairs = [
+        f"{masked}:{folder}:{'remote' if remote else 'plain'}" for masked, folder, remote, *_ in pipeline_checkpoints
+    ]
+    completed = run_python(LOAD_FRESH, lowest, *pairs, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     records = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
     assert records[-1] == {"casp_core_imported": False}
-    expected_version = "5.4.0" if version == "lowest" else None
-    for index, (record, (_, remote, masked, _)) in enumerate(zip(records[:-1], pipeline_checkpoints, strict=True)):
+    for index, (record, (_, _, remote, masked, _)) in enumerate(zip(records[:-1], pipeline_checkpoints, strict=True)):
         assert record["class"] == ("CaspPhi3ForCausalLM" if remote else "Phi3ForCausalLM")
-        assert expected_version in (None, record["transformers"])
-        fresh = torch.load(tmp_path / f"{index}.pt")
-        reference = copy.deepcopy(masked).double()
-        reference.generation_config.eos_token_id = None
-        with torch.no_grad():
-            expected = reference(tokens, use_cache=False).logits
-            generated = reference.generate(tokens[:1, :6], max_new_tokens=14, do_sample=False, use_cache=True)
-        assert (fresh["logits"] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
-        assert torch.equal(fresh["generated"], generated)
+        assert record["transformers"] == ("5.4.0" if version == "lowest" else transformers.__version__)
+        saved = torch.load(tmp_path / f"{index}.pt")
+        expected, actual = saved["expected"], saved["actual"]
+        with torch.no_grad():  # the reference loaded there is the masked model of this process
+            assert torch.equal(expected["logits"], copy.deepcopy(masked).double()(tokens, use_cache=False).logits)
+        difference = (actual["logits"] - expected["logits"]).abs().max().item()
+        assert difference <= 1e-9 * expected["logits"].abs().max().item()
+        assert torch.equal(actual["generated"], expected["generated"])
 
 
 def test_what_phi3_cannot_carry_is_refused(dense: dict[str, Path], tmp_path: Path) -> None:
@@ -212,7 +243,7 @@ def test_what_phi3_cannot_carry_is_refused(dense: dict[str, Path], tmp_path: Pat
         check_exportable(longrope.config)
     pruned = remove_units(longrope, chosen_prunings(8))
     save_pruned(pruned, tokenizer, tmp_path / "pruned")
-    with pytest.raises(UnsupportedExport, match="partial_rotary_factor 0.75"):
+    with pytest.raises(UnsupportedExport, match=r"partial_rotary_factor 0\.75"):
         export_gguf(tmp_path / "pruned", tmp_path / "model.gguf")
     assert not (tmp_path / "model.gguf").exists()
     assert family_of(pruned.config).name == "Phi-3"
