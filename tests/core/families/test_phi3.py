@@ -20,13 +20,12 @@ from casp_core.budget import attention_params_removed, channel_params
 from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig, UnsupportedExport
-from casp_core.export.gguf import check_exportable, export_gguf
-from casp_core.families import family_of, projections
+from casp_core.export.gguf import export_gguf
+from casp_core.families import check_export, family_of, projections
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_phi3 import CaspPhi3ForCausalLM
 from casp_core.surgery import remove_units
-from tests.core.fresh_process import run_python
-from tests.core.test_families import (
+from tests.core.families.helpers import (
     COMMON,
     VOCAB,
     WINDOW,
@@ -34,10 +33,11 @@ from tests.core.test_families import (
     chosen_prunings,
     masked_copy,
     prune_small,
-    small_run,  # noqa: F401 (a fixture)
+    small_run_arguments,
     write_dense,
     written_and_loaded_back,
 )
+from tests.core.fresh_process import run_python
 from tests.core.test_generation import LOWEST_TRANSFORMERS
 
 PHI3 = {**COMMON, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
@@ -111,12 +111,12 @@ def test_casp_prune_succeeds_and_verifies(
     name: str,
     ratio: str,
     dense: dict[str, Path],
-    small_run: list[str],  # noqa: F811 (the fixture imported above)
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "pruned"
-    status = cli.main(["prune", "--model", str(dense[name]), "--ratio", ratio, "--out", str(out), *small_run])
+    arguments = ["prune", "--model", str(dense[name]), "--ratio", ratio, "--out", str(out)]
+    status = cli.main([*arguments, *small_run_arguments(tmp_path)])
     assert status == 0, capsys.readouterr().err
     assert json.loads((out / "report.json").read_text())["verification"]["max_relative_diff"] <= 1e-10
     config = json.loads((out / "config.json").read_text())
@@ -232,15 +232,25 @@ def test_checkpoints_load_in_a_fresh_process_as_the_masked_model(
         assert torch.equal(actual["generated"], expected["generated"])
 
 
-def test_what_phi3_cannot_carry_is_refused(dense: dict[str, Path], tmp_path: Path) -> None:
+def test_what_phi3_cannot_carry_is_refused(
+    dense: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Mean-bias compensation in the uniform shape (Phi3 has no bias switch), and the GGUF export of partial rotary
-    and longrope, before any work."""
+    and longrope: by `casp prune` in one line before any work, and by the writer."""
+    out = tmp_path / "out"
+    arguments = ["prune", "--model", str(dense["phi4-mini"]), "--ratio", "0.3", "--out", str(out), "--export", "gguf"]
+    capfd.readouterr()
+    status = cli.main([*arguments, *small_run_arguments(tmp_path)])
+    errors = [line for line in capfd.readouterr().err.splitlines() if not line.startswith("casp: load:")]
+    assert status == 2 and len(errors) == 1, errors
+    assert errors[0].startswith("casp: error: unsupported_export: GGUF export: Phi-3 (model type 'phi3')"), errors
+    assert not out.exists()
     model, tokenizer = load_model(str(dense["phi3-mini"]))
     with pytest.raises(InvalidConfig, match=r"compensation: bias .* shape uniform cannot save it"):
         prune_small(model, tokenizer, 0.5, "greedy", shape="uniform", compensation="bias")
     longrope = load_model(str(dense["phi4-mini"]))[0]
     with pytest.raises(UnsupportedExport, match=r"Phi-3 .* partial_rotary_factor 0.75 and RoPE type 'longrope'"):
-        check_exportable(longrope.config)
+        check_export(longrope.config, ["gguf"])
     pruned = remove_units(longrope, chosen_prunings(8))
     save_pruned(pruned, tokenizer, tmp_path / "pruned")
     with pytest.raises(UnsupportedExport, match=r"partial_rotary_factor 0\.75"):
