@@ -199,6 +199,14 @@ class Family:
         """The module names peft adapts for recovery's `target_modules`, each once, in their order."""
         return list(dict.fromkeys(self.lora_targets[name] for name in target_modules))
 
+    def unfused_rows(
+        self, heads: int, kv_heads: int, ffn_width: int, head_dim: int
+    ) -> dict[str, tuple[str, tuple[int, int]]]:
+        """Where a layer of these counts keeps LLaMA's projections inside fused weights: LLaMA's weight name in the
+        layer ("self_attn.q_proj.weight", ...) -> (the fused weight's name, (first row, end row)). The GGUF writer
+        reads LLaMA's tensors through it. LLaMA fuses nothing."""
+        return {}
+
     # ------------------------------------------------------------ the per-layer checkpoint
 
     def pruned_config(

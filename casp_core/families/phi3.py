@@ -150,6 +150,19 @@ class Phi3(Family):
         rotary = int(config.hidden_size // heads * factor)
         return rotary // 2 == int(config.hidden_size // config.num_attention_heads * factor) // 2
 
+    def unfused_rows(
+        self, heads: int, kv_heads: int, ffn_width: int, head_dim: int
+    ) -> dict[str, tuple[str, tuple[int, int]]]:
+        """q, k and v are consecutive row blocks of qkv_proj; gate and up the halves of gate_up_proj."""
+        q, kv = heads * head_dim, kv_heads * head_dim
+        return {
+            "self_attn.q_proj.weight": (f"{QKV}.weight", (0, q)),
+            "self_attn.k_proj.weight": (f"{QKV}.weight", (q, q + kv)),
+            "self_attn.v_proj.weight": (f"{QKV}.weight", (q + kv, q + 2 * kv)),
+            "mlp.gate_proj.weight": (f"{GATE_UP}.weight", (0, ffn_width)),
+            "mlp.up_proj.weight": (f"{GATE_UP}.weight", (ffn_width, 2 * ffn_width)),
+        }
+
     def check_gguf(self, config: PretrainedConfig) -> None:
         """The deci architecture rotates whole heads with plain RoPE: partial rotary and longrope are refused by
         name; the rest as the base checks it."""

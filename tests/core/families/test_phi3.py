@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -17,7 +18,7 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import Phi3Config, Phi3ForCausalLM, PretrainedConfig
 
 from casp_core.budget import attention_params_removed, channel_params
-from casp_core.checkpoint import save_pruned
+from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.export.gguf import export_gguf
@@ -39,6 +40,7 @@ from tests.core.families.helpers import (
 )
 from tests.core.fresh_process import run_python
 from tests.core.test_generation import LOWEST_TRANSFORMERS
+from tests.core.test_gguf import EXACT, engine
 
 PHI3 = {**COMMON, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
 HEAD_DIM = COMMON["hidden_size"] // COMMON["num_attention_heads"]
@@ -257,3 +259,29 @@ def test_what_phi3_cannot_carry_is_refused(
         export_gguf(tmp_path / "pruned", tmp_path / "model.gguf")
     assert not (tmp_path / "model.gguf").exists()
     assert family_of(pruned.config).name == "Phi-3"
+
+
+@pytest.mark.parametrize("variant", ["dense", "by hand", "pipeline 0.5"])
+def test_gguf_f32_logits_match_transformers_in_llama_cpp(variant: str, dense: dict[str, Path], tmp_path: Path) -> None:
+    """Full rotary and plain RoPE (Phi-4): unfused, the layer is LLaMA's, written as llama.cpp's llama (dense) or deci
+    (per-layer counts: uneven groups, a layer without heads, one that lost half its channels)."""
+    checkpoint = dense["phi4"]
+    if variant != "dense":
+        model, tokenizer = load_model(str(checkpoint))
+        if variant == "by hand":
+            pruned = remove_units(model, chosen_prunings(8))
+        else:
+            pruned = prune_small(model, tokenizer, 0.5, "greedy").model
+        checkpoint = tmp_path / "pruned"
+        save_pruned(pruned, tokenizer, checkpoint)
+    exported = export_gguf(checkpoint, tmp_path / "model.gguf", "f32")
+    assert exported.architecture == ("llama" if variant == "dense" else "deci")
+    ids = torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(11)).tolist()
+    with torch.no_grad():
+        expected = load_pruned(checkpoint, dtype="float32")[0](torch.tensor([ids])).logits[0].numpy()
+    llm = engine(exported.path, len(ids))
+    llm.eval(ids)
+    actual = np.asarray(llm.scores[: len(ids)])
+    llm.close()
+    assert np.abs(actual - expected).max() / np.abs(expected).max() <= EXACT["relative"]
+    assert (actual.argmax(-1) == expected.argmax(-1)).mean() >= EXACT["agreement"]
