@@ -66,12 +66,12 @@ class Phi3(Family):
     plain_heads_divide_hidden = False
     # LoRA adapts the fused modules: an adapter on qkv_proj adapts q, k and v together.
     lora_targets = {
-        "q_proj": QKV,
-        "k_proj": QKV,
-        "v_proj": QKV,
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
         "o_proj": "o_proj",
-        "gate_proj": GATE_UP,
-        "up_proj": GATE_UP,
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
         "down_proj": "down_proj",
     }
 

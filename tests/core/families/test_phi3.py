@@ -15,16 +15,19 @@ import pytest
 import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassClassValidationError
-from transformers import Phi3Config, Phi3ForCausalLM, PretrainedConfig
+from transformers import AutoTokenizer, Phi3Config, Phi3ForCausalLM, PretrainedConfig
 
 from casp_core.budget import attention_params_removed, channel_params
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
+from casp_core.config import RecoveryConfig
 from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.export.gguf import export_gguf
 from casp_core.families import check_export, family_of, projections
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_phi3 import CaspPhi3ForCausalLM
+from casp_core.recovery import recover
+from casp_core.recovery_data import load_training_data
 from casp_core.surgery import remove_units
 from tests.core.families.helpers import (
     COMMON,
@@ -285,3 +288,22 @@ def test_gguf_f32_logits_match_transformers_in_llama_cpp(variant: str, dense: di
     llm.close()
     assert np.abs(actual - expected).max() / np.abs(expected).max() <= EXACT["relative"]
     assert (actual.argmax(-1) == expected.argmax(-1)).mean() >= EXACT["agreement"]
+
+
+def test_recovery_adapts_the_fused_projections(pipeline_checkpoints: list[tuple], tmp_path: Path) -> None:
+    """LoRA on the pruned Phi-3 targets the modules it has (qkv_proj, o_proj, gate_up_proj, down_proj), trains,
+    and merges into every fused weight of every layer that kept rows."""
+    *_, pruned = pipeline_checkpoints[0]
+    assert family_of(pruned.config).lora_modules(["q_proj", "k_proj", "up_proj"]) == ["qkv_proj", "gate_up_proj"]
+    tokenizer = AutoTokenizer.from_pretrained(pipeline_checkpoints[0][1])
+    text = small_run_arguments(tmp_path)[1]  # the calibration text file
+    data = load_training_data(text, tokenizer, max_seq_len=32, context=256)
+    settings = RecoveryConfig(method="lora", max_steps=2, batch_size=2, grad_accum=1, max_seq_len=32, lr=1e-2)
+    recovered, _ = recover(copy.deepcopy(pruned), tokenizer, data, settings, device="cpu", adapter_dir=tmp_path / "a")
+    adapter = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    for before, after in zip(decoder_layers(pruned), decoder_layers(recovered), strict=True):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            weight, merged = before.get_submodule(name).weight, after.get_submodule(name).weight
+            assert merged.shape == weight.shape
+            assert weight.numel() == 0 or not torch.equal(merged, weight), name
