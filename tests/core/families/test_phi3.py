@@ -98,9 +98,10 @@ def test_projections_are_views_and_counts_agree_with_surgery(dense: dict[str, Pa
     layer = decoder_layers(model)[0]
     parts = projections(layer)
     qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
-    assert parts.k.weight.data_ptr() == qkv[8 * HEAD_DIM].data_ptr()
-    assert parts.v.weight.data_ptr() == qkv[10 * HEAD_DIM].data_ptr()
-    assert parts.up.weight.data_ptr() == gate_up[COMMON["intermediate_size"]].data_ptr()
+    width = COMMON["intermediate_size"]
+    starts = {"q": qkv[0], "k": qkv[8 * HEAD_DIM], "v": qkv[10 * HEAD_DIM], "gate": gate_up[0], "up": gate_up[width]}
+    for part, first_row in starts.items():
+        assert getattr(parts, part).weight.data_ptr() == first_row.data_ptr(), part
     assert [p.out_features for p in (parts.q, parts.k, parts.v, parts.gate, parts.up)] == [64, 16, 16, 96, 96]
     prunings = chosen_prunings(8)
     pruned = remove_units(model, prunings)
