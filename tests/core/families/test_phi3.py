@@ -265,21 +265,23 @@ def test_what_phi3_cannot_carry_is_refused(
     assert family_of(pruned.config).name == "Phi-3"
 
 
-@pytest.mark.parametrize("variant", ["dense", "by hand", "pipeline 0.5"])
+@pytest.mark.parametrize("variant", ["dense", "by hand", "pipeline 0.5", "uniform 0.5"])
 def test_gguf_f32_logits_match_transformers_in_llama_cpp(variant: str, dense: dict[str, Path], tmp_path: Path) -> None:
-    """Full rotary and plain RoPE (Phi-4): unfused, the layer is LLaMA's, written as llama.cpp's llama (dense) or deci
-    (per-layer counts: uneven groups, a layer without heads, one that lost half its channels)."""
+    """Full rotary and plain RoPE (Phi-4): unfused, the layer is LLaMA's, written as llama.cpp's llama (dense, and the
+    uniform shape: Phi3ForCausalLM with fewer heads and an explicit head_dim) or deci (per-layer counts: uneven
+    groups, a layer without heads, one that lost half its channels)."""
     checkpoint = dense["phi4"]
     if variant != "dense":
         model, tokenizer = load_model(str(checkpoint))
         if variant == "by hand":
             pruned = remove_units(model, chosen_prunings(8))
         else:
-            pruned = prune_small(model, tokenizer, 0.5, "greedy").model
+            shape = {"pipeline 0.5": "per_layer", "uniform 0.5": "uniform"}[variant]
+            pruned = prune_small(model, tokenizer, 0.5, "greedy", shape=shape).model
         checkpoint = tmp_path / "pruned"
         save_pruned(pruned, tokenizer, checkpoint)
     exported = export_gguf(checkpoint, tmp_path / "model.gguf", "f32")
-    assert exported.architecture == ("llama" if variant == "dense" else "deci")
+    assert exported.architecture == ("deci" if variant in ("by hand", "pipeline 0.5") else "llama")
     ids = torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(11)).tolist()
     with torch.no_grad():
         expected = load_pruned(checkpoint, dtype="float32")[0](torch.tensor([ids])).logits[0].numpy()
