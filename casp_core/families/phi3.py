@@ -9,8 +9,6 @@ geometry, counting, budgets and calibration see a LLaMA layer; surgery cuts the 
 in one gather, keeping it fused (casp_core/modeling_casp_phi3.py).
 """
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -26,10 +24,7 @@ from casp_core.families.base import (
     unit_rows,
 )
 from casp_core.modeling_casp_phi3 import CaspPhi3Config, CaspPhi3ForCausalLM
-
-if TYPE_CHECKING:
-    from casp_core.model import AttentionGeometry
-    from casp_core.surgery import LayerPruning
+from casp_core.units import AttentionGeometry, LayerPruning
 
 QKV, GATE_UP = "self_attn.qkv_proj", "mlp.gate_up_proj"
 
@@ -118,7 +113,7 @@ class Phi3(Family):
         return CaspPhi3Config(**settings)
 
     def pruned_layer_tensors(
-        self, layer: nn.Module, geometry: "AttentionGeometry", pruning: "LayerPruning"
+        self, layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning
     ) -> dict[str, torch.Tensor]:
         """The kept rows of each fused weight, still fused in Phi-3's order (query heads, key heads, value heads;
         gate channels, up channels) and gathered in one index_select each; o_proj's and down_proj's kept columns
