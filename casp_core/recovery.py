@@ -26,6 +26,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
 from casp_core.config import RecoveryConfig
+from casp_core.families import family_of
 from casp_core.model import resolve_device
 from casp_core.recovery_data import IGNORED, TrainingData, collate
 from casp_core.run import Run
@@ -135,7 +136,7 @@ def recover(
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
-        target_modules=list(config.target_modules),
+        target_modules=family_of(model.config).lora_modules(config.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
     )

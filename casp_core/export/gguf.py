@@ -50,7 +50,7 @@ from casp_core.export.gguf_types import (
     require_llama_cpp,
 )
 from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
-from casp_core.families import check_export, config_from_dict, family_of, is_pruned_model_type
+from casp_core.families import Family, check_export, config_from_dict, family_of, is_pruned_model_type
 
 _FLOAT = {
     "f32": gguf.GGMLQuantizationType.F32,
@@ -175,10 +175,13 @@ class _Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only its rows `rows[0]` to `rows[1]` (read alone from the file)."""
         self.unread.discard(name)
         with safe_open(self.files[name], framework="pt") as weights:
-            return weights.get_tensor(name).to(torch.float32)
+            if rows is None:
+                return weights.get_tensor(name).to(torch.float32)
+            return weights.get_slice(name)[rows[0] : rows[1]].to(torch.float32)
 
 
 def _layer_shapes(config: dict[str, Any]) -> list[LayerShape]:
@@ -227,12 +230,17 @@ class _Writer:
 
 
 def _write_layer(
-    out: _Writer, checkpoint: _Checkpoint, index: int, shape: LayerShape, head_dim: int, hidden: int
+    out: _Writer, checkpoint: _Checkpoint, family: Family, index: int, shape: LayerShape, head_dim: int, hidden: int
 ) -> None:
     source, target = f"model.layers.{index}", f"blk.{index}"
     layout = attention_layout(shape)
+    # A family that fuses projections (Phi-3) says where LLaMA's weights lie in its fused ones.
+    fused = family.unfused_rows(len(shape.kv_of_query), shape.num_kv_heads, shape.ffn_width, head_dim)
 
     def read(name: str) -> torch.Tensor | None:
+        if name in fused:
+            fused_name, rows = fused[name]
+            return checkpoint.tensor(f"{source}.{fused_name}", rows)
         full = f"{source}.{name}"
         return checkpoint.tensor(full) if checkpoint.has(full) else None
 
@@ -307,6 +315,7 @@ class _Written:
 def _write_float(checkpoint: _Checkpoint, out: Path, float_type: str) -> _Written:
     """The checkpoint as a GGUF of `float_type` weights at `out`."""
     config = checkpoint.config
+    family = family_of(config["model_type"])
     shapes = _layer_shapes(config)
     layouts = [attention_layout(shape) for shape in shapes]
     hidden = config["hidden_size"]
@@ -343,7 +352,7 @@ def _write_float(checkpoint: _Checkpoint, out: Path, float_type: str) -> _Writte
 
         tensors.add("token_embd.weight", embedding)
         for index, shape in enumerate(shapes):
-            _write_layer(tensors, checkpoint, index, shape, head_dim, hidden)
+            _write_layer(tensors, checkpoint, family, index, shape, head_dim, hidden)
         tensors.add("output_norm.weight", checkpoint.tensor("model.norm.weight"))
         if not config.get("tie_word_embeddings", False):
             tensors.add("output.weight", checkpoint.tensor("lm_head.weight"))

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from casp_core.config import MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
+from casp_core.config import LORA_TARGETS, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
 from casp_core.units import AttentionGeometry, LayerPruning, kept_kv_heads
@@ -76,7 +76,7 @@ class LayerProjections:
         return self.gate, self.up, self.down
 
 
-def _rows(projection: Projection, rows: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+def pruned_rows(projection: Projection, rows: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
     # Each gather is one index_select straight into a new tensor: one copy of the kept weights, not two. Rows
     # are gathered one at a time (contiguous: a memcpy each); torch's CPU index_select copies slices of 32k
     # elements or more one after another, and by blocks of rows that took several times as long as a copy.
@@ -86,7 +86,7 @@ def _rows(projection: Projection, rows: torch.Tensor, prefix: str) -> dict[str, 
     return tensors
 
 
-def _columns(linear: nn.Linear, units: torch.Tensor, unit_size: int, prefix: str) -> dict[str, torch.Tensor]:
+def pruned_columns(linear: nn.Linear, units: torch.Tensor, unit_size: int, prefix: str) -> dict[str, torch.Tensor]:
     """The columns of the kept units, each unit `unit_size` consecutive columns (a head's, or one channel's);
     the bias whole. A head's columns are gathered as one block: one strided column at a time, o_proj's gather
     costs about half again a copy at 4096 x 4096, a block at a time about a copy."""
@@ -151,6 +151,8 @@ class Family:
     # GGUF export is refused, `gguf_refusal` saying why.
     gguf: ClassVar[str | None] = "deci"
     gguf_refusal: ClassVar[str] = ""
+    # Recovery's `target_modules` (LORA_TARGETS, LLaMA's names) -> the module names peft adapts in this family.
+    lora_targets: ClassVar[dict[str, str]] = {name: name for name in LORA_TARGETS}
 
     # ------------------------------------------------------------ what the family is and what it accepts
 
@@ -190,6 +192,18 @@ class Family:
         """The seven projections of a decoder layer (dense or pruned); LLaMA layout: the modules themselves."""
         return LayerProjections(**{part: layer.get_submodule(path) for part, path in self.projection_paths.items()})
 
+    def lora_modules(self, target_modules: list[str]) -> list[str]:
+        """The module names peft adapts for recovery's `target_modules`, each once, in their order."""
+        return list(dict.fromkeys(self.lora_targets[name] for name in target_modules))
+
+    def unfused_rows(
+        self, heads: int, kv_heads: int, ffn_width: int, head_dim: int
+    ) -> dict[str, tuple[str, tuple[int, int]]]:
+        """Where a layer of these counts keeps LLaMA's projections inside fused weights: LLaMA's weight name in the
+        layer ("self_attn.q_proj.weight", ...) -> (the fused weight's name, (first row, end row)). The GGUF writer
+        reads LLaMA's tensors through it. LLaMA fuses nothing."""
+        return {}
+
     # ------------------------------------------------------------ the per-layer checkpoint
 
     def pruned_config(
@@ -223,26 +237,26 @@ class Family:
         """The kept rows and columns of one dense layer's weights, named as in the pruned layer: q/k/v/gate/up
         rows and o/down columns through `projections`; every other parameter of the layer (the norms) whole."""
         projections = self.projections(layer)
-        device = projections.q.weight.device
-        heads = kept_index(geometry.num_heads, pruning.pruned_heads, device)
-        kv_heads = torch.tensor(kept_kv_heads(geometry, pruning.pruned_heads), dtype=torch.long, device=device)
-        channels = kept_index(projections.down.in_features, pruning.pruned_channels, projections.down.weight.device)
+        heads, kv_heads, channels = kept_units(
+            geometry, pruning, projections.down.in_features, projections.q.weight.device
+        )
         head_rows, kv_rows = unit_rows(heads, geometry.head_dim), unit_rows(kv_heads, geometry.head_dim)
         paths = self.projection_paths
         tensors = {
-            **_rows(projections.q, head_rows, paths["q"]),
-            **_rows(projections.k, kv_rows, paths["k"]),
-            **_rows(projections.v, kv_rows, paths["v"]),
-            **_columns(projections.o, heads, geometry.head_dim, paths["o"]),
-            **_rows(projections.gate, channels, paths["gate"]),
-            **_rows(projections.up, channels, paths["up"]),
-            **_columns(projections.down, channels, 1, paths["down"]),
+            **pruned_rows(projections.q, head_rows, paths["q"]),
+            **pruned_rows(projections.k, kv_rows, paths["k"]),
+            **pruned_rows(projections.v, kv_rows, paths["v"]),
+            **pruned_columns(projections.o, heads, geometry.head_dim, paths["o"]),
+            **pruned_rows(projections.gate, channels, paths["gate"]),
+            **pruned_rows(projections.up, channels, paths["up"]),
+            **pruned_columns(projections.down, channels, 1, paths["down"]),
         }
-        cut = tuple(f"{path}." for path in paths.values())
-        for name, parameter in layer.named_parameters():
-            if not name.startswith(cut):
-                tensors[name] = parameter.detach().clone()
-        return tensors
+        return tensors | self.whole_parameters(layer)
+
+    def whole_parameters(self, layer: nn.Module) -> dict[str, torch.Tensor]:
+        """Copies of the layer's parameters outside its projections (the norms), which pruning keeps whole."""
+        cut = tuple(f"{path}." for path in self.projection_paths.values())
+        return {name: p.detach().clone() for name, p in layer.named_parameters() if not name.startswith(cut)}
 
     # ------------------------------------------------------------ the uniform shape: the family's own class
 
@@ -309,3 +323,12 @@ class Family:
                 f"GGUF export: model type {config.model_type!r} has per-head q/k norms, which llama.cpp's deci "
                 "architecture does not apply"
             )
+
+
+def kept_units(
+    geometry: AttentionGeometry, pruning: LayerPruning, ffn_width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept query heads, key/value heads and FFN channels of one layer, as index tensors on `device`."""
+    heads = kept_index(geometry.num_heads, pruning.pruned_heads, device)
+    kv_heads = torch.tensor(kept_kv_heads(geometry, pruning.pruned_heads), dtype=torch.long, device=device)
+    return heads, kv_heads, kept_index(ffn_width, pruning.pruned_channels, device)
