@@ -36,10 +36,8 @@ from .modeling_casp_llama import CaspLlamaAttention, CaspLlamaMLP
 @strict
 class CaspGraniteConfig(GraniteConfig):
     model_type = "casp_granite"
-    # Settings the Llama-family pruned attention reads that Granite has no use for: no per-head q/k norms, no
-    # sliding window.
+    # The Llama-family pruned attention reads whether heads have q/k norms: Granite's have none.
     qk_norm = False
-    sliding_window = None
 
     head_dim: int | None = None  # explicit: a pruned layer's head count says nothing of hidden_size / head_dim
     layer_kv_of_query: list | None = None
@@ -50,6 +48,10 @@ class CaspGraniteConfig(GraniteConfig):
     attention_qkv_bias: bool | None = None
     attention_o_bias: bool | None = None
     mlp_down_bias: bool | None = None
+    # Granite attends fully on every layer (its model builds one full causal mask): None here and "full_attention"
+    # for every layer, as the Llama-family pruned attention reads them.
+    sliding_window: int | None = None
+    layer_types: list | None = None
     casp: dict | None = None  # provenance: the dense model, the pruning settings
 
     def __post_init__(self, **kwargs) -> None:
@@ -61,12 +63,9 @@ class CaspGraniteConfig(GraniteConfig):
             self.attention_o_bias = self.attention_bias
         if self.mlp_down_bias is None:
             self.mlp_down_bias = self.mlp_bias
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         super().__post_init__(**kwargs)
-
-    @property
-    def layer_types(self) -> list[str]:
-        """Granite attends fully on every layer (its model builds one full causal mask)."""
-        return ["full_attention"] * self.num_hidden_layers
 
 
 class CaspGraniteAttention(CaspLlamaAttention):
