@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from casp_core.config import UNIFORM_SHAPE, PruneConfig
 from casp_core.errors import InvalidConfig
 from casp_core.export.gguf_types import quantizer_block
+from casp_core.families import projections
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
@@ -38,17 +39,17 @@ from casp_core.surgery import kept_kv_heads
 
 def attention_params_removed(layer: nn.Module, geometry: AttentionGeometry, heads: list[int]) -> int:
     """q rows and o columns of each head, plus k and v rows of each key/value head left with no query head."""
-    attention = layer.self_attn
-    hidden = attention.q_proj.in_features
-    per_head = geometry.head_dim * (2 * hidden + (attention.q_proj.bias is not None))
-    per_kv_head = 2 * geometry.head_dim * (hidden + (attention.k_proj.bias is not None))
+    parts = projections(layer)
+    hidden = parts.q.in_features
+    per_head = geometry.head_dim * (2 * hidden + (parts.q.bias is not None))
+    per_kv_head = 2 * geometry.head_dim * (hidden + (parts.k.bias is not None))
     kv_gone = geometry.num_kv_heads - len(kept_kv_heads(geometry, tuple(heads)))
     return len(heads) * per_head + kv_gone * per_kv_head
 
 
 def channel_params(layer: nn.Module) -> int:
-    mlp = layer.mlp
-    return mlp.down_proj.out_features + 2 * (mlp.gate_proj.in_features + (mlp.gate_proj.bias is not None))
+    parts = projections(layer)
+    return parts.down.out_features + 2 * (parts.gate.in_features + (parts.gate.bias is not None))
 
 
 def heads_cap(geometry: AttentionGeometry, r_max: float) -> int:

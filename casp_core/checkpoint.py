@@ -2,7 +2,8 @@
 
 It loads offline with `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` and with
 `load_pruned(path)`. Without trust_remote_code, in a process that has not imported casp_core, transformers
-refuses the unknown `casp_llama` model type rather than loading a dense LLaMA with wrong shapes.
+refuses the unknown `casp_llama` model type (or another family's pruned type) rather than loading a dense model
+with wrong shapes.
 
 A uniform-shape result (`shape: uniform`) is the source family's own class (LlamaForCausalLM, ...): its
 config.json has no auto_map, the directory no modeling file, and it loads with plain
@@ -14,18 +15,19 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.errors import ModelNotFound
-from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+from casp_core.families import FAMILIES, family_of, is_pruned_model_type
 
-# Where casp_core is loaded, its own config class serves `casp_llama`: otherwise AutoTokenizer, which reads the
-# config, asks on stdin whether to run the checkpoint's copy of the modeling file, which stalls a worker for 15 s
-# or fails at once off the main thread. The model class is left unregistered, so that
-# AutoModelForCausalLM(trust_remote_code=True) still runs the file shipped in the checkpoint, as users will.
-AutoConfig.register(CaspLlamaConfig.model_type, CaspLlamaConfig, exist_ok=True)
+# Where casp_core is loaded, its own config classes serve the pruned model types (`casp_llama`, ...): otherwise
+# AutoTokenizer, which reads the config, asks on stdin whether to run the checkpoint's copy of the modeling file,
+# which stalls a worker for 15 s or fails at once off the main thread. The model classes are left unregistered, so
+# that AutoModelForCausalLM(trust_remote_code=True) still runs the file shipped in the checkpoint, as users will.
+for _family in FAMILIES:
+    AutoConfig.register(_family.pruned_model_type, _family.pruned_model_class.config_class, exist_ok=True)
 
 
 def save_pruned(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
-    """Weights as safetensors, the config (a CaspLlamaForCausalLM's with auto_map and a copy of
-    modeling_casp_llama.py), the tokenizer."""
+    """Weights as safetensors, the config (a per-layer class's with auto_map and a copy of its modeling file,
+    modeling_casp_llama.py for the LLaMA-layout families), the tokenizer."""
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
@@ -35,8 +37,9 @@ def load_pruned(path: str | Path, *, dtype: str = "auto") -> tuple[PreTrainedMod
     uniform-shape checkpoint's is transformers' own)."""
     if not (Path(path) / "config.json").is_file():
         raise ModelNotFound(f"{path} is not a checkpoint directory (no config.json)")
-    if AutoConfig.from_pretrained(path).model_type == CaspLlamaConfig.model_type:
-        model = CaspLlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    model_type = AutoConfig.from_pretrained(path).model_type
+    if is_pruned_model_type(model_type):
+        model = family_of(model_type).pruned_model_class.from_pretrained(path, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -74,3 +74,10 @@ class BudgetUnmet(CaspError):
     candidates are close, not exact); the message names the closest one produced."""
 
     code = "budget_unmet"
+
+
+class UnsupportedExport(CaspError):
+    """An export the model's family or settings cannot take (a GGUF of a family llama.cpp cannot build layer by
+    layer, or of settings the writer cannot write): refused before any work, the message naming the family."""
+
+    code = "unsupported_export"

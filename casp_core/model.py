@@ -1,9 +1,8 @@
-"""Model adapter: loads a LLaMA-family causal LM and names the parts CASP prunes.
+"""Model adapter: loads a causal LM of a supported family and names the parts CASP prunes.
 
 A decoder layer has attention (q/k/v/o_proj; units are query heads, blocks of `head_dim` input columns of
 o_proj) and a gated MLP (gate/up/down_proj; units are intermediate channels, input columns of down_proj).
-Supported families: Llama 1/2/3/3.x (any rope scaling transformers computes), Mistral (sliding window), Qwen2/2.5
-(q/k/v biases, sliding layers) and Qwen3 (per-head q/k norms, explicit head_dim). Anything else is refused
+What each family's units are and what it accepts is its module's (casp_core.families). Anything else is refused
 with `unsupported_model` before any work, from the config alone.
 """
 
@@ -29,16 +28,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from casp_core.errors import DeviceUnavailable, InvalidConfig, ModelNotFound, UnsupportedModel
+from casp_core.families import family_of, projection_parameters, projections
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
-# The dense families whose every setting the pruned model class (modeling_casp_llama.py) can carry.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -144,7 +138,7 @@ def load_config(name_or_path: str, *, revision: str | None = None) -> Pretrained
     if not settings:  # what transformers returns for a local folder without config.json
         raise ModelNotFound(f"cannot read the config of model {name_or_path!r}: the folder has no config.json")
     # Checked before transformers builds the config: it cannot build one of a type it does not know.
-    _check_model_type(settings.get("model_type"))
+    family_of(settings.get("model_type"))
     try:
         config = AutoConfig.from_pretrained(name_or_path, revision=revision)
     except (OSError, ValueError, TypeError) as error:
@@ -228,62 +222,39 @@ def check_model_folder(folder: Path) -> PretrainedConfig:
     return config
 
 
-def _check_model_type(model_type: object) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"model type {model_type!r} is not supported: CASP prunes {', '.join(SUPPORTED_MODEL_TYPES)} models"
-        )
-
-
 def check_supported_config(config: PretrainedConfig) -> None:
     """Refuse, from the config alone, any model whose settings the pruned model class cannot carry."""
-    model_type = getattr(config, "model_type", None)
-    _check_model_type(model_type)
-    if config.num_attention_heads % config.num_key_value_heads:
-        raise UnsupportedModel(
-            f"model type {model_type!r}: {config.num_attention_heads} attention heads cannot share "
-            f"{config.num_key_value_heads} key/value heads in equal groups"
-        )
-    if getattr(config, "quantization_config", None) is not None:
-        raise UnsupportedModel(f"model type {model_type!r}: quantized weights (quantization_config) cannot be pruned")
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-        raise UnsupportedModel(f"model type {model_type!r}: rope type {rope_type!r} is not supported")
-    unknown = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES)
-    if model_type != "mistral" and unknown:  # Mistral's modeling ignores layer_types
-        raise UnsupportedModel(f"model type {model_type!r}: attention layer types {sorted(unknown)} are not supported")
+    family_of(config).check_config(config)
 
 
 def attention_layer_types(config: PretrainedConfig) -> tuple[int | None, list[str]]:
     """The sliding window and, per layer, whether attention is full or within that window, as the family's
-    own modeling reads them: Llama always attends fully, Mistral slides on every layer when it has a window
-    (ignoring `layer_types`), Qwen2/3 and pruned models follow `layer_types`."""
-    window = getattr(config, "sliding_window", None)
-    if config.model_type == "llama":
-        layer_types = ["full_attention"] * config.num_hidden_layers
-    elif config.model_type == "mistral":
-        layer_types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
-    else:
-        layer_types = list(config.layer_types)
-    return (window if "sliding_attention" in layer_types else None), layer_types
+    own modeling reads them (casp_core.families: Family.layer_types)."""
+    return family_of(config).layer_types(config)
 
 
 def check_supported(model: nn.Module) -> None:
-    """LLaMA layout: model.model.layers[i].self_attn.{q,k,v,o}_proj and .mlp.{gate,up,down}_proj."""
+    """Decoder layers at model.model.layers, each with the projections its family names."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or len(layers) == 0:
         raise UnsupportedModel(
             f"{type(model).__name__} is not supported: expected decoder layers at model.model.layers"
         )
+    family = family_of(model.config)
     layer = layers[0]
-    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    missing = [f"self_attn.{p}" for p in ATTENTION_PARTS if not isinstance(getattr(attention, p, None), nn.Linear)]
-    missing += [f"mlp.{p}" for p in MLP_PARTS if not isinstance(getattr(mlp, p, None), nn.Linear)]
+    missing = [path for path in family.projection_paths.values() if not isinstance(_submodule(layer, path), nn.Linear)]
     if missing:
         raise UnsupportedModel(
             f"{type(model).__name__} is not supported: its decoder layers have no {', '.join(missing)} "
-            "(CASP needs the LLaMA layout)"
+            f"(CASP needs the {family.name} layout)"
         )
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 @contextmanager
@@ -304,21 +275,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def attention_geometry(model: PreTrainedModel, layer: nn.Module) -> AttentionGeometry:
     """Read from the layer itself when it is already pruned, else from the model's config."""
     attention = layer.self_attn
+    parts = projections(layer)
     kv_of_query = getattr(attention, "kv_of_query", None)
     head_dim = attention.head_dim
     if kv_of_query is not None:
-        return AttentionGeometry(head_dim, tuple(kv_of_query), attention.k_proj.out_features // head_dim)
-    num_heads = attention.q_proj.out_features // head_dim
-    num_kv_heads = attention.k_proj.out_features // head_dim
+        return AttentionGeometry(head_dim, tuple(kv_of_query), parts.k.out_features // head_dim)
+    num_heads = parts.q.out_features // head_dim
+    num_kv_heads = parts.k.out_features // head_dim
     group = num_heads // num_kv_heads
     return AttentionGeometry(head_dim, tuple(q // group for q in range(num_heads)), num_kv_heads)
 
 
 def sublayer_parameters(layer: nn.Module) -> tuple[int, int]:
     """Parameters of (attention, MLP) projections: what the pruning ratio is measured against."""
-    attention = sum(p.numel() for name in ATTENTION_PARTS for p in getattr(layer.self_attn, name).parameters())
-    mlp = sum(p.numel() for name in MLP_PARTS for p in getattr(layer.mlp, name).parameters())
-    return attention, mlp
+    parts = projections(layer)
+    return (
+        sum(projection_parameters(p) for p in parts.attention),
+        sum(projection_parameters(p) for p in parts.mlp),
+    )
 
 
 def prunable_parameters(model: nn.Module) -> int:

@@ -29,6 +29,7 @@ from casp_core.allocation import allocate_ratios, uniform_ratios
 from casp_core.budget import channels_to_prune, plan_budget, plan_uniform_shape
 from casp_core.config import AUTO_ALPHA, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.export.gguf_types import BASE_TYPE, FALLBACK, FLOAT_TYPES
+from casp_core.families import projections
 from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
 
 GGUF_ALIGNMENT = 32
@@ -73,7 +74,7 @@ class Geometry:
     @classmethod
     def of(cls, model: PreTrainedModel, dtype: str) -> "Geometry":
         layers = decoder_layers(model)
-        attention, mlp = layers[0].self_attn, layers[0].mlp
+        parts = projections(layers[0])
         config = model.config
         stored = getattr(config, "dtype", None) or "float32"
         name = dtype if dtype != "auto" else str(stored).removeprefix("torch.")
@@ -83,9 +84,9 @@ class Geometry:
             vocab=config.vocab_size,
             layers=len(layers),
             tied=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-            qkv_bias=attention.q_proj.bias is not None,
-            o_bias=attention.o_proj.bias is not None,
-            mlp_bias=mlp.down_proj.bias is not None,
+            qkv_bias=parts.q.bias is not None,
+            o_bias=parts.o.bias is not None,
+            mlp_bias=parts.down.bias is not None,
             other_params=dense_params(model) - sum(sum(sublayer_parameters(layer)) for layer in layers),
             dtype_bytes=DTYPE_BYTES.get(name, 4),
         )

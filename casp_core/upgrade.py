@@ -31,7 +31,7 @@ from transformers.dynamic_module_utils import custom_object_save
 import casp_core
 from casp_core import checkpoint_probe
 from casp_core.errors import CheckpointNotWritable, ModelNotFound, UnsupportedModel, VerificationFailed
-from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+from casp_core.families import family_of, is_pruned_model_type
 
 CONFIG_FILE = "config.json"
 BACKUP_DIR = "upgrade-backup"
@@ -45,12 +45,14 @@ def current_files(checkpoint: Path) -> dict[str, bytes]:
     """config.json and the modeling file, as the current class writes them for this checkpoint's config."""
     # The model is built on the meta device (no memory, no weights) to state its class in auto_map as
     # save_pretrained does, and to check that the current class builds every layer this config describes.
+    model_type = json.loads((checkpoint / CONFIG_FILE).read_text(encoding="utf-8")).get("model_type")
+    model_class = family_of(model_type).pruned_model_class
     try:
-        config = CaspLlamaConfig.from_pretrained(checkpoint)
+        config = model_class.config_class.from_pretrained(checkpoint)
         with torch.device("meta"):
-            model = CaspLlamaForCausalLM(config)
+            model = model_class(config)
     except (ValueError, TypeError, KeyError, IndexError) as error:
-        message = f"{checkpoint}: the current casp_llama class cannot read its {CONFIG_FILE}: {error}"
+        message = f"{checkpoint}: the current {model_type} class cannot read its {CONFIG_FILE}: {error}"
         raise UnsupportedModel(message) from error
     config.auto_map = {}  # only the current classes' entries
     with tempfile.TemporaryDirectory() as staging:
@@ -125,7 +127,7 @@ def upgrade_checkpoint(checkpoint: Path) -> dict[str, Any]:
         raise ModelNotFound(f"{config_path} is not a JSON config: {error}") from error
     summary: dict[str, Any] = {"checkpoint": str(checkpoint), "transformers": transformers_version}
     model_type = settings.get("model_type")
-    if model_type != CaspLlamaConfig.model_type:
+    if not is_pruned_model_type(model_type):
         classes = ", ".join(settings.get("architectures") or []) or "no architecture named"
         message = (
             f"not a casp per-layer checkpoint: model_type {model_type!r} ({classes}) loads with transformers' own "

@@ -26,17 +26,13 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
 from casp_core.errors import InvalidConfig
-from casp_core.model import resolve_device
+from casp_core.families import projections
+from casp_core.model import decoder_layers, resolve_device
 
 
 def count_parameters(model: nn.Module) -> int:
     """Parameters the model holds; tied weights (embedding and LM head) count once."""
     return sum(p.numel() for p in model.parameters())
-
-
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Modules that project queries per head: the self-attention of each decoder layer."""
-    return [m for m in model.modules() if isinstance(getattr(m, "q_proj", None), nn.Linear)]
 
 
 def _head_dim(attention: nn.Module, model: nn.Module) -> int:
@@ -52,9 +48,9 @@ def prefill_macs(model: nn.Module, *, seq_len: int = 128, batch_size: int = 1) -
     tokens = batch_size * seq_len
     linear = tokens * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
     attention = 0
-    for module in _attention_modules(model):
-        head_dim = _head_dim(module, model)
-        query_heads = module.q_proj.out_features // head_dim
+    for layer in decoder_layers(model):
+        head_dim = _head_dim(layer.self_attn, model)
+        query_heads = projections(layer).q.out_features // head_dim
         # QKᵀ and the weighted sum of V, each (T x head_dim) x (head_dim x T) per head.
         attention += 2 * batch_size * query_heads * head_dim * seq_len * seq_len
     return {"linear": linear, "attention": attention, "total": linear + attention}

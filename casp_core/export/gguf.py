@@ -38,9 +38,10 @@ from typing import Any
 import gguf
 import torch
 from safetensors import safe_open
+from transformers import PretrainedConfig
 
 from casp_core.config import GGUF_TYPES
-from casp_core.errors import CaspError, InvalidConfig, ModelNotFound, UnsupportedModel
+from casp_core.errors import CaspError, InvalidConfig, ModelNotFound, UnsupportedExport
 from casp_core.export.gguf_types import (
     BASE_TYPE,
     FALLBACK,
@@ -50,6 +51,7 @@ from casp_core.export.gguf_types import (
     require_llama_cpp,
 )
 from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
+from casp_core.families import config_from_dict, family_of, is_pruned_model_type
 
 _FLOAT = {
     "f32": gguf.GGMLQuantizationType.F32,
@@ -63,7 +65,6 @@ _FILE_TYPE = {
 }
 # What a fallback type was before it fell back (casp_core.export.gguf_types.FALLBACK, the other way round).
 _FALLBACK_FROM = {fallback: base for base, fallback in FALLBACK.items()}
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "casp_llama")
 
 
 class QuantizationFailed(CaspError):
@@ -183,7 +184,7 @@ class _Checkpoint:
 
 def _layer_shapes(config: dict[str, Any]) -> list[LayerShape]:
     layers = config["num_hidden_layers"]
-    if config["model_type"] == "casp_llama":
+    if is_pruned_model_type(config["model_type"]):
         return [
             LayerShape(tuple(kv_map), kv_count, width)
             for kv_map, kv_count, width in zip(
@@ -200,37 +201,23 @@ def _layer_shapes(config: dict[str, Any]) -> list[LayerShape]:
 
 
 def _rope_theta(config: dict[str, Any]) -> float:
+    """The RoPE base (the family's check_gguf has refused any scaling)."""
     rope = config.get("rope_parameters") or {}
     if "full_attention" in rope:  # per layer type; the deci graph has one
         rope = rope["full_attention"]
-    scaling = config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModel(f"GGUF export: RoPE type {rope_type!r} with scaling is not supported")
     return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:
-    """The window when any layer slides, else None."""
-    window = config.get("sliding_window")
-    if window is None:
-        return None
-    model_type = config["model_type"]
-    if model_type == "casp_llama":
-        return window if "sliding_attention" in (config.get("layer_types") or []) else None
-    if model_type == "qwen2":
-        return window if config.get("use_sliding_window") else None
-    return window
+    """The window when any layer slides, as the family's modeling reads it, else None."""
+    model_config = config_from_dict(config)
+    return family_of(model_config).layer_types(model_config)[0]
 
 
-def _check_supported(config: dict[str, Any], checkpoint: _Checkpoint) -> None:
-    model_type = config.get("model_type")
-    if model_type not in _MODEL_TYPES:
-        raise UnsupportedModel(f"GGUF export: model type {model_type!r} (supported: {', '.join(_MODEL_TYPES)})")
-    if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"GGUF export: activation {config['hidden_act']!r} (llama.cpp's deci uses silu)")
-    if config.get("qk_norm") or checkpoint.has("model.layers.0.self_attn.q_norm.weight"):
-        raise UnsupportedModel("GGUF export: per-head q/k norms (Qwen3) are not supported by llama.cpp's deci")
+def check_exportable(config: PretrainedConfig) -> None:
+    """Refuse (UnsupportedExport), from the config alone, a GGUF export of a family llama.cpp cannot build layer by
+    layer or of settings this writer cannot write: before any work for a job, and here before writing."""
+    family_of(config).check_gguf(config)
 
 
 class _Writer:
@@ -277,7 +264,9 @@ def _write_layer(
                 out.add(f"{target}.attn_{name}.weight", torch.zeros(rows, columns))
             out.add(f"{target}.attn_output.weight", torch.zeros(hidden, head_dim))
         if checkpoint.has(f"{source}.self_attn.o_proj.bias"):
-            raise UnsupportedModel(f"GGUF export: layer {index} has no heads but an o_proj bias, which llama.cpp drops")
+            raise UnsupportedExport(
+                f"GGUF export: layer {index} has no heads but an o_proj bias, which llama.cpp drops"
+            )
         # The norm feeds nothing without attention; the projections have no rows (or columns) left.
         checkpoint.unread.discard(f"{source}.input_layernorm.weight")
         checkpoint.unread -= {name for name in checkpoint.files if name.startswith(f"{source}.self_attn.")}
@@ -368,7 +357,9 @@ def _write_float(checkpoint: _Checkpoint, out: Path, float_type: str) -> _Writte
         else:
             checkpoint.unread.discard("lm_head.weight")
         if checkpoint.unread:
-            raise UnsupportedModel(f"GGUF export: no place in llama.cpp for {', '.join(sorted(checkpoint.unread)[:3])}")
+            raise UnsupportedExport(
+                f"GGUF export: no place in llama.cpp for {', '.join(sorted(checkpoint.unread)[:3])}"
+            )
 
         kv_repeated = [index for index, layout in enumerate(layouts) if layout.repeated]
         writer.add_array("casp.kv_heads_repeated_layers", kv_repeated)
@@ -444,7 +435,7 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
         raise InvalidConfig(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, not {gguf_type!r}")
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     checkpoint = _Checkpoint(checkpoint_dir)
-    _check_supported(checkpoint.config, checkpoint)
+    check_exportable(config_from_dict(checkpoint.config))
     check_gguf_type(checkpoint.config["hidden_size"], gguf_type)
     quantized = is_quantized(gguf_type)
     if quantized:

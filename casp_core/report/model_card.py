@@ -15,7 +15,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from casp_core.data import HUB_SOURCES, evaluation_source
-from casp_core.modeling_casp_llama import CaspLlamaConfig
+from casp_core.families import is_pruned_model_type
 from casp_core.report.build import quantization_section, recovery_section, rounding_line
 from casp_core.report.evaluation_section import render_evaluation_section
 from casp_core.report.frontier_section import render_frontier_section
@@ -172,7 +172,7 @@ def _settings(report: dict[str, Any]) -> list[str]:
 
 
 def _usage(model_type: str, name: str, exported: Sequence[str]) -> list[str]:
-    per_layer = model_type == CaspLlamaConfig.model_type
+    per_layer = is_pruned_model_type(model_type)
     gguf = next((file for file in exported if file.endswith(".gguf")), None)
     # AutoTokenizer reads config.json too, whose model type transformers knows only from the modeling file here:
     # without the flag it asks on stdin whether to run that file.
@@ -182,7 +182,7 @@ def _usage(model_type: str, name: str, exported: Sequence[str]) -> list[str]:
         "",
         "**transformers**"
         + (
-            " (the layers have different shapes: the modeling file shipped here, `modeling_casp_llama.py`, "
+            f" (the layers have different shapes: the modeling file shipped here, `modeling_{model_type}.py`, "
             "builds them, hence `trust_remote_code=True`)"
             if per_layer
             else f" (a plain `{model_type}` checkpoint)"

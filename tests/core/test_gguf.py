@@ -21,7 +21,7 @@ from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli.main import main
 from casp_core.config import CalibrationConfig
 from casp_core.data import evaluation_source, load_rows
-from casp_core.errors import InvalidConfig, UnsupportedModel
+from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
 from casp_core.export.gguf import LayerShape, attention_layout, export_gguf
 from casp_core.export.tokenizer import LEADING_SPACE_CAVEAT, NFC_CAVEAT, NO_BYTE_FALLBACK_CAVEAT
 from casp_core.model import load_model, load_tokenizer
@@ -420,6 +420,6 @@ def test_unsupported_settings_are_refused_in_one_line(tmp_path):
         (config_path.parent / item.name).symlink_to(item)
     (config_path.parent / "config.json").unlink()
     config_path.write_text((STORIES / "config.json").read_text().replace('"llama"', '"qwen3"'))
-    with pytest.raises(UnsupportedModel, match="qwen3"):
+    with pytest.raises(UnsupportedExport, match="qwen3"):
         export_gguf(config_path.parent, tmp_path / "model.gguf")
     assert not (tmp_path / "model.gguf").exists()

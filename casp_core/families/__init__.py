@@ -1,0 +1,82 @@
+"""The model families CASP prunes, one module each, and the registry that finds a config's or a layer's family.
+
+`family_of` is the only way casp_core finds family behaviour: nothing outside this package compares model types.
+A new family is one module here (a `Family` subclass overriding only what differs from LLaMA) added to FAMILIES,
+and its tests (tests/core/families/).
+"""
+
+from typing import Any
+
+from torch import nn
+from transformers import CONFIG_MAPPING, PretrainedConfig
+
+from casp_core.errors import UnsupportedModel
+from casp_core.families.base import Family, LayerProjections, RowSlice, projection_parameters
+from casp_core.families.llama import LLAMA
+from casp_core.families.mistral import MISTRAL
+from casp_core.families.qwen2 import QWEN2
+from casp_core.families.qwen3 import QWEN3
+
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3)
+# The dense model types CASP prunes.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.model_types)
+_BY_DENSE_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+# A pruned model type belongs to the first family naming it: `casp_llama`, the class Llama, Mistral, Qwen2 and
+# Qwen3 share, to Llama, whose settings checks read the pruned config's own switches (qk_norm, biases).
+_BY_PRUNED_TYPE = {family.pruned_model_type: family for family in reversed(FAMILIES)}
+PRUNED_MODEL_TYPES: tuple[str, ...] = tuple(_BY_PRUNED_TYPE)
+
+__all__ = [
+    "FAMILIES",
+    "PRUNED_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "Family",
+    "LayerProjections",
+    "RowSlice",
+    "config_from_dict",
+    "family_of",
+    "family_of_layer",
+    "is_pruned_model_type",
+    "projection_parameters",
+    "projections",
+]
+
+
+def family_of(config_or_model_type: PretrainedConfig | str | None) -> Family:
+    """The family of a dense or pruned config (or of its model_type); UnsupportedModel naming the supported
+    types if there is none."""
+    model_type = getattr(config_or_model_type, "model_type", config_or_model_type)
+    family = None
+    if isinstance(model_type, str):  # config.json may hold anything there
+        family = _BY_DENSE_TYPE.get(model_type) or _BY_PRUNED_TYPE.get(model_type)
+    if family is None:
+        raise UnsupportedModel(
+            f"model type {model_type!r} is not supported: CASP prunes {', '.join(SUPPORTED_MODEL_TYPES)} models"
+        )
+    return family
+
+
+def is_pruned_model_type(model_type: str | None) -> bool:
+    """Whether `model_type` is a per-layer checkpoint's (loads with its own modeling file), not a dense family's."""
+    return model_type in _BY_PRUNED_TYPE
+
+
+def family_of_layer(layer: nn.Module) -> Family:
+    """A decoder layer's family, from the config its attention module keeps (every transformers attention
+    module, and every pruned one, keeps `config`)."""
+    return family_of(layer.self_attn.config)
+
+
+def projections(layer: nn.Module) -> LayerProjections:
+    """A decoder layer's seven projections, as its family finds them."""
+    return family_of_layer(layer).projections(layer)
+
+
+def config_from_dict(settings: dict[str, Any]) -> PretrainedConfig:
+    """config.json's settings as the config object of its family's class (dense, or the pruned one), which
+    computes what the family derives from them (Qwen2's `layer_types`, ...)."""
+    model_type = settings.get("model_type")
+    family = family_of(model_type)
+    if is_pruned_model_type(model_type):
+        return family.pruned_model_class.config_class.from_dict(settings)
+    return CONFIG_MAPPING[model_type].from_dict(settings)
