@@ -1,0 +1,143 @@
+"""Granite 3 prunes exactly under its four multipliers: per-layer heads (uneven groups, a layer without heads) and
+FFN widths, the uniform shape as GraniteForCausalLM, the written checkpoints loaded by a user's fresh process (and
+by the lowest supported transformers), recovery; the GGUF export is refused before any work."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GraniteConfig, GraniteForCausalLM
+
+from casp_core.checkpoint import save_pruned
+from casp_core.cli import main as cli
+from casp_core.errors import UnsupportedExport
+from casp_core.export.gguf import check_exportable
+from casp_core.families import family_of
+from casp_core.model import attention_geometry, decoder_layers, load_model
+from casp_core.modeling_casp_granite import CaspGraniteConfig, CaspGraniteForCausalLM
+from casp_core.surgery import remove_units
+from tests.core.families.checkpoints import (
+    assert_recovery_trains_and_reloads,
+    fresh_logits,
+    masked_logits,
+    test_tokens,
+)
+from tests.core.test_families import (
+    COMMON,
+    assert_computes_the_same,
+    chosen_prunings,
+    masked_copy,
+    prune_small,
+    small_run,  # noqa: F401 (a fixture)
+    write_dense,
+    written_and_loaded_back,
+)
+
+# Far from 1 (and attention's far from 1/sqrt(head_dim)), so that a multiplier lost anywhere changes the logits.
+MULTIPLIERS = {
+    "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.015625,
+    "residual_multiplier": 0.22,
+    "logits_scaling": 8.0,
+}
+
+
+@pytest.fixture(scope="module")
+def dense_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dense(GraniteConfig(**COMMON, **MULTIPLIERS), tmp_path_factory.mktemp("dense") / "granite")
+
+
+def test_chosen_units_prune_exactly(dense_folder: Path, tmp_path: Path) -> None:
+    """Uneven key/value groups, a layer that keeps no head, a layer that loses a whole group."""
+    model, tokenizer = load_model(str(dense_folder))
+    prunings = chosen_prunings(attention_geometry(model, decoder_layers(model)[0]).num_heads)
+    pruned = remove_units(model, prunings)
+    assert type(pruned) is CaspGraniteForCausalLM and pruned.config.layer_kv_of_query[1] == []
+    assert pruned.model.layers[0].self_attn.gather_kv
+    assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+    # The modeling file and the Llama-family one it imports travel with the checkpoint.
+    assert {"modeling_casp_granite.py", "modeling_casp_llama.py"} <= {path.name for path in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("multiplier", MULTIPLIERS)
+def test_every_multiplier_reaches_the_logits(multiplier: str, dense_folder: Path) -> None:
+    """The exactness above could not hold with a multiplier lost: the pruned model without it computes otherwise."""
+    model, _ = load_model(str(dense_folder))
+    prunings = chosen_prunings(attention_geometry(model, decoder_layers(model)[0]).num_heads)
+    pruned = remove_units(model, prunings)
+    without = CaspGraniteForCausalLM(CaspGraniteConfig(**{**pruned.config.to_dict(), multiplier: 1.0})).eval()
+    without.load_state_dict(pruned.state_dict())
+    tokens = test_tokens()
+    with torch.no_grad():
+        difference = (pruned(tokens).logits - without(tokens).logits).abs().max().item()
+    assert difference > 1e-3
+
+
+@pytest.mark.parametrize(("ratio", "solver"), [("0.3", "greedy"), ("0.5", "diagonal")])
+def test_casp_prune_succeeds(
+    ratio: str,
+    solver: str,
+    dense_folder: Path,
+    small_run: list[str],  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The whole job through the command line: calibration, allocation, verification, evaluation, checkpoint."""
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(dense_folder), "--ratio", ratio, "--solver", solver, "--out", str(out)]
+    assert cli.main([*arguments, *small_run]) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["verification"]["max_relative_diff"] <= 1e-10
+    assert json.loads((out / "config.json").read_text())["model_type"] == "casp_granite"
+
+
+@pytest.fixture(scope="module")
+def pipeline_checkpoints(dense_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per shape, the masked dense model's logits and the written checkpoint of the real pipeline at 0.5."""
+    root = tmp_path_factory.mktemp("granite-pruned")
+    written = {}
+    for shape in ("per_layer", "uniform"):
+        model, tokenizer = load_model(str(dense_folder))
+        result = prune_small(model, tokenizer, 0.5, "greedy", shape=shape)  # masks `model`
+        save_pruned(result.model, tokenizer, root / shape)
+        written[shape] = (masked_logits(model), root / shape, result.model, tokenizer)
+    return written
+
+
+@pytest.mark.parametrize("lowest", [False, True], ids=["locked", "lowest"])
+def test_written_checkpoints_load_where_casp_core_is_not(
+    lowest: bool, pipeline_checkpoints: dict[str, tuple], tmp_path: Path
+) -> None:
+    """A user's fresh process, under the locked and the lowest supported transformers: the per-layer checkpoint
+    with its own modeling file (trust_remote_code=True), the uniform one as GraniteForCausalLM without remote code;
+    both compute the masked model's logits."""
+    checkpoints = {pipeline_checkpoints[shape][1]: shape == "per_layer" for shape in ("per_layer", "uniform")}
+    logits, records = fresh_logits(checkpoints, tmp_path, lowest=lowest)
+    assert records[-1] == {"casp_core_imported": False}
+    classes = {record["checkpoint"]: record["class"] for record in records[:-1]}
+    for shape, expected_class in (("per_layer", "CaspGraniteForCausalLM"), ("uniform", "GraniteForCausalLM")):
+        expected, checkpoint = pipeline_checkpoints[shape][:2]
+        assert classes[str(checkpoint)] == expected_class
+        assert (logits[str(checkpoint)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+    assert "auto_map" not in json.loads((pipeline_checkpoints["uniform"][1] / "config.json").read_text())
+    assert isinstance(pipeline_checkpoints["uniform"][2], GraniteForCausalLM)
+
+
+def test_recovery_trains_the_pruned_checkpoint(
+    pipeline_checkpoints: dict[str, tuple],
+    small_run: list[str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    _, _, pruned, tokenizer = pipeline_checkpoints["per_layer"]
+    text = Path(small_run[small_run.index("--calibration-dataset") + 1])
+    assert_recovery_trains_and_reloads(pruned, tokenizer, text, tmp_path / "recovered")
+
+
+def test_gguf_export_is_refused_naming_the_family(dense_folder: Path, pipeline_checkpoints: dict[str, tuple]) -> None:
+    """Refused from the dense config (before any work) and from either checkpoint's config."""
+    pruned_configs = [pruned.config for _, _, pruned, _ in pipeline_checkpoints.values()]
+    for config in [load_model(str(dense_folder))[0].config, *pruned_configs]:
+        assert family_of(config).name == "Granite 3"
+        with pytest.raises(UnsupportedExport, match=r"GGUF export: Granite 3 .*multipliers"):
+            check_exportable(config)
