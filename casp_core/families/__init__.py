@@ -11,7 +11,7 @@ from torch import nn
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from casp_core.errors import UnsupportedModel
-from casp_core.families.base import Family, LayerProjections, RowSlice, projection_parameters
+from casp_core.families.base import Family, GgufScales, LayerProjections, RowSlice, projection_parameters
 from casp_core.families.granite import GRANITE
 from casp_core.families.llama import LLAMA
 from casp_core.families.mistral import MISTRAL
@@ -33,6 +33,7 @@ __all__ = [
     "PRUNED_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "Family",
+    "GgufScales",
     "LayerProjections",
     "RowSlice",
     "config_from_dict",

@@ -1,19 +1,20 @@
 """Granite 3 prunes exactly under its four multipliers: per-layer heads (uneven groups, a layer without heads) and
 FFN widths, the uniform shape as GraniteForCausalLM, the written checkpoints loaded by a user's fresh process (and
-by the lowest supported transformers), recovery; the GGUF export is refused before any work."""
+by the lowest supported transformers), recovery, and the GGUF export with the multipliers folded into the weights,
+computing in llama.cpp what transformers computes."""
 
 import json
 from pathlib import Path
 
+import llama_cpp
+import numpy as np
 import pytest
 import torch
 from transformers import GraniteConfig, GraniteForCausalLM
 
-from casp_core.checkpoint import save_pruned
+from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
-from casp_core.errors import UnsupportedExport
-from casp_core.export.gguf import check_exportable
-from casp_core.families import family_of
+from casp_core.export.gguf import export_gguf
 from casp_core.model import attention_geometry, decoder_layers, load_model
 from casp_core.modeling_casp_granite import CaspGraniteConfig, CaspGraniteForCausalLM
 from casp_core.surgery import remove_units
@@ -134,10 +135,57 @@ def test_recovery_trains_the_pruned_checkpoint(
     assert_recovery_trains_and_reloads(pruned, tokenizer, text, tmp_path / "recovered")
 
 
-def test_gguf_export_is_refused_naming_the_family(dense_folder: Path, pipeline_checkpoints: dict[str, tuple]) -> None:
-    """Refused from the dense config (before any work) and from either checkpoint's config."""
-    pruned_configs = [pruned.config for _, _, pruned, _ in pipeline_checkpoints.values()]
-    for config in [load_model(str(dense_folder))[0].config, *pruned_configs]:
-        assert family_of(config).name == "Granite 3"
-        with pytest.raises(UnsupportedExport, match=r"GGUF export: Granite 3 .*multipliers"):
-            check_exportable(config)
+@pytest.fixture(scope="module")
+def tied_dense_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As Granite 3's 2B and 8B models: the head is the embedding, which the GGUF must write apart, scaled."""
+    config = GraniteConfig(**COMMON, **MULTIPLIERS, tie_word_embeddings=True)
+    return write_dense(config, tmp_path_factory.mktemp("dense") / "granite-tied")
+
+
+def llama_cpp_relative_difference(checkpoint: Path, gguf_path: Path) -> float:
+    """max |llama.cpp - transformers| / max |transformers| over the logits of 64 tokens, f32 throughout."""
+    model = (
+        load_pruned(checkpoint, dtype="float32")
+        if (checkpoint / "modeling_casp_granite.py").is_file()
+        else load_model(str(checkpoint), dtype="float32")
+    )[0]
+    ids = test_tokens()[0].tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    llm = llama_cpp.Llama(
+        model_path=str(gguf_path),
+        n_ctx=len(ids),
+        n_batch=len(ids),
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+    )
+    llm.eval(ids)
+    actual = np.asarray(llm.scores[: len(ids)])
+    llm.close()
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("checkpoint", ["dense", "per_layer", "per_layer_tied", "uniform"])
+def test_f32_gguf_computes_what_transformers_computes(
+    checkpoint: str,
+    dense_folder: Path,
+    tied_dense_folder: Path,
+    pipeline_checkpoints: dict[str, tuple],
+    tmp_path: Path,
+) -> None:
+    """The multipliers folded into the weights: llama.cpp's deci (per layer: uneven groups, a layer without heads)
+    or llama graph computes Granite's logits, as for LLaMA (tests/core/test_gguf.py's bound, 1e-4)."""
+    if checkpoint == "dense":
+        folder = dense_folder
+    elif checkpoint == "uniform":
+        folder = pipeline_checkpoints["uniform"][1]
+    else:
+        model, tokenizer = load_model(str(tied_dense_folder if checkpoint.endswith("tied") else dense_folder))
+        folder = tmp_path / "pruned"
+        save_pruned(remove_units(model, chosen_prunings(COMMON["num_attention_heads"])), tokenizer, folder)
+    exported = export_gguf(folder, tmp_path / "model.gguf", "f32")
+    assert exported.architecture == ("deci" if checkpoint.startswith("per_layer") else "llama")
+    assert llama_cpp_relative_difference(folder, exported.path) <= 1e-4
