@@ -15,6 +15,7 @@ from casp_core.budget import check_reachable
 from casp_core.config import PruneConfig, PruneSettings, TargetConfig
 from casp_core.errors import InvalidConfig
 from casp_core.export.gguf_types import check_gguf_type
+from casp_core.families import check_export
 from casp_core.quantization import check_quantization
 from casp_core.size_estimate import Geometry, gguf_bytes, meta_model, planned_shape, safetensors_bytes
 
@@ -45,6 +46,7 @@ def sweep_variants(model_config: PretrainedConfig, settings: PruneSettings) -> l
     """The variants of the sweep's format: the ones asked for, each checked against the model; by default those of
     the defaults the model's widths take."""
     if sweep_format(settings) == GGUF:
+        check_export(model_config, [GGUF])
         return _variants(model_config, settings, "gguf_types", settings.gguf_types, DEFAULT_GGUF_TYPES)
     return _variants(model_config, settings, "quantizations", settings.quantizations, DEFAULT_QUANTIZATIONS)
 

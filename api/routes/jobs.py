@@ -30,8 +30,9 @@ from api.schemas import (
 from api.streams import StreamResponse, StreamSlots, event_stream
 from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
-from casp_core.errors import CaspError, InvalidConfig, InvalidDataset
+from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
 from casp_core.export.gguf_types import check_gguf_type
+from casp_core.families import check_export
 from casp_core.model import is_local_reference, load_config
 from casp_core.plain import check_plain_shape
 from casp_core.quantization import check_quantization
@@ -76,11 +77,13 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
         raise invalid(exc.loc, exc.message) from exc
     if is_local_reference(model):
         try:
-            # An unsupported family is refused now, not after the worker loads it; so are a uniform shape its own
-            # class cannot hold, a quantization its widths cannot take, a GGUF type whose block its hidden size
-            # does not fit, recovery windows longer than its context and a budget no candidate meets by the sizes
-            # estimated from the config (a hub model's, when the job starts).
+            # An unsupported family is refused now, not after the worker loads it; so are an export the family
+            # cannot take (unsupported_export, under `export`), a uniform shape its own class cannot hold, a
+            # quantization its widths cannot take, a GGUF type whose block its hidden size does not fit, recovery
+            # windows longer than its context and a budget no candidate meets by the sizes estimated from the
+            # config (a hub model's, when the job starts).
             model_config = load_config(model)
+            check_export(model_config, body.export)
             check_plain_shape(model_config, body)
             check_quantization(model_config, body)
             if "gguf" in body.export:
@@ -92,6 +95,8 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
         except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first
             field, _, reason = exc.message.partition(": ")
             raise invalid(tuple(field.split(".")), reason or exc.message) from exc
+        except UnsupportedExport as exc:
+            raise invalid(("export",), f"{exc.code}: {exc.message}") from exc
         except CaspError as exc:
             raise invalid(("model",), f"{exc.code}: {exc.message}") from exc
     return model

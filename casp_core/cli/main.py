@@ -26,6 +26,7 @@ BAD_INPUT_CODES = {
     "invalid_config",
     "model_not_found",
     "unsupported_model",
+    "unsupported_export",
     "dataset_not_found",
     "invalid_dataset",
     "device_unavailable",
@@ -51,14 +52,20 @@ def prune_config(args: argparse.Namespace) -> PruneConfig:
 
 def run_prune(args: argparse.Namespace) -> int:
     # torch and transformers load only when needed
+    from casp_core.families import check_export
     from casp_core.job import run_job
     from casp_core.model import load_config
     from casp_core.run import Run
     from casp_core.targets import sweep_candidates
 
     config = prune_config(args)
-    if config.is_sweep:  # a budget no candidate meets is refused before any work, from the model's config
-        sweep_candidates(load_config(args.model, revision=args.revision), config)
+    # An export the family cannot take and a budget no candidate meets are refused before any work (before the
+    # weights load), from the model's config.
+    if config.is_sweep or config.export:
+        model_config = load_config(args.model, revision=args.revision)
+        check_export(model_config, config.export)
+        if config.is_sweep:
+            sweep_candidates(model_config, config)
     bars = StageBars()
     try:
         run = Run(progress=bars, on_warning=lambda message: print(f"casp: warning: {message}", file=sys.stderr))

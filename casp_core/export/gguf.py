@@ -40,7 +40,6 @@ from typing import Any
 import gguf
 import torch
 from safetensors import safe_open
-from transformers import PretrainedConfig
 
 from casp_core.config import GGUF_TYPES
 from casp_core.errors import CaspError, InvalidConfig, ModelNotFound, UnsupportedExport
@@ -53,7 +52,7 @@ from casp_core.export.gguf_types import (
     require_llama_cpp,
 )
 from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
-from casp_core.families import GgufScales, config_from_dict, family_of, is_pruned_model_type
+from casp_core.families import GgufScales, check_export, config_from_dict, family_of, is_pruned_model_type
 
 _FLOAT = {
     "f32": gguf.GGMLQuantizationType.F32,
@@ -214,12 +213,6 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
     """The window when any layer slides, as the family's modeling reads it, else None."""
     model_config = config_from_dict(config)
     return family_of(model_config).layer_types(model_config)[0]
-
-
-def check_exportable(config: PretrainedConfig) -> None:
-    """Refuse (UnsupportedExport), from the config alone, a GGUF export of a family llama.cpp cannot build layer by
-    layer or of settings this writer cannot write: before any work for a job, and here before writing."""
-    family_of(config).check_gguf(config)
 
 
 class _Writer:
@@ -449,7 +442,8 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
         raise InvalidConfig(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, not {gguf_type!r}")
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     checkpoint = _Checkpoint(checkpoint_dir)
-    check_exportable(config_from_dict(checkpoint.config))
+    model_config = config_from_dict(checkpoint.config)
+    check_export(model_config, ["gguf"])
     check_gguf_type(checkpoint.config["hidden_size"], gguf_type)
     quantized = is_quantized(gguf_type)
     if quantized:

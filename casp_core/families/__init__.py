@@ -5,6 +5,7 @@ A new family is one module here (a `Family` subclass overriding only what differ
 and its tests (tests/core/families/).
 """
 
+from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
@@ -36,6 +37,7 @@ __all__ = [
     "GgufScales",
     "LayerProjections",
     "RowSlice",
+    "check_export",
     "config_from_dict",
     "family_of",
     "family_of_layer",
@@ -83,3 +85,10 @@ def config_from_dict(settings: dict[str, Any]) -> PretrainedConfig:
     if is_pruned_model_type(model_type):
         return family.pruned_model_class.config_class.from_dict(settings)
     return CONFIG_MAPPING[model_type].from_dict(settings)
+
+
+def check_export(config: PretrainedConfig, formats: Iterable[str]) -> None:
+    """Refuse (UnsupportedExport), from the dense config alone and so before any work, the export `formats` a job
+    asks for (its `export`, or a sweep's format) that the model's family or settings cannot take."""
+    if "gguf" in formats:
+        family_of(config).check_gguf(config)

@@ -19,7 +19,8 @@ from casp_core.checkpoint import save_pruned
 from casp_core.model import attention_geometry, decoder_layers, load_model
 from casp_core.surgery import LayerPruning, remove_units
 from tests.conftest import REPO
-from tests.core.test_families import FAMILIES, WIDTH, chosen_prunings, masked_copy, write_dense
+from tests.core.families.helpers import WIDTH, chosen_prunings, masked_copy, write_dense
+from tests.core.test_families import FAMILIES
 
 SCRIPT = Path(__file__).with_name("generation_parity.py")
 # The lowest transformers in requirements.txt's range, with the hub and tokenizers it takes, installed apart from

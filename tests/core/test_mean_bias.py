@@ -16,9 +16,7 @@ from casp_core.prune import prune
 from casp_core.surgery import head_columns, remove_units
 from casp_core.verification import verify
 from tests.conftest import STORIES, small_config
-from tests.core.test_compensation import TINY_CALIBRATION, correlated_inputs, moment_of
-from tests.core.test_families import (
-    FAMILIES,
+from tests.core.families.helpers import (
     VOCAB,
     assert_computes_the_same,
     chosen_prunings,
@@ -26,6 +24,8 @@ from tests.core.test_families import (
     write_dense,
     written_and_loaded_back,
 )
+from tests.core.test_compensation import TINY_CALIBRATION, correlated_inputs, moment_of
+from tests.core.test_families import FAMILIES
 
 
 @pytest.mark.parametrize("has_bias", [False, True])
