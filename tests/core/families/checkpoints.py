@@ -13,8 +13,8 @@ from casp_core.config import LORA_TARGETS, RecoveryConfig
 from casp_core.recovery import recover
 from casp_core.recovery_data import load_training_data
 from tests.conftest import REPO
+from tests.core.families.helpers import VOCAB, WINDOW
 from tests.core.fresh_process import run_python
-from tests.core.test_families import VOCAB, WINDOW
 
 # The lowest transformers the project supports, installed apart from the venv by `make install`.
 LOWEST_TRANSFORMERS = REPO / ".venv" / "transformers-lowest"

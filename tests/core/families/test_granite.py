@@ -24,13 +24,13 @@ from tests.core.families.checkpoints import (
     masked_logits,
     test_tokens,
 )
-from tests.core.test_families import (
+from tests.core.families.helpers import (
     COMMON,
     assert_computes_the_same,
     chosen_prunings,
     masked_copy,
     prune_small,
-    small_run,  # noqa: F401 (a fixture)
+    small_run_arguments,
     write_dense,
     written_and_loaded_back,
 )
@@ -75,22 +75,26 @@ def test_every_multiplier_reaches_the_logits(multiplier: str, dense_folder: Path
     assert difference > 1e-3
 
 
-@pytest.mark.parametrize(("ratio", "solver"), [("0.3", "greedy"), ("0.5", "diagonal")])
+@pytest.mark.parametrize(("ratio", "solver", "export"), [("0.3", "greedy", []), ("0.5", "diagonal", ["gguf"])])
 def test_casp_prune_succeeds(
     ratio: str,
     solver: str,
+    export: list[str],
     dense_folder: Path,
-    small_run: list[str],  # noqa: F811
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The whole job through the command line: calibration, allocation, verification, evaluation, checkpoint."""
+    """The whole job through the command line: calibration, allocation, verification, evaluation, checkpoint (and
+    at 0.5 the GGUF export the job asks for)."""
     out = tmp_path / "pruned"
     arguments = ["prune", "--model", str(dense_folder), "--ratio", ratio, "--solver", solver, "--out", str(out)]
-    assert cli.main([*arguments, *small_run]) == 0, capsys.readouterr().err
+    arguments += [argument for kind in export for argument in ("--export", kind, "--gguf-type", "f32")]
+    assert cli.main([*arguments, *small_run_arguments(tmp_path)]) == 0, capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     assert report["verification"]["max_relative_diff"] <= 1e-10
     assert json.loads((out / "config.json").read_text())["model_type"] == "casp_granite"
+    if export:
+        assert llama_cpp_relative_difference(out, out / "model-f32.gguf") <= 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +131,11 @@ def test_written_checkpoints_load_where_casp_core_is_not(
 
 def test_recovery_trains_the_pruned_checkpoint(
     pipeline_checkpoints: dict[str, tuple],
-    small_run: list[str],  # noqa: F811
     tmp_path: Path,
 ) -> None:
     _, _, pruned, tokenizer = pipeline_checkpoints["per_layer"]
-    text = Path(small_run[small_run.index("--calibration-dataset") + 1])
+    arguments = small_run_arguments(tmp_path)
+    text = Path(arguments[arguments.index("--calibration-dataset") + 1])
     assert_recovery_trains_and_reloads(pruned, tokenizer, text, tmp_path / "recovered")
 
 

@@ -13,20 +13,19 @@ from casp_core.budget import channel_params
 from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
 from casp_core.errors import CaspError, UnsupportedExport, VerificationFailed
-from casp_core.export.gguf import check_exportable
-from casp_core.families import family_of
+from casp_core.families import check_export
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_olmo2 import CaspOlmo2ForCausalLM
 from casp_core.surgery import LayerPruning, remove_units
 from tests.core.families.checkpoints import assert_recovery_trains_and_reloads, fresh_logits, masked_logits
-from tests.core.test_families import (
+from tests.core.families.helpers import (
     COMMON,
     WIDTH,
     assert_computes_the_same,
     chosen_prunings,
     masked_copy,
     prune_small,
-    small_run,  # noqa: F401 (a fixture)
+    small_run_arguments,
     write_dense,
     written_and_loaded_back,
 )
@@ -87,13 +86,12 @@ def test_casp_prune_succeeds(
     ratio: str,
     solver: str,
     dense_folder: Path,
-    small_run: list[str],  # noqa: F811
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "pruned"
     arguments = ["prune", "--model", str(dense_folder), "--ratio", ratio, "--solver", solver, "--out", str(out)]
-    assert cli.main([*arguments, *small_run]) == 0, capsys.readouterr().err
+    assert cli.main([*arguments, *small_run_arguments(tmp_path)]) == 0, capsys.readouterr().err
     assert json.loads((out / "report.json").read_text())["verification"]["max_relative_diff"] <= 1e-10
     assert json.loads((out / "config.json").read_text())["model_type"] == "casp_olmo2"
 
@@ -142,17 +140,28 @@ def test_the_per_layer_checkpoint_loads_under_the_lowest_transformers(
 
 def test_recovery_trains_the_pruned_checkpoint(
     pipeline_checkpoints: dict[str, tuple],
-    small_run: list[str],  # noqa: F811
     tmp_path: Path,
 ) -> None:
     _, _, pruned, tokenizer = pipeline_checkpoints["per_layer"]
-    text = Path(small_run[small_run.index("--calibration-dataset") + 1])
+    arguments = small_run_arguments(tmp_path)
+    text = Path(arguments[arguments.index("--calibration-dataset") + 1])
     assert_recovery_trains_and_reloads(pruned, tokenizer, text, tmp_path / "recovered")
 
 
-def test_gguf_export_is_refused_naming_the_family(dense_folder: Path, pipeline_checkpoints: dict[str, tuple]) -> None:
-    pruned_configs = [pruned.config for _, _, pruned, _ in pipeline_checkpoints.values()]
-    for config in [load_model(str(dense_folder))[0].config, *pruned_configs]:
-        assert family_of(config).name == "OLMo 2"
+def test_gguf_export_is_refused_before_any_work(
+    pipeline_checkpoints: dict[str, tuple], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`casp prune --export gguf` from the config alone (the folder has no weights), in one line naming the family;
+    and from either written checkpoint's config (what `casp export` reads)."""
+    config_only = write_dense(Olmo2Config(**COMMON, **TOKEN_IDS), tmp_path / "olmo2-config", weights=False)
+    out = tmp_path / "out"
+    arguments = ["prune", "--model", str(config_only), "--ratio", "0.3", "--out", str(out), "--export", "gguf"]
+    capfd.readouterr()
+    status = cli.main([*arguments, *small_run_arguments(tmp_path)])
+    errors = capfd.readouterr().err.strip().splitlines()
+    assert status == 2 and len(errors) == 1, errors
+    assert errors[0].startswith("casp: error: unsupported_export: GGUF export: OLMo 2 (model type 'olmo2')"), errors
+    assert "shape: uniform" in errors[0] and not out.exists()
+    for _, _, pruned, _ in pipeline_checkpoints.values():
         with pytest.raises(UnsupportedExport, match=r"GGUF export: OLMo 2 .*q/k norms"):
-            check_exportable(config)
+            check_export(pruned.config, ["gguf"])
