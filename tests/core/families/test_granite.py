@@ -10,7 +10,7 @@ import llama_cpp
 import numpy as np
 import pytest
 import torch
-from transformers import GraniteConfig, GraniteForCausalLM
+from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
@@ -95,6 +95,22 @@ def test_casp_prune_succeeds(
     assert json.loads((out / "config.json").read_text())["model_type"] == "casp_granite"
     if export:
         assert llama_cpp_relative_difference(out, out / "model-f32.gguf") <= 1e-4
+
+
+@pytest.mark.parametrize("shape", ["per_layer", "uniform"])
+def test_mean_bias_compensation_is_carried(shape: str, dense_folder: Path, tmp_path: Path) -> None:
+    """FLAP's o_proj and down_proj biases: CaspGraniteConfig's own switches per layer; GraniteConfig's
+    `attention_bias`/`mlp_bias` in the uniform shape, beside zero q/k/v/gate/up biases."""
+    model, tokenizer = load_model(str(dense_folder))
+    result = prune_small(model, tokenizer, 0.5, "greedy", shape=shape, compensation="bias")  # masks `model`
+    layer = decoder_layers(result.model)[0]
+    assert layer.self_attn.o_proj.bias is not None and layer.mlp.down_proj.bias is not None
+    if shape == "per_layer":
+        assert_computes_the_same(model, written_and_loaded_back(result.model, tokenizer, tmp_path), generation=False)
+    else:
+        save_pruned(result.model, tokenizer, tmp_path)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        assert_computes_the_same(model, [loaded], generation=False)
 
 
 @pytest.fixture(scope="module")
