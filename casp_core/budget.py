@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from casp_core.config import UNIFORM_SHAPE, PruneConfig
 from casp_core.errors import InvalidConfig
 from casp_core.export.gguf_types import quantizer_block
-from casp_core.families import projections
+from casp_core.families import family_of, projections
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
@@ -33,6 +33,8 @@ from casp_core.surgery import kept_kv_heads
 # last layer's channels close the gap to within half a rounding unit (round_to FFN channels of one layer).
 # Only how many key/value heads the chosen query heads take along (GQA) is not known in advance: the plan
 # counts the fewest, and the channels of the later layers absorb the difference.
+# A family that keeps attention whole (Family.prunes_heads False) plans no head in any layer: its ratio, still of
+# the attention and MLP parameters together, is met by FFN channels alone, or refused where r_max cannot hold it.
 # A job that exports a quantized GGUF moves a layer's head count by one where that makes o_proj's rows (kept
 # heads x head_dim) a multiple of the quantizer's block (casp_core.rounding.aligned_heads); the channels absorb it.
 
@@ -52,7 +54,10 @@ def channel_params(layer: nn.Module) -> int:
     return parts.down.out_features + 2 * (parts.gate.in_features + (parts.gate.bias is not None))
 
 
-def heads_cap(geometry: AttentionGeometry, r_max: float) -> int:
+def heads_cap(model: PreTrainedModel, geometry: AttentionGeometry, r_max: float) -> int:
+    """The most query heads a layer may prune: r_max of them, none where the family keeps attention whole."""
+    if not family_of(model.config).prunes_heads:
+        return 0
     return int(r_max * geometry.num_heads + 1e-9)
 
 
@@ -114,13 +119,19 @@ def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
     block = quantizer_block(config)
     for layer in decoder_layers(model):
         counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block)
-        cap = heads_cap(attention_geometry(model, layer), config.r_max)
+        cap = heads_cap(model, attention_geometry(model, layer), config.r_max)
         most += layer_plan(model, layer, cap, counts, config.r_max).most_removed
     reachable = most / prunable_parameters(model)
     if config.ratio > reachable + 1e-9:
         rounding = f" and round_to = {config.round_to}" if config.round_to != 1 else ""
+        family = family_of(model.config)
+        units = (
+            "whole heads and FFN channels"
+            if family.prunes_heads
+            else f"FFN channels alone ({family.name} keeps attention whole)"
+        )
         raise InvalidConfig(
-            f"ratio: {config.ratio} cannot be reached on this model: whole heads and FFN channels, at most "
+            f"ratio: {config.ratio} cannot be reached on this model: {units}, at most "
             f"r_max = {config.r_max} of each layer's{rounding}, remove at most {math.floor(reachable * 1e4) / 1e4} "
             "of the decoder layers' parameters (ask for that or less, or raise r_max)"
         )
@@ -132,7 +143,7 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
     geometries = [attention_geometry(model, layer) for layer in layers]
     block = quantizer_block(config)
     counts = [channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block) for layer in layers]
-    caps = [heads_cap(geometry, config.r_max) for geometry in geometries]
+    caps = [heads_cap(model, geometry, config.r_max) for geometry in geometries]
     multiples = [head_multiple(block, geometry.head_dim) for geometry in geometries]
     heads = [
         aligned_heads(r * g.num_heads, min(round(r * g.num_heads), cap), g.num_heads, multiple, cap)
@@ -223,7 +234,7 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
     layer = layers[0]  # the supported families' decoder layers are all alike
     geometry = attention_geometry(model, layer)
     group = geometry.num_heads // geometry.num_kv_heads
-    cap = heads_cap(geometry, config.r_max)
+    cap = heads_cap(model, geometry, config.r_max)
     block = quantizer_block(config)
     exact = config.ratio * geometry.num_heads
     pruned_heads = aligned_heads(exact, round(exact), geometry.num_heads, head_multiple(block, geometry.head_dim), cap)

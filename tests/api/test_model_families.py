@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from transformers import Qwen2Config, Qwen2MoeConfig
+from transformers import Qwen2Config, Qwen2MoeConfig, Qwen3Config
 
 from api.main import create_app
 from service.settings import Settings
@@ -22,6 +22,9 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Qwen2Config(
         num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
     ).save_pretrained(root / "qwen2")
+    Qwen3Config(
+        num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
+    ).save_pretrained(root / "qwen3")
     (root / "empty").mkdir()
     return root
 
@@ -99,3 +102,16 @@ def test_a_gguf_type_whose_block_the_hidden_size_does_not_fit_is_422_at_submit(
         "(use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32)"
     ), error
     assert api_with_root.post("/v1/jobs", json={**body, "gguf_type": "q8_0"}, headers=keys["alice"]).status_code == 201
+
+
+def test_a_gguf_export_the_family_cannot_take_is_422_at_submit(
+    api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
+) -> None:
+    """Qwen3's per-head q/k norms have no place in llama.cpp's deci architecture: refused before the job is queued."""
+    body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "qwen3")}
+    response = api_with_root.post("/v1/jobs", json={**body, "export": ["gguf"]}, headers=keys["alice"])
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "export", error
+    assert error["message"].startswith("export: unsupported_export: GGUF export: Qwen3 (model type 'qwen3')"), error
+    assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
