@@ -51,6 +51,8 @@ def fresh_logits(
     each loaded as, the transformers version, whether casp_core was imported)."""
     torch.save(test_tokens(), cwd / "tokens.pt")
     specs = [f"{path}:{'remote' if remote else 'plain'}" for path, remote in checkpoints.items()]
+    if lowest:
+        assert LOWEST_TRANSFORMERS.is_dir(), f"{LOWEST_TRANSFORMERS} is missing: run `make install`"
     first = LOWEST_TRANSFORMERS if lowest else None
     completed = run_python(_LOGITS, "tokens.pt", "logits.pt", *specs, cwd=cwd, first_on_path=first)
     assert completed.returncode == 0, completed.stderr[-3000:]

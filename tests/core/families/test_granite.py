@@ -10,6 +10,7 @@ import llama_cpp
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
 from casp_core.checkpoint import load_pruned, save_pruned
@@ -34,6 +35,7 @@ from tests.core.families.helpers import (
     write_dense,
     written_and_loaded_back,
 )
+from tests.core.test_generation import lowest_supported_transformers
 
 # Far from 1 (and attention's far from 1/sqrt(head_dim)), so that a multiplier lost anywhere changes the logits.
 MULTIPLIERS = {
@@ -136,6 +138,9 @@ def test_written_checkpoints_load_where_casp_core_is_not(
     checkpoints = {pipeline_checkpoints[shape][1]: shape == "per_layer" for shape in ("per_layer", "uniform")}
     logits, records = fresh_logits(checkpoints, tmp_path, lowest=lowest)
     assert records[-1] == {"casp_core_imported": False}
+    assert {record["transformers"] for record in records[:-1]} == {
+        lowest_supported_transformers() if lowest else transformers.__version__
+    }
     classes = {record["checkpoint"]: record["class"] for record in records[:-1]}
     for shape, expected_class in (("per_layer", "CaspGraniteForCausalLM"), ("uniform", "GraniteForCausalLM")):
         expected, checkpoint = pipeline_checkpoints[shape][:2]

@@ -12,7 +12,7 @@ from transformers import Olmo2Config, Olmo2ForCausalLM
 from casp_core.budget import channel_params
 from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
-from casp_core.errors import CaspError, UnsupportedExport, VerificationFailed
+from casp_core.errors import InvalidConfig, UnsupportedExport, VerificationFailed
 from casp_core.families import check_export
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_olmo2 import CaspOlmo2ForCausalLM
@@ -29,6 +29,7 @@ from tests.core.families.helpers import (
     write_dense,
     written_and_loaded_back,
 )
+from tests.core.test_generation import lowest_supported_transformers
 
 # The stories260K tokenizer's <s> and </s> (Olmo2Config's defaults lie outside its 512 tokens).
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
@@ -74,11 +75,15 @@ def test_the_pipeline_meets_the_ratio_from_channels_alone(ratio: float, dense_fo
 
 
 def test_a_ratio_beyond_the_mlp_is_refused(dense_folder: Path) -> None:
-    """The MLP holds 18432 of a layer's 28672 projection parameters here: 0.7 cannot come from channels alone."""
+    """The MLP holds 18432 of a layer's 28672 projection parameters here, and r_max caps each layer's channels:
+    0.7 cannot come from channels alone, and the refusal says so in one line."""
     model, tokenizer = load_model(str(dense_folder))
-    with pytest.raises(CaspError, match="OLMo 2") as refused:
+    with pytest.raises(
+        InvalidConfig, match=r"^ratio: 0.7 cannot be reached .*FFN channels alone \(OLMo 2 keeps"
+    ) as refused:
         prune_small(model, tokenizer, 0.7, "greedy")
     assert "\n" not in str(refused.value)
+    assert all(not layer.mlp.down_proj.weight.eq(0).all(0).any() for layer in decoder_layers(model))  # nothing masked
 
 
 @pytest.mark.parametrize(("ratio", "solver"), [("0.3", "greedy"), ("0.5", "diagonal")])
@@ -134,7 +139,9 @@ def test_the_per_layer_checkpoint_loads_under_the_lowest_transformers(
     model, needs a later transformers; the per-layer config declares it a bool and loads."""
     expected, checkpoint = pipeline_checkpoints["per_layer"][:2]
     logits, records = fresh_logits({checkpoint: True}, tmp_path, lowest=True)
-    assert records[0]["transformers"] == "5.4.0" and records[0]["class"] == "CaspOlmo2ForCausalLM"
+    assert (
+        records[0]["transformers"] == lowest_supported_transformers() and records[0]["class"] == "CaspOlmo2ForCausalLM"
+    )
     assert (logits[str(checkpoint)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
 
 
