@@ -86,6 +86,18 @@ def test_a_ratio_beyond_the_mlp_is_refused(dense_folder: Path) -> None:
     assert all(not layer.mlp.down_proj.weight.eq(0).all(0).any() for layer in decoder_layers(model))  # nothing masked
 
 
+def test_mean_bias_compensation_is_carried_per_layer_and_refused_uniform(dense_folder: Path, tmp_path: Path) -> None:
+    """FLAP's o_proj and down_proj biases: CaspOlmo2Config switches them apart from OLMo 2's one `attention_bias`
+    (q/k/v stay without); Olmo2ForCausalLM has no down_proj bias, so the uniform shape refuses the combination."""
+    model, tokenizer = load_model(str(dense_folder))
+    with pytest.raises(InvalidConfig, match=r"compensation: bias .* Olmo2ForCausalLM .* shape uniform"):
+        prune_small(model, tokenizer, 0.5, "greedy", shape="uniform", compensation="bias")
+    result = prune_small(model, tokenizer, 0.5, "greedy", compensation="bias")  # masks `model`
+    attention = decoder_layers(result.model)[0].self_attn
+    assert attention.o_proj.bias is not None and attention.q_proj.bias is None
+    assert_computes_the_same(model, written_and_loaded_back(result.model, tokenizer, tmp_path), generation=False)
+
+
 @pytest.mark.parametrize(("ratio", "solver"), [("0.3", "greedy"), ("0.5", "diagonal")])
 def test_casp_prune_succeeds(
     ratio: str,
