@@ -11,7 +11,6 @@ import mmap
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,21 +30,9 @@ from transformers import (
 
 from casp_core.errors import DeviceUnavailable, InvalidConfig, ModelNotFound, UnsupportedModel
 from casp_core.families import family_of, projection_parameters, projections
+from casp_core.units import AttentionGeometry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class AttentionGeometry:
-    """Which key/value head each query head reads (`kv_of_query[q]`), and the head size."""
-
-    head_dim: int
-    kv_of_query: tuple[int, ...]
-    num_kv_heads: int
-
-    @property
-    def num_heads(self) -> int:
-        return len(self.kv_of_query)
 
 
 def resolve_device(device: str) -> torch.device:

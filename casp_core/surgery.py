@@ -7,31 +7,16 @@ LLaMA-layout families) or, for the uniform shape, the source family's own class,
 masked model computes. What is cut from each layer is the family's (Family.pruned_layer_tensors).
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.errors import VerificationFailed
 from casp_core.families import family_of
-from casp_core.families.base import kept_kv_heads
-from casp_core.model import AttentionGeometry, attention_geometry, decoder_layers
+from casp_core.model import attention_geometry, decoder_layers
 from casp_core.modeling_casp_llama import even_group_size
 from casp_core.plain import plain_config
-
-
-@dataclass(frozen=True)
-class LayerPruning:
-    """The units removed from one decoder layer, in the dense layer's numbering."""
-
-    pruned_heads: tuple[int, ...]
-    pruned_channels: tuple[int, ...]
-
-
-def kept(total: int, pruned: tuple[int, ...]) -> list[int]:
-    gone = set(pruned)
-    return [i for i in range(total) if i not in gone]
+from casp_core.units import AttentionGeometry, LayerPruning, kept, kept_kv_heads
 
 
 def head_columns(geometry: AttentionGeometry, heads: list[int]) -> list[int]:

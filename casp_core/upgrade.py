@@ -5,7 +5,8 @@ class reaches it only when that copy is replaced. casp 0.1.0's copy reads the ca
 transformers >= 5.24 passes as `cache`: generation with the cache (the default) goes wrong there, while the
 uncached forward and the GGUF export stay right.
 
-The upgrade rewrites config.json, through the current CaspLlamaConfig (every per-layer setting kept; auto_map and
+The upgrade rewrites config.json, through the current config class of its pruned model type (CaspLlamaConfig
+for casp_llama, the family's own for another; every per-layer setting kept; auto_map and
 the class's own settings as it writes them now), and the modeling file; the weights are never opened for writing.
 The files it replaces go to `upgrade-backup/<UTC time>/` inside the checkpoint first. It is verified the way a
 user loads the checkpoint, in fresh processes (casp_core.checkpoint_probe): before, the old files' uncached logits;

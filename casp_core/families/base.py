@@ -13,7 +13,7 @@ A family object is stateless: its methods take the transformers config, model or
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -23,10 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from casp_core.config import MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
-
-if TYPE_CHECKING:  # casp_core.surgery imports the families; these are only named in signatures
-    from casp_core.model import AttentionGeometry
-    from casp_core.surgery import LayerPruning
+from casp_core.units import AttentionGeometry, LayerPruning, kept_kv_heads
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Settings of the dense config that name its class or its files, not the pruned model's shape.
@@ -234,7 +231,7 @@ class Family:
         return self.pruned_model_class.config_class(**settings)
 
     def pruned_layer_tensors(
-        self, layer: nn.Module, geometry: "AttentionGeometry", pruning: "LayerPruning"
+        self, layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning
     ) -> dict[str, torch.Tensor]:
         """The kept rows and columns of one dense layer's weights, named as in the pruned layer: q/k/v/gate/up
         rows and o/down columns through `projections`; every other parameter of the layer (the norms) whole."""
@@ -330,9 +327,3 @@ class Family:
         """What the GGUF writer multiplies into the weights so that llama.cpp computes what this family's own
         modeling computes; LLaMA's graph is llama.cpp's, so nothing."""
         return GgufScales()
-
-
-def kept_kv_heads(geometry: "AttentionGeometry", pruned_heads: tuple[int, ...]) -> list[int]:
-    """A key/value head stays while at least one query head that reads it stays."""
-    gone = set(pruned_heads)
-    return sorted({geometry.kv_of_query[q] for q in range(geometry.num_heads) if q not in gone})
