@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError
+from huggingface_hub.errors import HFValidationError, StrictDataclassError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 from torch import nn
@@ -128,7 +128,9 @@ def load_config(name_or_path: str, *, revision: str | None = None) -> Pretrained
     family_of(settings.get("model_type"))
     try:
         config = AutoConfig.from_pretrained(name_or_path, revision=revision)
-    except (OSError, ValueError, TypeError) as error:
+    # StrictDataclassError: a setting of the wrong type for the config class (transformers 5.4's Olmo2Config
+    # refuses the `tie_word_embeddings: false` of every OLMo 2 config.json).
+    except (OSError, ValueError, TypeError, StrictDataclassError) as error:
         raise UnsupportedModel(f"the config of model {name_or_path!r} is not valid: {_first_line(error)}") from error
     check_supported_config(config)
     return config

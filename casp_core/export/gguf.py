@@ -15,6 +15,8 @@ A checkpoint whose layers are all alike (a dense one) is written as plain `llama
   without heads gets one head of zeros (its output is exactly 0).
   A layer without FFN channels gets one channel of zeros: llama.cpp's deci graph drops the attention output of
   a layer with feed_forward_length 0 (it is meant for layers that have neither).
+- A family's multipliers that llama.cpp's graphs lack (Granite's) are folded into the weights they scale
+  (Family.gguf_scales); a tied head whose embedding is scaled is written as a tensor of its own.
 - Sliding-window attention (Mistral, Qwen2) has no deci counterpart; within the window it equals full attention,
   so the file's context length is capped at the window.
 - The quantized types (q8_0, the K-quants, q4_0, q5_0, iq4_nl) are made by llama.cpp's own quantizer
@@ -50,7 +52,7 @@ from casp_core.export.gguf_types import (
     require_llama_cpp,
 )
 from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
-from casp_core.families import Family, check_export, config_from_dict, family_of, is_pruned_model_type
+from casp_core.families import Family, GgufScales, check_export, config_from_dict, family_of, is_pruned_model_type
 
 _FLOAT = {
     "f32": gguf.GGMLQuantizationType.F32,
@@ -230,7 +232,14 @@ class _Writer:
 
 
 def _write_layer(
-    out: _Writer, checkpoint: _Checkpoint, family: Family, index: int, shape: LayerShape, head_dim: int, hidden: int
+    out: _Writer,
+    checkpoint: _Checkpoint,
+    family: Family,
+    index: int,
+    shape: LayerShape,
+    head_dim: int,
+    hidden: int,
+    scales: GgufScales,
 ) -> None:
     source, target = f"model.layers.{index}", f"blk.{index}"
     layout = attention_layout(shape)
@@ -250,14 +259,15 @@ def _write_layer(
             q, k, v = (read(f"self_attn.{p}_proj.{kind}") for p in "qkv")
             if q is None:
                 continue
+            q = q * scales.query
             out.add(f"{target}.attn_q.{kind}", _rope_pairs(_heads(q, head_dim, layout.query_order), head_dim))
             out.add(f"{target}.attn_k.{kind}", _rope_pairs(_heads(k, head_dim, layout.kv_heads), head_dim))
             out.add(f"{target}.attn_v.{kind}", _heads(v, head_dim, layout.kv_heads))
-        o = read("self_attn.o_proj.weight")
+        o = read("self_attn.o_proj.weight") * scales.sublayer_output
         columns = o.reshape(hidden, -1, head_dim)[:, list(layout.query_order)].reshape(hidden, -1)
         out.add(f"{target}.attn_output.weight", columns)
         if (o_bias := read("self_attn.o_proj.bias")) is not None:
-            out.add(f"{target}.attn_output.bias", o_bias)
+            out.add(f"{target}.attn_output.bias", o_bias * scales.sublayer_output)
     else:
         if index == 0:  # a zero head: see the module docstring
             out.add(f"{target}.attn_norm.weight", read("input_layernorm.weight"))
@@ -280,9 +290,10 @@ def _write_layer(
         mlp["down_proj"] = torch.zeros(hidden, 1)
         biases.update({name: torch.zeros(1) for name in ("gate_proj", "up_proj") if biases[name] is not None})
     for name, gguf_name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-        out.add(f"{target}.{gguf_name}.weight", mlp[name])
+        scale = scales.sublayer_output if name == "down_proj" else 1.0
+        out.add(f"{target}.{gguf_name}.weight", mlp[name] * scale)
         if biases[name] is not None:
-            out.add(f"{target}.{gguf_name}.bias", biases[name])
+            out.add(f"{target}.{gguf_name}.bias", biases[name] * scale)
 
 
 def _sha256(path: Path) -> str:
@@ -330,6 +341,8 @@ def _write_float(checkpoint: _Checkpoint, out: Path, float_type: str) -> _Writte
     context_length = min(config["max_position_embeddings"], window or config["max_position_embeddings"])
     embedding = checkpoint.tensor("model.embed_tokens.weight")
     vocabulary = read_vocabulary(checkpoint.directory, embedding.shape[0])
+    model_config = config_from_dict(config)
+    scales = family.gguf_scales(model_config)
 
     writer = gguf.GGUFWriter(out, architecture)
     tensors = _Writer(writer, float_type)
@@ -350,14 +363,16 @@ def _write_float(checkpoint: _Checkpoint, out: Path, float_type: str) -> _Writte
         writer.add_vocab_size(embedding.shape[0])
         write_vocabulary(writer, vocabulary)
 
-        tensors.add("token_embd.weight", embedding)
+        tensors.add("token_embd.weight", embedding * scales.embedding)
         for index, shape in enumerate(shapes):
-            _write_layer(tensors, checkpoint, family, index, shape, head_dim, hidden)
+            _write_layer(tensors, checkpoint, family, index, shape, head_dim, hidden, scales)
         tensors.add("output_norm.weight", checkpoint.tensor("model.norm.weight"))
         if not config.get("tie_word_embeddings", False):
-            tensors.add("output.weight", checkpoint.tensor("lm_head.weight"))
+            tensors.add("output.weight", checkpoint.tensor("lm_head.weight") * scales.logits)
         else:
             checkpoint.unread.discard("lm_head.weight")
+            if (scales.embedding, scales.logits) != (1.0, 1.0):  # the head is no longer the embedding: its own
+                tensors.add("output.weight", embedding * scales.logits)
         if checkpoint.unread:
             raise UnsupportedExport(
                 f"GGUF export: no place in llama.cpp for {', '.join(sorted(checkpoint.unread)[:3])}"

@@ -50,6 +50,19 @@ class RowSlice:
 Projection = nn.Linear | RowSlice
 
 
+@dataclass(frozen=True)
+class GgufScales:
+    """Factors the GGUF writer folds into the weights, for a family's multipliers that llama.cpp's llama and deci
+    graphs do not apply: on the token embeddings, on q_proj's rows (the attention scale over llama.cpp's
+    1/sqrt(head_dim)), on o_proj's and down_proj's outputs (before the residual add), and on the logits. All 1 for
+    LLaMA."""
+
+    embedding: float = 1.0
+    query: float = 1.0
+    sublayer_output: float = 1.0
+    logits: float = 1.0
+
+
 def projection_parameters(projection: Projection) -> int:
     """Its weights and bias."""
     return projection.weight.numel() + (projection.bias.numel() if projection.bias is not None else 0)
@@ -323,6 +336,11 @@ class Family:
                 f"GGUF export: model type {config.model_type!r} has per-head q/k norms, which llama.cpp's deci "
                 "architecture does not apply"
             )
+
+    def gguf_scales(self, config: PretrainedConfig) -> GgufScales:
+        """What the GGUF writer multiplies into the weights so that llama.cpp computes what this family's own
+        modeling computes; LLaMA's graph is llama.cpp's, so nothing."""
+        return GgufScales()
 
 
 def kept_units(

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 
-def run_python(code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, *args: str, cwd: Path, first_on_path: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`first_on_path`: a folder searched before site-packages (another transformers version installed apart)."""
+    paths = [*([str(first_on_path)] if first_on_path else []), *site.getsitepackages()]
     env = {
         "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": os.pathsep.join(site.getsitepackages()),
+        "PYTHONPATH": os.pathsep.join(paths),
         "HF_HUB_OFFLINE": "1",
         "HF_MODULES_CACHE": str(cwd / "modules"),
         "TOKENIZERS_PARALLELISM": "false",
