@@ -82,4 +82,3 @@ class DiskSpaceTooSmall(CaspError):
     refused before the work that would fill it."""
 
     code = "disk_space_too_small"
-
