@@ -12,10 +12,13 @@ import torch
 from casp_core.config import RecoveryConfig
 from casp_core.errors import DiskSpaceTooSmall, InvalidConfig
 from casp_core.eval.perplexity import evaluation_text
+from casp_core.job import TEACHER_WORK, run_job
 from casp_core.model import load_model
 from casp_core.prune import prune
+from casp_core.pruned_snapshot import SNAPSHOT_FILE
 from casp_core.recovery import recover
 from casp_core.recovery_data import load_training_data
+from casp_core.run import Run
 from casp_core.teacher import (
     TEACHER_FILE,
     check_free_disk,
@@ -166,3 +169,37 @@ def test_the_bucketed_kl_is_exact_with_the_whole_vocabulary_and_zero_for_the_tea
         assert 0 < float(distillation_loss(student_logits, top.indices, top.values, rest, temperature)) <= exact
         itself = distillation_loss(teacher_logits, top.indices, top.values, rest, temperature)
         assert abs(float(itself)) < 1e-5
+
+
+def test_a_job_computes_the_cache_once_and_a_retry_after_pruning_finds_or_recomputes_it(setup, tmp_path: Path):
+    """The command line's job (no retry folder) keeps nothing of the cache; a job with a retry folder keeps it
+    there, a retry uses it (no dense pass), and a retry that lost it loads the dense model again for it alone."""
+    training = tmp_path / "ptb-head.txt"
+    lines = (DATASETS_DIR / "ptb" / "ptb.train.txt").read_text(encoding="utf-8").splitlines()[:40]
+    training.write_text("\n".join(lines), encoding="utf-8")
+    recovery = distill_run(dataset=str(training), max_steps=2, batch_size=2, max_seq_len=64).to_dict()
+    config = small_config(0.5, evaluation={"perplexity": ["wikitext2"], "seq_len": 128, "limit": 2}, recovery=recovery)
+
+    def job(out: str, retry_state: Path | None) -> tuple[dict, list[str]]:
+        messages: list[str] = []
+        run = Run(progress=lambda stage, fraction, message="": messages.append(message))
+        return run_job(str(STORIES), config, tmp_path / out, run, retry_state=retry_state), messages
+
+    report, _ = job("cli", None)
+    assert report["recovery"]["teacher"]["top_k"] == 64 and "teacher" in report["timings"]
+    assert not (tmp_path / "cli" / TEACHER_WORK).exists()
+
+    state = tmp_path / "state"
+    first, _ = job("first", state)
+    assert (state / TEACHER_FILE).is_file() and (state / SNAPSHOT_FILE).is_file()
+    retried, messages = job("retried", state)
+    assert f"teacher: the cache {TEACHER_FILE} kept by an earlier attempt" in messages
+    assert not any(message.startswith("teacher: top-64") for message in messages)  # no dense pass
+    assert retried["recovery"]["curve"] == first["recovery"]["curve"]
+    (state / TEACHER_FILE).unlink()
+    recomputed, messages = job("recomputed", state)
+    assert any(message.startswith("resumed after pruning") for message in messages)
+    assert any(message.startswith("teacher: top-64") for message in messages) and (state / TEACHER_FILE).is_file()
+    # The same cache again: the same training.
+    losses = [point["loss"] for point in first["recovery"]["curve"]]
+    assert [point["loss"] for point in recomputed["recovery"]["curve"]] == pytest.approx(losses, rel=1e-6)
