@@ -32,7 +32,7 @@ from casp_core.job_steps import (
     write_job_report,
 )
 from casp_core.model import check_model_reference, resolve_device
-from casp_core.placement import Placement, choose_placement
+from casp_core.placement import Placement, check_recovery_fits, choose_placement
 from casp_core.prune import prune
 from casp_core.pruned_snapshot import PrunedSnapshot, snapshot_fingerprint
 from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, quantize
@@ -116,12 +116,16 @@ def run_job(
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)
+        recovery_memory = None
         with run.stage("load"):
             snapshot = retry.pruned_snapshot()
             if snapshot is None:
                 dense, tokenizer, dtype = load_dense(model, revision, config, run, token)
-                # Refused here when even one layer cannot fit on the device, before hours of evaluation.
+                # Refused here when even one layer cannot fit on the device, or recovery would not, before hours
+                # of evaluation and pruning.
                 placement = choose_placement(dense, config, device)
+                if config.recovery.method != "none":
+                    recovery_memory = check_recovery_fits(dense, config, device)
             else:
                 run.report("load", 1.0, f"resumed after pruning (snapshot saved {snapshot.saved_at})")
                 for warning in snapshot.warnings:
@@ -155,6 +159,8 @@ def run_job(
                 pruned, tokenizer, inputs.training, inputs.plan, config, run, retry, dtype, staging, teacher
             )
             shutil.rmtree(staging / TEACHER_WORK, ignore_errors=True)
+            if recovery_memory is not None:
+                recovery.memory_estimate = recovery_memory.summary()
         exports = save_checkpoint(pruned.model, tokenizer, model, revision, config, run, staging)
         evaluation = evaluate_published(pruned, tokenizer, inputs.plan, run)
         with run.stage("evaluation_gguf") if exports else nullcontext():  # timed only when there is work

@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_sc
 from casp_core.config import CROSS_ENTROPY_LOSS, RecoveryConfig
 from casp_core.errors import InvalidConfig
 from casp_core.model import decoder_layers, resolve_device
+from casp_core.placement import bf16_autocast
 from casp_core.recovery_data import TrainingData, collate
 from casp_core.run import Run
 from casp_core.teacher import TeacherCache, distillation_loss, labelled_positions
@@ -61,6 +62,7 @@ class RecoveryResult:
     seconds: float = 0.0
     resumed_from_step: int | None = None
     teacher: dict[str, Any] | None = None  # the distillation cache's `summary`
+    memory_estimate: dict[str, int] | None = None  # casp_core.placement's, when the job made one before pruning
 
     @property
     def tokens_per_second(self) -> float:
@@ -112,10 +114,6 @@ def _state_fingerprint(config: RecoveryConfig, data: TrainingData, weights: str)
     return {"settings": settings, "data": data.summary(), "weights": weights}
 
 
-def _bf16_autocast(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
 def recover(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -141,7 +139,7 @@ def recover(
     target = resolve_device(device)
     dtype = model.dtype
     weights = weights_digest(model)
-    autocast = _bf16_autocast(target)
+    autocast = bf16_autocast(target)
     # Master weights in float32 unless bf16 autocast runs the matmuls: fp16/bf16 AdamW updates would round away.
     model.to(device=target, dtype=dtype if autocast else torch.float32)
     model.config.use_cache = False

@@ -251,6 +251,14 @@ def teacher_line(teacher: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def memory_line(estimate: dict[str, int] | None, timing: dict[str, float]) -> list[str]:
+    """Recovery's device memory as estimated before pruning, beside the peak measured on a GPU."""
+    if not estimate:
+        return []
+    measured = f", measured peak {timing['peak_gpu_mb']:,.0f} MB" if "peak_gpu_mb" in timing else ""
+    return [f"- device memory: estimated peak {estimate['peak'] / 2**20:,.0f} MB before pruning{measured}"]
+
+
 def recovery_section(report: dict[str, Any]) -> list[str]:
     """Dense, pruned and pruned + recovered side by side, and how the recovery ran; nothing without recovery."""
     recovery = report.get("recovery")
@@ -271,6 +279,7 @@ def recovery_section(report: dict[str, Any]) -> list[str]:
         f"- {trained}",
         f"- loss {loss_words(settings)}",
         *teacher_line(recovery.get("teacher")),
+        *memory_line(recovery.get("memory_estimate"), report["timings"].get("recovery", {})),
         f"- data `{settings['dataset']}` ({data['layout']}): {data['sequences']:,} sequences of at most "
         f"{settings['max_seq_len']} tokens, {data['loss_tokens']:,} with loss"
         + (f", {data['skipped']} left out (prompt longer than a sequence)" if data["skipped"] else ""),
