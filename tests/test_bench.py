@@ -198,6 +198,11 @@ def test_device_memory(tmp_path: Path) -> None:
     assert llama2_70b["layer_weights"] == pytest.approx(1.59, abs=0.01)
     assert llama2_70b["offload_peak"] < 40 < 80 < llama2_70b["resident_peak"]
     assert llama2_70b["on_80_gib"] == "offload"
+    recovery_rows = {(row["model"], row["recovery"]): row for row in written["recovery_rows"]}
+    # 70B pruned by half recovers with LoRA and checkpointing on one 80 GiB device, never by full fine-tuning.
+    assert recovery_rows[("Llama-2-70B", "lora, cross_entropy, checkpointing")]["fits_80_gib"]
+    assert not recovery_rows[("Llama-2-70B", "full, distill, batch 1")]["fits_80_gib"]
+    assert "## Recovery after pruning by 50%" in (tmp_path / "device_memory.md").read_text()
     assert rows[("LLaMA2-7B", "128 x 2048, batch 8")]["on_80_gib"] == "resident"
     assert "**Not yet checked against a GPU measurement" in (tmp_path / "device_memory.md").read_text()
 
