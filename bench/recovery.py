@@ -205,13 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     machine = machine_info()
     ptb_train = Path(args.datasets_dir) / "ptb" / "ptb.train.txt"
-    with tempfile.TemporaryDirectory() as work:
-        training_file = Path(work) / "ptb-train-head.txt"
-        lines = ptb_train.read_text(encoding="utf-8").splitlines()[: args.train_lines]
-        training_file.write_text("\n".join(lines), encoding="utf-8")
-        rows = [row for name in args.models for row in run_model(name, args, training_file, Path(work))]
-    payload = {
-        "machine": finish_machine_info(machine),
+    payload: dict[str, Any] = {
         "steps": args.steps,
         "batch_size": args.batch_size,
         "lr": args.lr,
@@ -220,11 +214,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "eval_windows": args.eval_windows,
         "zero_shot": args.zero_shot,
         "zero_shot_limit": args.zero_shot_limit,
-        "rows": rows,
+        "rows": [],
         "paper": PAPER,
     }
-    write_json(args.out / "recovery.json", payload)
-    (args.out / "recovery.md").write_text(render_markdown(payload))
+    with tempfile.TemporaryDirectory() as work:
+        training_file = Path(work) / "ptb-train-head.txt"
+        lines = ptb_train.read_text(encoding="utf-8").splitlines()[: args.train_lines]
+        training_file.write_text("\n".join(lines), encoding="utf-8")
+        for name in args.models:
+            payload["rows"] += run_model(name, args, training_file, Path(work))
+            # Written after each model: a long run interrupted keeps what it finished.
+            payload["machine"] = finish_machine_info(dict(machine))
+            write_json(args.out / "recovery.json", payload)
+            (args.out / "recovery.md").write_text(render_markdown(payload))
     return payload
 
 
