@@ -12,6 +12,7 @@ the dense model); perplexity on the first `--eval-windows` windows of 128 tokens
 
 import argparse
 import copy
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -127,6 +128,8 @@ def run_model(name: str, args: argparse.Namespace, training_file: Path, work: Pa
                     "seconds": seconds,
                     "estimated_memory_bytes": estimate.peak,
                     "settings": settings.to_dict(),
+                    "train_lines": args.train_lines,
+                    "eval_windows": args.eval_windows,
                 }
             )
             print(f"{name} {ratio} {recipe}: {rows[-1]['recovered']} in {seconds:.0f} s", flush=True)
@@ -141,35 +144,38 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         f"Machine: {machine_line(machine)}. {concurrency_note(machine)}",
         "",
-        f"Pruned by 30 % and 50 % (greedy, gradient allocation, calibration `ptb:train` 16 x {SEQ_LEN}); each "
-        f"recipe trains {payload['steps']} steps of {payload['batch_size']} x {SEQ_LEN} tokens on the same batches "
-        f"of the first {payload['train_lines']} lines of PTB train (lr {payload['lr']} for LoRA rank 8 on all "
-        f"projections, {payload['full_lr']} for full); distillation from the dense model's top-64 at temperature "
-        f"1, `distill_ce` with ce_weight 0.5. Perplexity on the first {payload['eval_windows']} windows of "
-        f"{SEQ_LEN} tokens of the held-out test splits"
+        f"Pruned by 30 % and 50 % (greedy, gradient allocation, calibration `ptb:train` 16 x {SEQ_LEN}); within "
+        f"a model every recipe trains the same steps (the `steps x batch` column, {SEQ_LEN}-token sequences) on the "
+        "same batches of the head of PTB train (the `train lines` column), lr "
+        f"{payload['lr']} for LoRA rank 8 on all projections, {payload['full_lr']} for full; distillation from the "
+        "dense model's top-64 at temperature 1, `distill_ce` with ce_weight 0.5. Perplexity on the first windows "
+        f"(`eval windows`) of {SEQ_LEN} tokens of the held-out test splits"
         + (
-            f"; zero-shot: the average accuracy over {', '.join(zero_shot)} (first {payload['zero_shot_limit']} "
-            "examples each; these models are near chance, so it is noise-level)."
+            f"; zero-shot where run: the average accuracy over {', '.join(zero_shot)} (first "
+            f"{payload['zero_shot_limit']} examples each; these models are near chance, so it is noise-level)."
             if zero_shot
             else "; zero-shot not run."
         ),
         "",
-        "| model | ratio | recipe | WikiText-2 (dense / pruned / recovered) | PTB (dense / pruned / recovered) | "
-        "zero-shot avg (pruned / recovered) | seconds | est. memory (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | ratio | recipe | steps x batch | train lines | eval windows | WikiText-2 (dense / pruned / "
+        "recovered) | PTB (dense / pruned / recovered) | zero-shot avg (pruned / recovered) | seconds | "
+        "est. memory (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in payload["rows"]:
         cells = []
         for dataset in ("wikitext2", "ptb"):
             values = (row[side]["perplexity"][dataset] for side in ("dense", "pruned", "recovered"))
             cells.append(" / ".join(f"{value:.2f}" for value in values))
-        if zero_shot:
+        if "zero_shot_average" in row["recovered"]:
             cells.append(f"{row['pruned']['zero_shot_average']:.3f} / {row['recovered']['zero_shot_average']:.3f}")
         else:
             cells.append("-")
+        settings = row["settings"]
         lines.append(
-            f"| {row['model']} | {row['ratio']} | {row['recipe']} | {' | '.join(cells)} | {row['seconds']:.0f} | "
-            f"{row['estimated_memory_bytes'] / 2**20:.0f} |"
+            f"| {row['model']} | {row['ratio']} | {row['recipe']} | {settings['max_steps']} x "
+            f"{settings['batch_size']} | {row['train_lines']} | {row['eval_windows']} | {' | '.join(cells)} | "
+            f"{row['seconds']:.0f} | {row['estimated_memory_bytes'] / 2**20:.0f} |"
         )
     lines += [
         "",
@@ -188,7 +194,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     parser.add_argument("--steps", type=int, default=40)
@@ -202,6 +208,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models-dir", default=default_models_dir())
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--append",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="earlier recovery.json files whose rows of other models are kept (a model benched apart, with its "
+        "own settings, on a busy machine)",
+    )
     args = parser.parse_args(argv)
     machine = machine_info()
     ptb_train = Path(args.datasets_dir) / "ptb" / "ptb.train.txt"
@@ -221,12 +235,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         training_file = Path(work) / "ptb-train-head.txt"
         lines = ptb_train.read_text(encoding="utf-8").splitlines()[: args.train_lines]
         training_file.write_text("\n".join(lines), encoding="utf-8")
+        earlier = [json.loads(path.read_text()) for path in args.append]
+        payload["machine"] = earlier[0]["machine"] if earlier and not args.models else machine
+
+        def write() -> None:
+            kept = [
+                {"train_lines": result["train_lines"], "eval_windows": result["eval_windows"], **row}
+                for result in earlier
+                for row in result["rows"]
+                if row["model"] not in args.models
+            ]
+            payload["rows"] = kept + [row for row in payload["rows"] if row["model"] in args.models]
+            write_json(args.out / "recovery.json", payload)
+            (args.out / "recovery.md").write_text(render_markdown(payload))
+
+        write()
         for name in args.models:
             payload["rows"] += run_model(name, args, training_file, Path(work))
             # Written after each model: a long run interrupted keeps what it finished.
-            payload["machine"] = finish_machine_info(dict(machine))
-            write_json(args.out / "recovery.json", payload)
-            (args.out / "recovery.md").write_text(render_markdown(payload))
+            finish_machine_info(machine)
+            write()
     return payload
 
 
