@@ -1,5 +1,6 @@
 """The device memory model (casp_core.placement) evaluated at LLaMA2-7B's, Llama-3.2-1B's and the 70B models'
-shapes: what pruning would hold on the device with the whole model resident, and one decoder layer at a time.
+shapes: what pruning would hold on the device with the whole model resident, and one decoder layer at a time;
+and what recovery after pruning by half would hold (casp_core.placement.estimate_recovery_memory).
 
 These are estimates from the shapes alone (no model is built), upper bounds by construction, and not yet checked
 against a measurement: no GPU was lent to the session that wrote this bench. bench/gpu_llama7b.py records the
@@ -13,8 +14,8 @@ from typing import Any
 
 from bench.common import RESULTS_DIR, finish_machine_info, machine_info, machine_line, write_json
 from bench.shapes import llama2_7b_config, llama_config
-from casp_core.config import CalibrationConfig
-from casp_core.placement import GIB, JobShape, ModelShape, estimate_device_memory
+from casp_core.config import CalibrationConfig, RecoveryConfig
+from casp_core.placement import GIB, JobShape, ModelShape, estimate_device_memory, estimate_recovery_memory
 
 H100_GIB = 80  # the device the issue's targets name (an H200 has 141)
 
@@ -44,6 +45,34 @@ def job_shapes() -> dict[str, JobShape]:
             1, default.seq_len, gradient_allocation=True, alpha_auto=False, dense_target=False
         ),
     }
+
+
+RECOVERY_RATIO = 0.5
+# The default recovery (LoRA, batch 8 x 256 tokens) and what changes its memory most.
+RECOVERIES = {
+    "lora, cross_entropy": {"method": "lora"},
+    "lora, cross_entropy, checkpointing": {"method": "lora", "gradient_checkpointing": True},
+    "lora, distill, checkpointing": {"method": "lora", "loss": "distill", "gradient_checkpointing": True},
+    "full, distill": {"method": "full", "loss": "distill"},
+    "full, distill, batch 1": {"method": "full", "loss": "distill", "batch_size": 1},
+}
+
+
+def recovery_rows() -> list[dict[str, Any]]:
+    rows = []
+    for model in ("LLaMA2-7B", "Llama-2-70B", "Llama-3-70B"):
+        shape = model_shapes()[model]
+        for name, settings in RECOVERIES.items():
+            estimate = estimate_recovery_memory(shape, RecoveryConfig(**settings), RECOVERY_RATIO, autocast=True)
+            rows.append(
+                {
+                    "model": model,
+                    "recovery": name,
+                    **{key: gib(value) for key, value in estimate.summary().items()},
+                    "fits_80_gib": estimate.peak <= H100_GIB * GIB,
+                }
+            )
+    return rows
 
 
 def gib(count: int) -> float:
@@ -78,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "note": "estimates of casp_core.placement from the shapes alone, in GiB; not checked against a GPU "
         "measurement (no GPU was lent); float16 weights, sdpa attention, gradient allocation, least_squares",
         "rows": rows,
+        "recovery_rows": recovery_rows(),
     }
     write_json(args.out / "device_memory.json", payload)
     (args.out / "device_memory.md").write_text(render(payload))
@@ -112,6 +142,25 @@ def render(payload: dict[str, Any]) -> str:
         "of 4096, compensation's C_kk and its factor in float64) and one batch's activations; the head stage by "
         "the head and allocation's float32 logits of one window (their log-softmax and gradient too), which grow "
         "with the vocabulary: a 70B model offloaded needs a fraction of an 80 GiB device, resident it does not fit.",
+        "",
+        f"## Recovery after pruning by {RECOVERY_RATIO:.0%}",
+        "",
+        "Recovery holds the whole pruned model on the device (bf16 autocast: weights in bf16, what trains in "
+        "float32 with its gradient and AdamW's two moments), one batch's activations (default 8 x 256 tokens; with "
+        "gradient checkpointing each layer's input and one layer's activations) and the batch's float32 logits "
+        "(three copies, six with distillation). From the model, not a measurement; a job whose estimate exceeds "
+        "`max_device_memory` is refused before pruning with what would fit.",
+        "",
+        "| model | recovery | weights | optimizer state | activations | logits | peak (GiB) | on an 80 GiB GPU |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {row['model']} | {row['recovery']} | {row['weights']} | {row['optimizer_state']} | "
+            f"{row['activations']} | {row['logits']} | {row['peak']} | {'fits' if row['fits_80_gib'] else 'refused'} |"
+            for row in payload["recovery_rows"]
+        ),
+        "",
+        "Full fine-tuning costs 16 bytes per kept decoder weight (float32 weight, gradient, two moments): about "
+        "51 GiB at 7B pruned by half, over 500 GiB at 70B, which recovers with LoRA only.",
         "",
     ]
     return "\n".join(lines)

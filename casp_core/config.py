@@ -52,7 +52,13 @@ QUANTIZATIONS = ("none", "w8a8_int8", "fp8_dynamic", "w4a16")
 # auto: the whole model on the device when casp_core.placement's estimate fits within max_device_memory, else one
 # decoder layer at a time; on the CPU nothing is ever offloaded.
 PLACEMENTS = ("auto", "resident", "offload")
-RECOVERY_METHODS = ("none", "lora")
+# lora: adapters on the projections, merged after training; full: every kept weight of the decoder layers trained.
+RECOVERY_METHODS = ("none", "lora", "full")
+# cross_entropy: next-token loss on the data; distill: KL divergence from the dense model's next-token distribution
+# (its top-k, cached before pruning: casp_core.teacher); distill_ce: a weighted sum of the two.
+RECOVERY_LOSSES = ("cross_entropy", "distill", "distill_ce")
+CROSS_ENTROPY_LOSS = "cross_entropy"
+MAX_TEACHER_TOP_K = 4096
 # The linear layers LoRA may adapt: every projection of a decoder layer, whatever its width after pruning.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # A sweep (`target` given) prunes at each of `ratios` and writes each in each of its format's variants.
@@ -246,7 +252,23 @@ class RecoveryConfig(ConfigPart):
     128) and LLM-Pruner's LoRA (rank 8, alpha 16, dropout 0.05, every projection, 256-token sequences)."""
 
     method: Literal[RECOVERY_METHODS] = Field(  # type: ignore[valid-type]
-        "none", description="none, or lora: train LoRA adapters after pruning and merge them into the weights"
+        "none",
+        description="none; lora: train LoRA adapters after pruning and merge them into the weights; full: train "
+        "every kept weight of the decoder layers (AdamW, gradient checkpointing)",
+    )
+    loss: Literal[RECOVERY_LOSSES] = Field(  # type: ignore[valid-type]
+        CROSS_ENTROPY_LOSS,
+        description="cross_entropy: next-token loss on the data; distill: KL divergence from the dense model's "
+        "next-token distribution (top-k, cached before pruning); distill_ce: ce_weight x cross_entropy + "
+        "(1 - ce_weight) x distill",
+    )
+    temperature: float = Field(1.0, gt=0, le=100, description="distillation temperature (both distributions)")
+    ce_weight: float = Field(0.5, ge=0, le=1, description="distill_ce: the cross-entropy's share of the loss")
+    teacher_top_k: int = Field(
+        64,
+        ge=1,
+        le=MAX_TEACHER_TOP_K,
+        description="distillation: the dense model's most likely tokens kept per position (the rest as one bucket)",
     )
     dataset: DatasetSpec = Field(
         "wikitext2",
@@ -269,7 +291,9 @@ class RecoveryConfig(ConfigPart):
         description="the projections that get adapters",
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="adapter initialisation, data order and dropout")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (memory)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass (memory); always on with method full"
+    )
     save_every: int = Field(50, ge=1, le=10_000_000, description="optimizer steps between saves of training state")
 
 
@@ -445,6 +469,10 @@ class PruneConfig(PruneSettings):
             raise InvalidConfig("evaluation.perplexity: a sweep (target) picks by perplexity: give at least one text")
         if checked.ratio is not None and not checked.ratio <= checked.r_max:
             raise InvalidConfig(f"r_max: must be in [ratio, 1], got {checked.r_max}")
+        if checked.recovery.method == "none" and checked.recovery.loss != CROSS_ENTROPY_LOSS:
+            raise InvalidConfig(
+                f"recovery.loss: {checked.recovery.loss} trains the pruned model: give recovery.method lora or full"
+            )
         if checked.alpha == AUTO_ALPHA and checked.calibration.n_samples < 2:
             raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
         return self

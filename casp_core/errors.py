@@ -58,7 +58,8 @@ class NumericalError(CaspError):
 
 class DeviceMemoryTooSmall(CaspError):
     """Even one decoder layer's working set (casp_core.placement's estimate) exceeds the memory the job may use
-    on the device, or a resident model was asked for that does not fit: refused before any work."""
+    on the device, or a resident model was asked for that does not fit, or recovery's estimate does not fit:
+    refused before any work."""
 
     code = "device_memory_too_small"
 
@@ -81,3 +82,10 @@ class UnsupportedExport(CaspError):
     layer, or of settings the writer cannot write): refused before any work, the message naming the family."""
 
     code = "unsupported_export"
+
+
+class DiskSpaceTooSmall(CaspError):
+    """A file the job must write (the distillation teacher's cache) is larger than the free space where it goes:
+    refused before the work that would fill it."""
+
+    code = "disk_space_too_small"

@@ -7,6 +7,7 @@ both kinds of job share are in casp_core.job_steps.
 """
 
 import json
+import shutil
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,7 +32,7 @@ from casp_core.job_steps import (
     write_job_report,
 )
 from casp_core.model import check_model_reference, resolve_device
-from casp_core.placement import Placement, choose_placement
+from casp_core.placement import Placement, check_recovery_fits, choose_placement
 from casp_core.prune import prune
 from casp_core.pruned_snapshot import PrunedSnapshot, snapshot_fingerprint
 from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, quantize
@@ -42,6 +43,7 @@ from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve
 from casp_core.report.publish import public_name
 from casp_core.run import Run
 from casp_core.sweep import run_sweep
+from casp_core.teacher import TeacherCache, compute_teacher, load_teacher, needs_teacher, teacher_fingerprint
 
 # The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration,
 # evaluation and recovery data); "evaluation" comes for the dense model, then (with recovery) for the pruned model
@@ -65,6 +67,9 @@ QUANTIZATION_STAGE = 10  # the index in STAGES of the stage only a job with quan
 # A sweep's: "dense_points" is the dense model written and measured in each candidate format; "sweep" is every
 # candidate in turn (pruned, written, measured); "checkpoint" the pick's files as a single-ratio job writes them.
 SWEEP_STAGES = ("load", "calibration", "evaluation", "dense_points", "sweep", "checkpoint", "report")
+# Where the teacher cache goes when the job keeps no retry state (the command line): inside the staging folder,
+# removed once recovery has used it.
+TEACHER_WORK = ".teacher"
 
 
 def job_stages(config: PruneConfig) -> tuple[str, ...]:
@@ -111,12 +116,16 @@ def run_job(
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)
+        recovery_memory = None
         with run.stage("load"):
             snapshot = retry.pruned_snapshot()
             if snapshot is None:
                 dense, tokenizer, dtype = load_dense(model, revision, config, run, token)
-                # Refused here when even one layer cannot fit on the device, before hours of evaluation.
+                # Refused here when even one layer cannot fit on the device, or recovery would not, before hours
+                # of evaluation and pruning.
                 placement = choose_placement(dense, config, device)
+                if config.recovery.method != "none":
+                    recovery_memory = check_recovery_fits(dense, config, device)
             else:
                 run.report("load", 1.0, f"resumed after pruning (snapshot saved {snapshot.saved_at})")
                 for warning in snapshot.warnings:
@@ -124,6 +133,20 @@ def run_job(
                 tokenizer, dtype = snapshot.tokenizer, snapshot.dtype
         with run.stage("calibration_data"):
             inputs = read_inputs(dense if snapshot is None else snapshot.model, tokenizer, config, run, snapshot)
+        teacher = None
+        if needs_teacher(config.recovery) and inputs.training is not None:
+            # Before pruning frees the dense model; a retry after pruning finds the cache, or loads the dense one.
+            teacher = teacher_for(
+                model,
+                revision,
+                config,
+                inputs.training,
+                dense if snapshot is None else None,
+                run,
+                retry,
+                staging,
+                token,
+            )
         if snapshot is None:
             pruned = prune_dense(dense, tokenizer, inputs, config, run, placement)
             del dense  # its decoder layers were released while pruning; the rest goes now
@@ -133,8 +156,11 @@ def run_job(
         recovery = None
         if inputs.training is not None:
             recovery = recover_pruned(
-                pruned, tokenizer, inputs.training, inputs.plan, config, run, retry, dtype, staging
+                pruned, tokenizer, inputs.training, inputs.plan, config, run, retry, dtype, staging, teacher
             )
+            shutil.rmtree(staging / TEACHER_WORK, ignore_errors=True)
+            if recovery_memory is not None:
+                recovery.memory_estimate = recovery_memory.summary()
         exports = save_checkpoint(pruned.model, tokenizer, model, revision, config, run, staging)
         evaluation = evaluate_published(pruned, tokenizer, inputs.plan, run)
         with run.stage("evaluation_gguf") if exports else nullcontext():  # timed only when there is work
@@ -172,6 +198,35 @@ def run_job(
     return report
 
 
+def teacher_for(
+    model: str,
+    revision: str | None,
+    config: PruneConfig,
+    training: TrainingData,
+    dense: PreTrainedModel | None,
+    run: Run,
+    retry: RetryState,
+    staging: Path,
+    token: str | None,
+) -> TeacherCache:
+    """The distillation teacher's cache over the recovery data: the one a previous attempt kept, else computed
+    with `dense` (or, on a retry that resumed after pruning without it, with the dense model loaded again)."""
+    directory = retry.directory or staging / TEACHER_WORK
+    source = {"model": model, "revision": revision, "dtype": config.dtype}
+    fingerprint = teacher_fingerprint(source, training, config.recovery)
+    cached = load_teacher(directory, fingerprint)
+    if cached is not None:
+        run.report("evaluation", 1.0, f"teacher: the cache {cached.path.name} kept by an earlier attempt")
+        return cached
+    with run.stage("teacher"):
+        teacher_model = dense if dense is not None else load_dense(model, revision, config, run, token)[0]
+        cache = compute_teacher(
+            teacher_model, training, config.recovery, directory, fingerprint, run, device=config.device
+        )
+    retry.saved(cache.path)
+    return cache
+
+
 def prune_dense(
     dense: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -197,6 +252,7 @@ def recover_pruned(
     retry: RetryState,
     dtype: str,
     staging: Path,
+    teacher: TeacherCache | None,
 ) -> RecoveryResult:
     """The pruned model's figures (unless a snapshot brought them) and the snapshot a retry resumes from, then
     recovery: `pruned.model` becomes the recovered model."""
@@ -215,7 +271,9 @@ def recover_pruned(
             )
         )
     with run.stage("recovery"):
-        run.report("recovery", 0.0, f"LoRA on {config.recovery.dataset}: {len(training):,} sequences")
+        settings = config.recovery
+        what = f"{settings.method}, {settings.loss}"
+        run.report("recovery", 0.0, f"{what} on {settings.dataset}: {len(training):,} sequences")
         pruned.model, recovery = recover(
             pruned.model,
             tokenizer,
@@ -225,7 +283,8 @@ def recover_pruned(
             device=config.device,
             state_dir=retry.directory,
             on_state_saved=retry.on_saved,
-            adapter_dir=staging / ADAPTER_DIR,
+            adapter_dir=staging / ADAPTER_DIR if config.recovery.method == "lora" else None,
+            teacher=teacher,
         )
     return recovery
 

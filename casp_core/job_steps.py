@@ -137,7 +137,7 @@ def read_inputs(
     windows = calibration_windows(model, tokenizer, config) if snapshot is None else None
     plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(model))
     training = None
-    if config.recovery.method == "lora":
+    if config.recovery.method != "none":
         training = load_training_data(
             config.recovery.dataset,
             tokenizer,
@@ -214,7 +214,10 @@ def write_job_report(
         dtype=dtype,
     )
     if recovery is not None:
-        report["recovery"] = {**recovery.summary(), "adapter": ADAPTER_DIR}
+        report["recovery"] = {
+            **recovery.summary(),
+            "adapter": ADAPTER_DIR if config.recovery.method == "lora" else None,
+        }
     report["warnings"] = list(run.warnings)
     if exports:
         report["exports"] = [{**export.summary(), "path": export.path.name} for export in exports]

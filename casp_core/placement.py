@@ -19,6 +19,13 @@ gradient (the head's pass goes window by window); the embedding's holds the embe
 Resident, the device holds the whole model plus the largest stage's working set; offloaded, the largest of one
 layer's stage, the head's and the embedding's. The figures are upper bounds (each stage's tensors counted as if all
 alive at once), not yet checked against a GPU measurement.
+
+Recovery (`estimate_recovery_memory`) holds the whole pruned model on the device: its weights (the decoder layers
+shrunk by the ratio; float32 unless bf16 autocast runs the matmuls); what trains with its gradient and AdamW's two
+moments in float32 (LoRA's adapters, at the dense widths as a bound, or with `full` every decoder weight); one
+batch's activations (with gradient checkpointing each layer's input plus one layer's activations recomputed,
+without it every layer's), and the float32 logits of the batch several times over (logits, log-softmax and
+gradient; distillation adds the tempered log-softmax and the top-k's rest).
 """
 
 from dataclasses import asdict, dataclass
@@ -28,13 +35,19 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.calibration import FLOAT64_MAX_DIM
-from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, PruneConfig
+from casp_core.config import AUTO_ALPHA, CROSS_ENTROPY_LOSS, DENSE_TARGET_COMPENSATION, PruneConfig, RecoveryConfig
 from casp_core.errors import DeviceMemoryTooSmall
 from casp_core.run import CPU
 
 RESIDENT, OFFLOAD = "resident", "offload"
 FLOAT32, FLOAT64 = 4, 8
 GIB = 2**30
+# Bytes per trained parameter beyond its float32 weight: its gradient and AdamW's two moments.
+OPTIMIZER_STATE = 3 * FLOAT32
+# Float32 copies of a batch's logits alive at once: logits, log-softmax, gradient; distillation's tempered
+# log-softmax, the copy with the top k masked for the rest bucket and its gradient.
+CROSS_ENTROPY_LOGITS, DISTILLATION_LOGITS = 3, 6
+LORA_PROJECTIONS = 7  # the most adapters a decoder layer gets (q, k, v, o, gate, up, down)
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,111 @@ class Placement:
 
     def summary(self) -> dict[str, Any]:
         return {"mode": self.mode, "device": str(self.device), "limit_bytes": self.limit, **self.estimate.summary()}
+
+
+def bf16_autocast(device: torch.device) -> bool:
+    """Whether recovery runs its matmuls under bf16 autocast there (the weights then stay in the model's dtype)."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+@dataclass(frozen=True)
+class RecoveryMemoryEstimate:
+    """Bytes on the device while recovery trains: the pruned weights, what trains with its optimizer state, one
+    batch's activations, its logits, and their sum."""
+
+    weights: int
+    optimizer_state: int
+    activations: int
+    logits: int
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.optimizer_state + self.activations + self.logits
+
+    def summary(self) -> dict[str, int]:
+        return {**asdict(self), "peak": self.peak}
+
+    def parts(self) -> str:
+        return (
+            f"{byte_size(self.weights)} of weights, {byte_size(self.optimizer_state)} of optimizer state, "
+            f"{byte_size(self.activations)} of activations, {byte_size(self.logits)} of logits"
+        )
+
+
+def estimate_recovery_memory(
+    shape: ModelShape, recovery: RecoveryConfig, ratio: float, *, autocast: bool
+) -> RecoveryMemoryEstimate:
+    """The device memory of recovering `shape` pruned by `ratio` as `recovery` says (the module docstring says
+    what is counted); `autocast`: bf16 autocast (`bf16_autocast`), else everything in float32."""
+    weight_bytes = shape.dtype_bytes if autocast else FLOAT32
+    activation_bytes = 2 if autocast else FLOAT32
+    decoder = int(shape.layers * shape.layer_parameters() * (1 - ratio))
+    rest = shape.model_parameters() - shape.layers * shape.layer_parameters()
+    tokens = recovery.batch_size * recovery.max_seq_len
+    attn_width, qkv = shape.heads * shape.head_dim, (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    if recovery.method == "full":
+        weights = decoder * FLOAT32 + rest * weight_bytes  # the decoder layers train in float32
+        optimizer_state = decoder * OPTIMIZER_STATE
+    else:
+        weights = (decoder + rest) * weight_bytes
+        widths = [shape.hidden + attn_width, 2 * (shape.hidden + shape.kv_heads * shape.head_dim)]
+        widths += [attn_width + shape.hidden, 3 * (shape.hidden + shape.intermediate)]
+        adapters = shape.layers * recovery.rank * sum(widths)
+        optimizer_state = adapters * (FLOAT32 + OPTIMIZER_STATE)
+    # One layer's forward and backward: hidden states, q/k/v, attention output, the MLP's gate, up and product
+    # (their gradients as many again), LoRA's dropout copy of each adapted input.
+    per_layer = tokens * (3 * shape.hidden + qkv + attn_width + 3 * shape.intermediate) * activation_bytes
+    if recovery.method != "full":
+        per_layer += tokens * LORA_PROJECTIONS * shape.hidden * activation_bytes
+    if shape.eager_attention:
+        per_layer += recovery.batch_size * shape.heads * recovery.max_seq_len**2 * (FLOAT32 + activation_bytes)
+    checkpointing = recovery.gradient_checkpointing or recovery.method == "full"
+    if checkpointing:
+        activations = shape.layers * tokens * shape.hidden * activation_bytes + 2 * per_layer
+    else:
+        activations = shape.layers * per_layer + per_layer
+    copies = CROSS_ENTROPY_LOGITS if recovery.loss == CROSS_ENTROPY_LOSS else DISTILLATION_LOGITS
+    logits = tokens * shape.vocab * FLOAT32 * copies
+    return RecoveryMemoryEstimate(weights, optimizer_state, activations, logits)
+
+
+def check_recovery_fits(model: PreTrainedModel, config: PruneConfig, device: torch.device) -> RecoveryMemoryEstimate:
+    """Recovery's estimate for the job; refused (`DeviceMemoryTooSmall`) when it exceeds the limit
+    (`max_device_memory`, else what the device has free; none on the CPU), with what would fit instead."""
+    shape, recovery, autocast = ModelShape.of(model), config.recovery, bf16_autocast(device)
+    ratio = config.ratio or 0.0
+
+    def estimate(changes: dict[str, Any]) -> RecoveryMemoryEstimate:
+        changed = RecoveryConfig.model_validate({**recovery.model_dump(), **changes})
+        return estimate_recovery_memory(shape, changed, ratio, autocast=autocast)
+
+    needed = estimate({})
+    limit = None if device == CPU else config.max_device_memory or device_free_memory(device)
+    if limit is None or needed.peak <= limit:
+        return needed
+    alternatives = []
+    if recovery.method == "full" and estimate({"method": "lora"}).peak <= limit:
+        alternatives.append(f"method lora ({byte_size(estimate({'method': 'lora'}).peak)})")
+    if not recovery.gradient_checkpointing and recovery.method != "full":
+        checkpointed = estimate({"gradient_checkpointing": True})
+        if checkpointed.peak <= limit:
+            alternatives.append(f"gradient_checkpointing ({byte_size(checkpointed.peak)})")
+    # Halved until it fits; a smaller batch with a larger grad_accum keeps the optimizer step the same.
+    for name, least in (("max_seq_len", 2), ("batch_size", 1)):
+        value = getattr(recovery, name) // 2
+        while value >= least and estimate({name: value}).peak > limit:
+            value //= 2
+        if value >= least:
+            alternatives.append(f"{name} {value} ({byte_size(estimate({name: value}).peak)})")
+    fits = (
+        "; would fit: " + ", ".join(alternatives)
+        if alternatives
+        else "; no shorter sequence, smaller batch or lora fits"
+    )
+    raise DeviceMemoryTooSmall(
+        f"max_device_memory: {byte_size(limit)} on {device} is less than the estimated {byte_size(needed.peak)} "
+        f"recovery needs ({needed.parts()}){fits}"
+    )
 
 
 def byte_size(count: int) -> str:

@@ -1,10 +1,16 @@
-"""Recovery: LoRA fine-tuning of the pruned model, merged into its weights (the paper's appendix, after LLM-Pruner).
+"""Recovery: fine-tuning of the pruned model (the paper's appendix, after LLM-Pruner; distillation after Minitron).
 
-peft puts adapters on the chosen projections of every decoder layer, whatever their widths after pruning; torch's
-AdamW trains them with a linear warm-up and decay (transformers' schedule) while the pruned weights stay frozen;
-the adapters are then merged, so the model is again a plain pruned checkpoint of the same shapes. The loss is the
-mean next-token cross-entropy over the labelled tokens of an optimizer step (all of a text window, an Alpaca
-record's output).
+What is trained (`method`): `lora`, peft's adapters on the chosen projections of every decoder layer, whatever
+their widths after pruning, the pruned weights frozen, the adapters merged at the end; or `full`, every weight of
+the decoder layers (embedding, final norm and head frozen), in float32, with gradient checkpointing. Either way
+torch's AdamW trains with a linear warm-up and decay (transformers' schedule), and the result is again a plain
+pruned checkpoint of the same shapes.
+
+The loss (`loss`), per labelled token of an optimizer step (all of a text window, an Alpaca record's output):
+`cross_entropy`, the next-token cross-entropy; `distill`, the KL divergence from the dense teacher's next-token
+distribution (its top k, cached before pruning: casp_core.teacher) to the student's, at `temperature`;
+`distill_ce`, `ce_weight` x the first + (1 - `ce_weight`) x the second. The curve carries both terms whenever a
+teacher is given.
 
 Long runs: progress is reported per optimizer step (loss, tokens/s), cancellation is checked before every forward
 pass, and with a `state_dir` the training state (adapters, optimizer, schedule, random state, curve) is written
@@ -22,18 +28,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
-from casp_core.config import RecoveryConfig
+from casp_core.config import CROSS_ENTROPY_LOSS, RecoveryConfig
+from casp_core.errors import InvalidConfig
 from casp_core.families import family_of
-from casp_core.model import resolve_device
-from casp_core.recovery_data import IGNORED, TrainingData, collate
+from casp_core.model import decoder_layers, resolve_device
+from casp_core.placement import bf16_autocast
+from casp_core.recovery_data import TrainingData, collate
 from casp_core.run import Run
+from casp_core.teacher import TeacherCache, distillation_loss, labelled_positions
 
 STAGE = "recovery"
 STATE_FILE = "recovery-state.pt"
 ADAPTER_DIR = "adapter"
+FULL = "full"
+DISTILL_CE = "distill_ce"
 # LLM-Pruner's 100 warm-up steps, but never more than a tenth of a short run.
 WARMUP_STEPS = 100
 MAX_GRAD_NORM = 1.0
@@ -51,6 +62,8 @@ class RecoveryResult:
     tokens: int = 0
     seconds: float = 0.0
     resumed_from_step: int | None = None
+    teacher: dict[str, Any] | None = None  # the distillation cache's `summary`
+    memory_estimate: dict[str, int] | None = None  # casp_core.placement's, when the job made one before pruning
 
     @property
     def tokens_per_second(self) -> float:
@@ -102,10 +115,6 @@ def _state_fingerprint(config: RecoveryConfig, data: TrainingData, weights: str)
     return {"settings": settings, "data": data.summary(), "weights": weights}
 
 
-def _bf16_autocast(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
 def recover(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -117,70 +126,77 @@ def recover(
     state_dir: Path | None = None,
     on_state_saved: Callable[[Path], None] | None = None,
     adapter_dir: Path | None = None,
+    teacher: TeacherCache | None = None,
 ) -> tuple[PreTrainedModel, RecoveryResult]:
-    """Trains LoRA adapters on `model` (frozen) and returns it with the adapters merged, on the CPU, in its own
-    dtype; `adapter_dir` receives the adapters as peft saves them (loadable on `model` as it was given).
-    `on_state_saved` gets the state file after each save (the service copies it where a retry elsewhere finds it)."""
+    """Trains `model` as `config` says and returns it, on the CPU, in its own dtype (LoRA: with the adapters
+    merged; `adapter_dir` receives them as peft saves them, loadable on `model` as it was given). A distillation
+    loss needs `teacher`, computed from the dense model over exactly `data`. `on_state_saved` gets the state file
+    after each save (the service copies it where a retry elsewhere finds it)."""
+    if config.loss != CROSS_ENTROPY_LOSS and teacher is None:
+        raise InvalidConfig(f"recovery.loss: {config.loss} needs the dense model's distribution (a job computes it)")
+    if teacher is not None and len(teacher.offsets) != len(data) + 1:
+        raise InvalidConfig(f"recovery.loss: the teacher cache {teacher.path.name} is not of this recovery's data")
     run = run or Run()
     target = resolve_device(device)
     dtype = model.dtype
     weights = weights_digest(model)
-    autocast = _bf16_autocast(target)
+    autocast = bf16_autocast(target)
     # Master weights in float32 unless bf16 autocast runs the matmuls: fp16/bf16 AdamW updates would round away.
     model.to(device=target, dtype=dtype if autocast else torch.float32)
     model.config.use_cache = False
-    if config.gradient_checkpointing:
+    checkpointing = config.gradient_checkpointing or config.method == FULL
+    if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     torch.manual_seed(config.seed)
-    lora = LoraConfig(
-        r=config.rank,
-        lora_alpha=config.alpha,
-        lora_dropout=config.dropout,
-        target_modules=family_of(model.config).lora_modules(config.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    peft_model = get_peft_model(model, lora)
-    # The adapters train in float32 whatever the base weights are.
-    for parameter in peft_model.parameters():
+    trained = _trainable_model(model, config)
+    # What trains is in float32 whatever the rest is (adapters; with full, the decoder layers).
+    for parameter in trained.parameters():
         if parameter.requires_grad:
             parameter.data = parameter.data.float()
-    trainable = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
+    trainable = {name: parameter for name, parameter in trained.named_parameters() if parameter.requires_grad}
     steps = total_steps(config, len(data))
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable.values(), lr=config.lr, weight_decay=0.0)
     schedule = get_linear_schedule_with_warmup(optimizer, min(WARMUP_STEPS, steps // 10), steps)
     result = RecoveryResult(
         data=data.summary(),
         steps=steps,
-        trainable_parameters=sum(parameter.numel() for parameter in trainable),
+        trainable_parameters=sum(parameter.numel() for parameter in trainable.values()),
         precision="bf16 autocast" if autocast else "float32",
+        teacher=teacher.summary() if teacher is not None else None,
     )
     fingerprint = _state_fingerprint(config, data, weights)
-    start = _resume(state_dir, fingerprint, peft_model, optimizer, schedule, result, target)
+    start = _resume(state_dir, fingerprint, trainable, optimizer, schedule, result, target)
     if start:
         run.report(STAGE, start / steps, f"resumed from step {start} of {steps}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    peft_model.train()
+    trained.train()
     for step in range(start, steps):
         began = time.perf_counter()
-        passes = [collate(data, indices, pad_id) for indices in batch_indices(config, len(data), step)]
+        sequences = batch_indices(config, len(data), step)
+        passes = [collate(data, indices, pad_id) for indices in sequences]
         # Next-token targets: the label of position t + 1 is what position t predicts.
-        labelled = sum(int((batch["labels"][:, 1:] != IGNORED).sum()) for batch in passes)
-        step_loss = 0.0
-        for batch in passes:
+        labelled = sum(int(labelled_positions(batch["labels"]).sum()) for batch in passes)
+        terms = {"loss": 0.0, "ce": 0.0, "kl": 0.0}
+        for indices, batch in zip(sequences, passes, strict=True):
             run.check_cancelled()
             batch = {name: tensor.to(target) for name, tensor in batch.items()}
             with torch.autocast(target.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                batch["labels"][:, 1:].reshape(-1),
-                ignore_index=IGNORED,
-                reduction="sum",
-            ) / max(labelled, 1)
+                logits = trained(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            # Only the labelled positions, in the order the teacher cache lays out their rows.
+            positions = labelled_positions(batch["labels"])
+            predicted = logits[:, :-1][positions].float()
+            ce = torch.nn.functional.cross_entropy(predicted, batch["labels"][:, 1:][positions], reduction="sum")
+            kl = None
+            if teacher is not None:
+                rows = (tensor.to(target) for tensor in teacher.rows_of(indices))
+                kl = distillation_loss(predicted, *rows, config.temperature)
+            loss = _combined(config, ce, kl) / max(labelled, 1)
             loss.backward()
-            step_loss += loss.item()
-        torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
+            terms["loss"] += loss.item()
+            terms["ce"] += ce.item() / max(labelled, 1)
+            if kl is not None:
+                terms["kl"] += kl.item() / max(labelled, 1)
+        torch.nn.utils.clip_grad_norm_(trainable.values(), MAX_GRAD_NORM)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -188,30 +204,65 @@ def recover(
         result.tokens += tokens
         seconds = time.perf_counter() - began
         result.seconds += seconds
-        result.curve.append({"step": step + 1, "loss": step_loss, "lr": schedule.get_last_lr()[0]})
+        point = {"step": step + 1, "loss": terms["loss"], "lr": schedule.get_last_lr()[0], "ce": terms["ce"]}
+        if teacher is not None:
+            point["kl"] = terms["kl"]
+        result.curve.append(point)
+        both = f" (kl {terms['kl']:.4f}, ce {terms['ce']:.4f})" if teacher is not None else ""
         run.report(
             STAGE,
             (step + 1) / steps,
-            f"step {step + 1}/{steps} loss {step_loss:.4f} {tokens / max(seconds, 1e-9):,.0f} tokens/s",
+            f"step {step + 1}/{steps} loss {terms['loss']:.4f}{both} {tokens / max(seconds, 1e-9):,.0f} tokens/s",
         )
         if state_dir is not None and (step + 1) % config.save_every == 0 and step + 1 < steps:
-            saved = _save_state(state_dir, fingerprint, step + 1, peft_model, optimizer, schedule, result)
+            saved = _save_state(state_dir, fingerprint, step + 1, trainable, optimizer, schedule, result)
             if on_state_saved is not None:
                 on_state_saved(saved)
-    if adapter_dir is not None:
-        peft_model.save_pretrained(adapter_dir)
-    merged = peft_model.merge_and_unload()
-    if config.gradient_checkpointing:
-        merged.activation_checkpointing_disable()
-    merged.config.use_cache = True
-    return merged.to(device="cpu", dtype=dtype).eval(), result
+    if config.method == FULL:
+        recovered = trained
+    else:
+        if adapter_dir is not None:
+            trained.save_pretrained(adapter_dir)
+        recovered = trained.merge_and_unload()
+    if checkpointing:
+        recovered.activation_checkpointing_disable()
+    recovered.config.use_cache = True
+    return recovered.to(device="cpu", dtype=dtype).eval(), result
+
+
+def _trainable_model(model: PreTrainedModel, config: RecoveryConfig) -> torch.nn.Module:
+    """`model` with only what `config.method` trains requiring a gradient: LoRA adapters (a peft model around
+    it), or every parameter of its decoder layers."""
+    if config.method != FULL:
+        lora = LoraConfig(
+            r=config.rank,
+            lora_alpha=config.alpha,
+            lora_dropout=config.dropout,
+            target_modules=family_of(model.config).lora_modules(config.target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, lora)
+    model.requires_grad_(False)
+    for layer in decoder_layers(model):
+        layer.requires_grad_(True)
+    return model
+
+
+def _combined(config: RecoveryConfig, ce: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:
+    """The loss `config.loss` names, summed over the pass's labelled positions."""
+    if kl is None:
+        return ce
+    if config.loss == DISTILL_CE:
+        return config.ce_weight * ce + (1 - config.ce_weight) * kl
+    return kl
 
 
 def _save_state(
     state_dir: Path,
     fingerprint: dict[str, Any],
     step: int,
-    model: PeftModel,
+    trainable: dict[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
     result: RecoveryResult,
@@ -221,7 +272,7 @@ def _save_state(
     state = {
         "fingerprint": fingerprint,
         "step": step,
-        "adapters": get_peft_model_state_dict(model),
+        "trained": {name: parameter.detach() for name, parameter in trainable.items()},
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "cpu_rng": torch.get_rng_state(),
@@ -239,7 +290,7 @@ def _save_state(
 def _resume(
     state_dir: Path | None,
     fingerprint: dict[str, Any],
-    model: PeftModel,
+    trainable: dict[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
     result: RecoveryResult,
@@ -252,7 +303,9 @@ def _resume(
     state = torch.load(path, map_location=device, weights_only=True)
     if state["fingerprint"] != fingerprint:
         return 0
-    set_peft_model_state_dict(model, state["adapters"])
+    with torch.no_grad():
+        for name, parameter in trainable.items():
+            parameter.copy_(state["trained"][name])
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
     torch.set_rng_state(state["cpu_rng"].cpu())

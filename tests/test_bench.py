@@ -94,17 +94,24 @@ def test_quality_merge_adds_new_rows_and_reruns_stored_ones_as_a_check(tmp_path:
 
 def test_recovery_tiny(tmp_path: Path) -> None:
     payload = recovery.main(
-        ["--models", "stories260K", "--steps", "2", "--batch-size", "2", "--eval-windows", "2",
-         "--training-data", "ptb:validation", "--out", str(tmp_path)]
+        ["--models", "stories260K", "--ratios", "0.5", "--recipes", "cross_entropy+lora", "distill+full",
+         "--steps", "2", "--batch-size", "2", "--eval-windows", "2", "--train-lines", "20",
+         "--zero-shot", "piqa", "--zero-shot-limit", "4", "--out", str(tmp_path)]
     )  # fmt: skip
     written = json.loads((tmp_path / "recovery.json").read_text())
     assert written == json.loads(json.dumps(payload))
-    (row,) = written["rows"]
-    assert set(row["perplexity"]) == {"wikitext2", "ptb"}
-    assert all(set(figures) == {"dense", "pruned", "recovered"} for figures in row["perplexity"].values())
-    assert row["recovery"]["steps"] == 2 and row["recovery"]["tokens"] == 2 * 2 * recovery.SEQ_LEN
+    assert [row["recipe"] for row in written["rows"]] == ["cross_entropy+lora", "distill+full"]
+    for row in written["rows"]:
+        assert (
+            set(row["recovered"]["perplexity"]) == {"wikitext2", "ptb"}
+            and 0 <= row["recovered"]["zero_shot_average"] <= 1
+        )
+        assert row["recovery"]["steps"] == 2 and row["recovery"]["tokens"] == 2 * 2 * recovery.SEQ_LEN
+    assert (
+        written["rows"][1]["recovery"]["teacher"]["top_k"] == 64 and written["rows"][0]["recovery"]["teacher"] is None
+    )
     assert all_finite(written)
-    assert "| stories260K | ptb |" in (tmp_path / "recovery.md").read_text()
+    assert "| stories260K | 0.5 | distill+full |" in (tmp_path / "recovery.md").read_text()
 
 
 def test_speed_tiny(tmp_path: Path) -> None:
@@ -191,6 +198,11 @@ def test_device_memory(tmp_path: Path) -> None:
     assert llama2_70b["layer_weights"] == pytest.approx(1.59, abs=0.01)
     assert llama2_70b["offload_peak"] < 40 < 80 < llama2_70b["resident_peak"]
     assert llama2_70b["on_80_gib"] == "offload"
+    recovery_rows = {(row["model"], row["recovery"]): row for row in written["recovery_rows"]}
+    # 70B pruned by half recovers with LoRA and checkpointing on one 80 GiB device, never by full fine-tuning.
+    assert recovery_rows[("Llama-2-70B", "lora, cross_entropy, checkpointing")]["fits_80_gib"]
+    assert not recovery_rows[("Llama-2-70B", "full, distill, batch 1")]["fits_80_gib"]
+    assert "## Recovery after pruning by 50%" in (tmp_path / "device_memory.md").read_text()
     assert rows[("LLaMA2-7B", "128 x 2048, batch 8")]["on_80_gib"] == "resident"
     assert "**Not yet checked against a GPU measurement" in (tmp_path / "device_memory.md").read_text()
 

@@ -25,6 +25,7 @@ from casp_core.pruned_snapshot import SNAPSHOT_FILE
 from casp_core.recovery import STATE_FILE
 from casp_core.run import Run
 from casp_core.sweep import SWEEP_STATE_FILE
+from casp_core.teacher import TEACHER_FILE
 from service import jobs
 from service.db import session_scope
 from service.logs import add_log_context, job_log_context
@@ -209,8 +210,8 @@ class Heartbeat(threading.Thread):
 # job again) resumes after pruning, and the recovery stage from its last save; a sweep after the candidates it
 # measured; on whichever machine it runs.
 RETRY_STATE = "retry-state"
-RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE)
-RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step")
+RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE)
+RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step", "teacher")
 FRONTIER_SUMMARY = ("ratio", "format", "variant", "bytes", "params", "perplexity", "within_target")
 
 

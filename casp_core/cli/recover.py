@@ -9,13 +9,20 @@ from casp_core.cli.progress import StageBars
 from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, bare_flag, settings_from_args
 from casp_core.config import RecoveryConfig
 
+# Distillation needs the dense model, which a saved checkpoint does not bring: a job's settings only.
+DISTILLATION = ("loss", "temperature", "ce_weight", "teacher_top_k")
+
 
 def add_recover_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("recover", help="fine-tune a pruned checkpoint with LoRA into a new checkpoint")
     parser.add_argument("checkpoint", type=Path, help="checkpoint directory written by `casp prune`")
     parser.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty)")
     add_setting_flags(
-        parser, model=RecoveryConfig, flag=bare_flag, skip=("method", "save_every"), required=("dataset",)
+        parser,
+        model=RecoveryConfig,
+        flag=bare_flag,
+        skip=("method", "save_every", *DISTILLATION),
+        required=("dataset",),
     )
     add_machine_flags(parser)
     parser.set_defaults(run=run_recover)

@@ -41,6 +41,8 @@ FLAGS = {
     "efficiency.repeats": "--efficiency-repeats",
     "efficiency.warmup": "--efficiency-warmup",
     "recovery.method": "--recovery",
+    "recovery.loss": "--recovery-loss",
+    "recovery.temperature": "--distill-temperature",
     "recovery.dataset": "--recovery-dataset",
     "recovery.lr": "--recovery-lr",
     "recovery.batch_size": "--recovery-batch-size",

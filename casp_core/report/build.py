@@ -229,6 +229,36 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def loss_words(settings: dict[str, Any]) -> str:
+    """The recovery loss as the report names it, with its weights and temperature."""
+    if settings["loss"] == "cross_entropy":
+        return "next-token cross-entropy"
+    distill = (
+        f"KL divergence from the dense model's top-{settings['teacher_top_k']} (temperature {settings['temperature']})"
+    )
+    if settings["loss"] == "distill":
+        return distill
+    return f"{settings['ce_weight']} x cross-entropy + {1 - settings['ce_weight']:g} x {distill}"
+
+
+def teacher_line(teacher: dict[str, Any] | None) -> list[str]:
+    if not teacher:
+        return []
+    return [
+        f"- teacher cache `{teacher['file']}`: {teacher['tokens']:,} tokens x top {teacher['top_k']}, "
+        f"{teacher['bytes'] / 2**20:,.1f} MiB ({teacher['bytes_per_token']} bytes per token), computed in "
+        f"{teacher['seconds']:.1f} s from the dense model before pruning"
+    ]
+
+
+def memory_line(estimate: dict[str, int] | None, timing: dict[str, float]) -> list[str]:
+    """Recovery's device memory as estimated before pruning, beside the peak measured on a GPU."""
+    if not estimate:
+        return []
+    measured = f", measured peak {timing['peak_gpu_mb']:,.0f} MB" if "peak_gpu_mb" in timing else ""
+    return [f"- device memory: estimated peak {estimate['peak'] / 2**20:,.0f} MB before pruning{measured}"]
+
+
 def recovery_section(report: dict[str, Any]) -> list[str]:
     """Dense, pruned and pruned + recovered side by side, and how the recovery ran; nothing without recovery."""
     recovery = report.get("recovery")
@@ -236,11 +266,20 @@ def recovery_section(report: dict[str, Any]) -> list[str]:
         return []
     settings = report["settings"]["recovery"]
     data = recovery["data"]
+    if settings["method"] == "full":
+        trained = "every weight of the decoder layers (AdamW, gradient checkpointing)"
+    else:
+        trained = (
+            f"LoRA rank {settings['rank']}, alpha {settings['alpha']}, dropout {settings['dropout']} on "
+            f"{', '.join(settings['target_modules'])}; merged into the weights, the adapter kept in `adapter/`"
+        )
     lines = [
         "## Recovery",
         "",
-        f"- LoRA rank {settings['rank']}, alpha {settings['alpha']}, dropout {settings['dropout']} on "
-        f"{', '.join(settings['target_modules'])}; merged into the weights, the adapter kept in `adapter/`",
+        f"- {trained}",
+        f"- loss {loss_words(settings)}",
+        *teacher_line(recovery.get("teacher")),
+        *memory_line(recovery.get("memory_estimate"), report["timings"].get("recovery", {})),
         f"- data `{settings['dataset']}` ({data['layout']}): {data['sequences']:,} sequences of at most "
         f"{settings['max_seq_len']} tokens, {data['loss_tokens']:,} with loss"
         + (f", {data['skipped']} left out (prompt longer than a sequence)" if data["skipped"] else ""),

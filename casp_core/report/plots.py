@@ -108,12 +108,19 @@ RECOVERY_CURVE = "plots/recovery_loss.png"
 
 
 def plot_recovery_curve(curve: list[dict[str, float]], path: Path) -> Path:
-    """The recovery stage's training loss per optimizer step (`report["recovery"]["curve"]`)."""
+    """The recovery stage's training loss per optimizer step (`report["recovery"]["curve"]`); with distillation,
+    its two terms too (the cross-entropy and the KL divergence from the teacher)."""
     figure = Figure(figsize=(7, 4))
     axes = figure.add_subplot()
     axes.set_title("Recovery: training loss")
-    steps, losses = [point["step"] for point in curve], [point["loss"] for point in curve]
-    axes.plot(steps, losses, marker="." if len(curve) < 50 else "")
+    steps = [point["step"] for point in curve]
+    marker = "." if len(curve) < 50 else ""
+    terms = {"loss": "loss trained on", "ce": "cross-entropy", "kl": "KL from the teacher"}
+    shown = [name for name in terms if curve and name in curve[0]]
+    for name in shown if "kl" in shown else ["loss"]:
+        axes.plot(steps, [point[name] for point in curve], marker=marker, label=terms[name])
+    if "kl" in shown:
+        axes.legend(loc="best", fontsize="small")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("mean next-token loss (nats)")

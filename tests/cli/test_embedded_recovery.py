@@ -1,13 +1,16 @@
 """A job with recovery on Alpaca records in the single-machine mode (`casp serve`: SQLite, in-process worker)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
 
 from casp_core.checkpoint import load_pruned
+from casp_core.job import TEACHER_WORK
 from tests.cli.test_embedded import casp_serve
+from tests.conftest import PTBWIKI
 from tests.service_fixtures import FIXTURE_DATA, SMALL_JOB, free_port
 
 pytestmark = pytest.mark.service
@@ -56,3 +59,52 @@ def test_embedded_job_with_alpaca_recovery(tmp_path: Path) -> None:
     assert result.metric_value == report["perplexity"]["wikitext2"]["recovered"]
     assert result.metric_value != report["perplexity"]["wikitext2"]["pruned"]
     assert "## Recovery" in card.text and "![training loss](plots/recovery_loss.png)" in card.text
+
+
+def test_embedded_distillation_jobs_on_both_fixtures(tmp_path: Path) -> None:
+    """`{"method": "lora", "loss": "distill"}` through the API on stories260K and ptbwiki-7M: the dense model's
+    top-k cache is computed before pruning, the report shows it, both loss terms and the three perplexities."""
+    home = tmp_path / "home"
+    home.mkdir()
+    # Both under an allowed root: the home folder holds a copy of ptbwiki-7M and the training text.
+    shutil.copytree(PTBWIKI, home / "ptbwiki-7M")
+    lines = (FIXTURE_DATA / "ptb" / "ptb.train.txt").read_text(encoding="utf-8").splitlines()[:100]
+    (home / "ptb-head.txt").write_text("\n".join(lines), encoding="utf-8")
+    recovery = {
+        "method": "lora",
+        "loss": "distill",
+        "dataset": str(home / "ptb-head.txt"),
+        "max_steps": 3,
+        "batch_size": 2,
+        "grad_accum": 1,
+        "max_seq_len": 64,
+        "lr": 1e-3,
+    }
+    with casp_serve(home, free_port(), workers=1) as client:
+        jobs = [
+            client.submit({**SMALL_JOB, "model": model, "recovery": recovery})
+            for model in (SMALL_JOB["model"], str(home / "ptbwiki-7M"))
+        ]
+        for job in jobs:
+            done = client.wait(job["id"], timeout=300)
+            assert done["status"] == "succeeded", done
+            teacher = done["result"]["recovery"]["teacher"]
+            assert teacher["top_k"] == 64 and teacher["bytes"] > teacher["tokens"] * teacher["bytes_per_token"]
+            out = tmp_path / job["id"]
+            client.download(job["id"], out)
+            report = json.loads((out / "report.json").read_text())
+            curve = report["recovery"]["curve"]
+            assert len(curve) == 3 and all(
+                point["loss"] == pytest.approx(point["kl"]) and point["ce"] > 0 for point in curve
+            )
+            perplexity = report["perplexity"]["wikitext2"]
+            assert all(perplexity[side] > 1 for side in ("dense", "pruned", "recovered"))
+            assert perplexity["recovered"] != perplexity["pruned"]
+            # The dense model's pass is timed as a stage of its own, before pruning.
+            stages = list(report["timings"])
+            assert stages.index("teacher") < stages.index("evaluation_pruned")
+            markdown = (out / "report.md").read_text()
+            assert "- loss KL divergence from the dense model's top-64 (temperature 1.0)" in markdown
+            assert f"teacher cache `teacher-topk.safetensors`: {teacher['tokens']:,} tokens x top 64" in markdown
+            assert not (out / TEACHER_WORK).exists() and not list(out.rglob("*.safetensors.partial"))
+            load_pruned(out)

@@ -235,3 +235,29 @@ def test_gradient_checkpointing_trains_the_same_weights(stories_ptb):
     for (name, expected), actual in zip(plain.state_dict().items(), checkpointed.state_dict().values(), strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6, msg=name)
     assert not checkpointed.is_activation_checkpointing
+
+
+def test_full_fine_tuning_trains_every_decoder_weight_and_nothing_else(stories_ptb, tmp_path):
+    pruned, tokenizer, data = stories_ptb
+    recovered, result = recover(
+        copy.deepcopy(pruned), tokenizer, data, short_run(method="full", max_steps=6, lr=1e-3), adapter_dir=tmp_path
+    )
+    losses = [point["loss"] for point in result.curve]
+    assert losses[-1] < losses[0], losses
+    decoder = sum(parameter.numel() for parameter in pruned.model.layers.parameters())
+    assert result.trainable_parameters == decoder
+    # Every weight of the decoder layers moved; the embedding, the final norm and the head did not.
+    before, after = pruned.state_dict(), recovered.state_dict()
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        moved = not torch.equal(after[name], tensor)
+        assert moved == name.startswith("model.layers."), name
+        assert after[name].dtype == tensor.dtype and after[name].shape == tensor.shape
+    assert not recovered.is_activation_checkpointing  # on while training (always, with full), off after
+    assert not list(tmp_path.iterdir())  # no adapter to keep
+    # The same kind of checkpoint: saved and loaded as a pruned one, the same outputs.
+    save_pruned(recovered, tokenizer, tmp_path / "checkpoint")
+    loaded, _ = load_pruned(tmp_path / "checkpoint")
+    batch = torch.arange(1, 65).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch).logits, recovered(batch).logits, rtol=1e-5, atol=1e-5)
