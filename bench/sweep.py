@@ -12,11 +12,14 @@ seconds; loading is not counted) and reports its peak RSS (VmHWM) and what the l
 prune is timed at each of `--single-ratios` (default: every ratio); "one single prune" is their mean, and "k
 separate prunes" their sum (k x the mean, marked estimated, when only some ratios were timed).
 
-Writes bench/results/sweep.json and sweep.md (`--out` for another folder).
+Writes bench/results/sweep.json and sweep.md (`--out` for another folder). Rows of an earlier sweep.json there that
+this run does not measure again (another model, mode or compensation) are kept, each with the machine line, load
+and command of the run that measured it.
 """
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -119,6 +122,7 @@ def measure_here(model_dir: str, settings: str, ratios: str, how: str) -> None:
 
 
 def measure(model_dir: Path, settings: dict[str, Any], ratios: list[float], how: str) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
     completed = subprocess.run(
         [
             sys.executable,
@@ -137,7 +141,8 @@ def measure(model_dir: Path, settings: dict[str, Any], ratios: list[float], how:
     )
     if completed.returncode != 0:
         raise RuntimeError(f"the {how} measurement failed:\n{completed.stderr[-4000:]}")
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    # The 1-minute load average as this measurement started and ended: other work on the machine inflates it.
+    return {**json.loads(completed.stdout.strip().splitlines()[-1]), "loadavg": [load_before, os.getloadavg()[0]]}
 
 
 def _mean_stages(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine = machine_info()
     started = time.perf_counter()
     results: list[dict[str, Any]] = []
+    earlier = _earlier_results(args.out / "sweep.json", runs)
     scratch = Path(tempfile.mkdtemp(prefix="casp-sweep-"))
     try:
         model_dirs: dict[str, tuple[Path, dict[str, Any]]] = {}
@@ -248,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     **model,
                     "mode": mode,
                     "compensation": compensation,
+                    "measured": {"machine": machine, "command": _command(argv)},
                     "ratios": args.ratios,
                     "comparison": compare(sweep, singles, args.ratios),
                     "sweep": sweep,
@@ -256,12 +263,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             print(json.dumps({k: results[-1][k] for k in ("model", "mode", "comparison")}, indent=1), flush=True)
             # Written after every run: a long bench stopped part way keeps what it measured.
-            payload = _payload(machine, args, argv, runs, single_ratios, results, time.perf_counter() - started)
+            payload = _payload(
+                machine, args, argv, runs, single_ratios, [*earlier, *results], time.perf_counter() - started
+            )
             write_json(args.out / "sweep.json", payload)
             (args.out / "sweep.md").write_text(render(payload))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return payload
+
+
+def _row_key(result: dict[str, Any]) -> tuple[str, str, str]:
+    return result["model"], result["mode"], result["compensation"]
+
+
+def _earlier_results(path: Path, runs: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """The rows of an earlier sweep.json that this run does not measure again, each with what it was measured
+    with (rows written before rows carried it get their file's machine and command)."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    measured = {"machine": earlier["machine"], "command": earlier["settings"]["command"]}
+    return [
+        {**result, "measured": result.get("measured", measured)}
+        for result in earlier["results"]
+        if _row_key(result) not in set(runs)
+    ]
+
+
+def _command(argv: list[str] | None) -> str:
+    return "python -m bench.sweep " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
 def _payload(
@@ -285,7 +316,7 @@ def _payload(
             "runs": [":".join(run) for run in runs],
             "single_ratios": single_ratios,
             "goal": f"k ratios in dense mode <= 1 + {GOAL_PER_EXTRA_RATIO} (k - 1) single prunes",
-            "command": "python -m bench.sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": _command(argv),
         },
         "results": results,
         "total_seconds": seconds,
@@ -300,8 +331,10 @@ def render(payload: dict[str, Any]) -> str:
     lines = [
         "# A sweep of ratios against separate prunes (issue 23, item 2)",
         "",
-        machine_line(payload["machine"]) + ".",
+        "This run: " + machine_line(payload["machine"]) + ".",
         concurrency_note(payload["machine"]),
+        "Each row says when it was measured, at which commit, and the highest 1-minute load average seen as its "
+        "measurements started and ended (2 cores: above 2, other work shared the machine and inflated the times).",
         "",
         f"Ratios {', '.join(f'{r:g}' for r in settings['ratios'])}; the job's defaults (greedy, gradient "
         "allocation, alpha 1, least-squares compensation unless the row says otherwise) on "
@@ -312,8 +345,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "| model | mode | compensation | k | sweep (s) | one single prune (s) | k separate prunes (s) "
         "| sweep in single prunes | goal | met | each ratio after the shared work, in single prunes "
-        "| peak RSS sweep / single (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS sweep / single (MiB) | measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in payload["results"]:
         c = result["comparison"]
@@ -323,7 +356,8 @@ def render(payload: dict[str, Any]) -> str:
             f"| {c['sweep_seconds']:.1f} | {c['single_seconds']:.1f} "
             f"| {separate} | **{c['sweep_in_singles']:.2f}** (CPU time: {c['sweep_cpu_in_singles']:.2f}) "
             f"| {c['goal_in_singles']:.2f} | {'yes' if c['goal_met'] else '**no**'} "
-            f"| {c['per_ratio_in_singles']:.2f} | {c['sweep_peak_rss_mib']:.0f} / {c['single_peak_rss_mib']:.0f} |"
+            f"| {c['per_ratio_in_singles']:.2f} | {c['sweep_peak_rss_mib']:.0f} / {c['single_peak_rss_mib']:.0f} "
+            f"| {_measured(result, payload['machine'])} |"
         )
     lines += ["", "## The goal", "", *(_verdict(result) for result in payload["results"])]
     lines += ["", "## Where the time goes (seconds)", ""]
@@ -347,6 +381,15 @@ def render(payload: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _measured(result: dict[str, Any], machine: dict[str, Any]) -> str:
+    """When, at which commit, and under what load a row was measured."""
+    machine = result.get("measured", {}).get("machine", machine)
+    loads = [load for run in [result["sweep"], *result["singles"]] for load in run.get("loadavg", [])]
+    loads = loads or [*machine.get("loadavg_start", [])[:1], *machine.get("loadavg_end", [])[:1]]
+    commit = (machine.get("git_commit") or "unknown")[:10]
+    return f"{machine['date'][:16]}, {commit}, load up to {max(loads):.1f}"
 
 
 def _verdict(result: dict[str, Any]) -> str:

@@ -61,6 +61,8 @@ class CompensationReport:
 class LeastSquaresFit:
     update: torch.Tensor  # D, float64 (out x |k|), to add to the kept columns
     damping: float
+    error_before: float  # the expected squared output error of the kept columns as they were
+    error_after: float  # ... and with D added
 
 
 def fit_kept_columns(
@@ -69,16 +71,49 @@ def fit_kept_columns(
     pruned: list[int],
     kept_columns: list[int],
     damping: float,
-    cross_moment: torch.Tensor | None = None,
+    dense: StreamCrossMoment | None = None,
 ) -> LeastSquaresFit:
-    """D = (W M_:k - W_k C_kk)(C_kk + λI)^-1 with λ = damping x mean diag(C_kk), in float64 by Cholesky.
+    """D = N (C_kk + λI)^-1 with λ = damping x mean diag(C_kk), in float64 by Cholesky, and the errors before
+    and after (`removal_error`'s, with the undamped moments).
 
-    `cross_moment` is M = E[y_d yᵀ] for the dense target; without it M = C and the numerator is W_p C_pk.
+    The numerator N is W_p C_pk against the same layer on the same inputs, and W M_:k - W_k C_kk against the dense
+    model (`dense` given, M its cross moment). The error after follows from the one before with no product of
+    its own: expanding `removal_error`'s formula with D (for the dense model, W' = W_k + D; C_kk is symmetric)
+    gives after = before - 2 <D, N> + tr(D C_kk Dᵀ) for both references, and the normal equations
+    D (C_kk + λI) = N make tr(D C_kk Dᵀ) = <D, N> - λ||D||², so
+
+        after = before - <D, N> - λ||D||²   (<A, B> = sum of A ⊙ B).
     """
-    # Each block is cut from C before it is widened to float64: a float64 copy of the whole C (and an identity
-    # beside C_kk) would be the largest thing this layer allocates, the size of a layer's weights at 7B.
+    weight = weight.detach()
+    if dense is None:
+        error_before = removal_error(weight, second_moment, pruned, kept_columns)
+        w_pruned = weight[:, pruned].double()
+        c_kp = second_moment[kept_columns][:, pruned].double()
+        numerator = w_pruned @ c_kp.T
+    else:
+        error_before, numerator = _dense_target(weight, second_moment, kept_columns, dense)
+    factor, used, ridge = _damped_cholesky(second_moment, kept_columns, damping)
+    out, kept, removed = len(weight), len(kept_columns), len(pruned)
+    # D = W_p ((C_kk + λI)^-1 C_kp)ᵀ takes |p| right-hand sides through the factor and one more out x |p| x |k|
+    # product; D = N (C_kk + λI)^-1 takes `out` of them. The same D to rounding: the cheaper order (the first at
+    # low ratios, where |p| is small).
+    if dense is None and removed * (kept + out) < out * kept:
+        update = w_pruned @ torch.cholesky_solve(c_kp, factor).T
+    else:
+        update = torch.cholesky_solve(numerator.T, factor).T
+    error_after = error_before - float((update * numerator).sum()) - ridge * float(update.pow(2).sum())
+    return LeastSquaresFit(update=update, damping=used, error_before=error_before, error_after=error_after)
+
+
+def _damped_cholesky(
+    second_moment: torch.Tensor, kept_columns: list[int], damping: float
+) -> tuple[torch.Tensor, float, float]:
+    """The Cholesky factor of C_kk + λI, λ = `damping` x mean diag(C_kk), the damping grown tenfold (with a
+    warning) until C_kk + λI is positive definite; with the relative damping used and λ itself."""
+    # Cut from C before it is widened to float64: a float64 copy of the whole C (and an identity beside C_kk)
+    # would be the largest thing this layer allocates, the size of a layer's weights at 7B. Damped on its own
+    # diagonal: no second |k| x |k| matrix.
     c_kk = second_moment[kept_columns][:, kept_columns].double()
-    # Damped on its own diagonal, which is put back from a copy after: no second |k| x |k| matrix.
     diagonal = c_kk.diagonal().clone()
     scale = float(diagonal.mean().clamp(min=torch.finfo(torch.float64).tiny))
     for growth in range(MAX_DAMPING_GROWTH + 1):
@@ -86,24 +121,9 @@ def fit_kept_columns(
         c_kk.diagonal().copy_(diagonal + used * scale)
         factor, info = torch.linalg.cholesky_ex(c_kk)
         if int(info) == 0:
-            break
+            return factor, used, used * scale
         logger.warning("C_kk is not positive definite with damping %.3g; retrying with %.3g", used, used * 10)
-    else:
-        raise torch.linalg.LinAlgError(f"C_kk stays singular up to damping {used:.3g}")
-    c_kk.diagonal().copy_(diagonal)
-    # The numerator as weights @ momentsᵀ, so that D = weights @ ((C_kk + λI)^-1 moments)ᵀ (C_kk is symmetric).
-    weight = weight.detach()
-    if cross_moment is None:
-        del c_kk
-        weights = weight[:, pruned].double()  # W_p
-        moments = second_moment[kept_columns][:, pruned].double()  # C_kp
-    else:
-        weights = torch.cat([weight, weight[:, kept_columns]], dim=1).double()  # [W, W_k]
-        moments = torch.cat([cross_moment[:, kept_columns].T.double(), -c_kk], dim=1)  # [M_:kᵀ, -C_kk]
-        del c_kk
-    solved = torch.cholesky_solve(moments, factor)
-    del moments, factor
-    return LeastSquaresFit(update=weights @ solved.T, damping=used)
+    raise torch.linalg.LinAlgError(f"C_kk stays singular up to damping {used:.3g}")
 
 
 def removal_error(
@@ -111,35 +131,32 @@ def removal_error(
     second_moment: torch.Tensor,
     pruned: list[int],
     kept_columns: list[int],
-    update: torch.Tensor | None,
     dense: StreamCrossMoment | None = None,
 ) -> float:
-    """The expected squared output error per token of the kept columns plus `update` (None: as they are), with
-    the undamped moments.
+    """The expected squared output error per token of the kept columns as they are (no refit).
 
-    Against the same layer on the same inputs: E||W_p y_p - D y_k||² = tr(W_p C_pp W_pᵀ) - 2 tr(D C_kp W_pᵀ)
-    + tr(D C_kk Dᵀ). Against the dense model (`dense` given), with W' = W_k + D:
-    E||W y_d - W' y_k||² = tr(W C_d Wᵀ) - 2 tr(W' M_:kᵀ Wᵀ) + tr(W' C_kk W'ᵀ).
+    Against the same layer on the same inputs: E||W_p y_p||² = tr(W_p C_pp W_pᵀ). Against the dense model
+    (`dense` given): E||W y_d - W_k y_k||² = tr(W C_d Wᵀ) - 2 tr(W_k M_:kᵀ Wᵀ) + tr(W_k C_kk W_kᵀ).
     """
-    if dense is None:
-        w_pruned = weight.detach()[:, pruned].double()
-        c_pp = second_moment[pruned][:, pruned].double()
-        error = (w_pruned @ c_pp * w_pruned).sum()
-        del c_pp
-        if update is not None:  # without one the D terms are zero: no |k| x |k| block is cut for them
-            c_kp = second_moment[kept_columns][:, pruned].double()
-            error -= 2 * (update @ c_kp * w_pruned).sum()
-            del c_kp
-            c_kk = second_moment[kept_columns][:, kept_columns].double()  # cut before widening, as in the fit
-            error += (update @ c_kk * update).sum()
-        return float(error)
-    c_kk = second_moment[kept_columns][:, kept_columns].double()
+    if dense is not None:
+        return _dense_target(weight, second_moment, kept_columns, dense)[0]
+    w_pruned = weight.detach()[:, pruned].double()
+    c_pp = second_moment[pruned][:, pruned].double()
+    return float((w_pruned @ c_pp * w_pruned).sum())
+
+
+def _dense_target(
+    weight: torch.Tensor, second_moment: torch.Tensor, kept_columns: list[int], dense: StreamCrossMoment
+) -> tuple[float, torch.Tensor]:
+    """Against the dense model: the error of the kept columns as they are, and the refit's numerator
+    N = W M_:k - W_k C_kk, from the same two out x |k| products."""
     full = weight.detach().double()
-    refitted = full[:, kept_columns] if update is None else full[:, kept_columns] + update
+    kept = full[:, kept_columns]
+    towards_dense = full @ dense.cross_moment[:, kept_columns].double()  # W M_:k
+    kept_output = kept @ second_moment[kept_columns][:, kept_columns].double()  # W_k C_kk
     error = (full @ dense.dense_second_moment.double() * full).sum()
-    error -= 2 * (refitted @ dense.cross_moment.double()[:, kept_columns].T * full).sum()
-    error += (refitted @ c_kk * refitted).sum()
-    return float(error)
+    error += (kept_output * kept).sum() - 2 * (towards_dense * kept).sum()
+    return float(error), towards_dense.sub_(kept_output)
 
 
 @torch.no_grad()
@@ -158,16 +175,16 @@ def compensate_linear(
     kept_columns = [i for i in range(linear.in_features) if i not in pruned_set]
     second_moment = moment.second_moment
     reference = SAME_INPUTS if dense is None else DENSE_MODEL
-    before = removal_error(linear.weight, second_moment, pruned, kept_columns, None, dense)
     # Against its own unpruned output a layer that loses nothing has nothing to refit; against the dense model's
     # it still does. A layer that keeps nothing has nothing to refit with.
     if (not pruned and dense is None) or not kept_columns:
+        before = removal_error(linear.weight, second_moment, pruned, kept_columns, dense)
         return CompensationReport(error_before=before, error_after=before, damping=0.0, reference=reference)
-    cross_moment = None if dense is None else dense.cross_moment
-    fit = fit_kept_columns(linear.weight, second_moment, pruned, kept_columns, damping, cross_moment)
-    after = removal_error(linear.weight, second_moment, pruned, kept_columns, fit.update, dense)
+    fit = fit_kept_columns(linear.weight, second_moment, pruned, kept_columns, damping, dense)
     linear.weight[:, kept_columns] += fit.update.to(linear.weight.dtype)
-    return CompensationReport(error_before=before, error_after=after, damping=fit.damping, reference=reference)
+    return CompensationReport(
+        error_before=fit.error_before, error_after=fit.error_after, damping=fit.damping, reference=reference
+    )
 
 
 def mean_bias(weight: torch.Tensor, mean: torch.Tensor, pruned: list[int]) -> torch.Tensor:
@@ -185,7 +202,7 @@ def add_mean_bias(linear: nn.Linear, moment: SecondMoment, pruned: list[int]) ->
     pruned_set = set(pruned)
     kept_columns = [i for i in range(linear.in_features) if i not in pruned_set]
     second_moment = moment.second_moment
-    before = removal_error(linear.weight, second_moment, pruned, kept_columns, None)
+    before = removal_error(linear.weight, second_moment, pruned, kept_columns)
     bias = mean_bias(linear.weight, moment.mean, pruned)
     if linear.bias is None:
         linear.bias = nn.Parameter(torch.zeros_like(linear.weight[:, 0]))

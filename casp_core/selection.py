@@ -23,10 +23,15 @@ from casp_core.surgery import LayerPruning, head_columns
 
 @dataclass
 class LayerQ:
-    """Q of the attention heads (block-aggregated) and of the FFN channels of one layer."""
+    """Q of the attention heads (block-aggregated) and of the FFN channels of one layer, with each one's share of
+    |Q| off the diagonal: that depends on Q alone, so it is read once for all the choices made on it (a sweep's
+    ratios, the temperature search's candidates), not once per choice (a pass over Q, at FFN width the largest
+    part of a greedy choice)."""
 
     heads: torch.Tensor
     channels: torch.Tensor
+    heads_offdiag_ratio: float
+    channels_offdiag_ratio: float
 
 
 @dataclass
@@ -46,11 +51,17 @@ def layer_q(layer: nn.Module, geometry: AttentionGeometry, moments: dict[str, Se
     check_finite(q_heads, "interaction", "Q of the attention heads", layer.self_attn.layer_idx)
     q_channels = interaction_matrix(down_proj.weight, moments["mlp"].second_moment)
     check_finite(q_channels, "interaction", "Q of the FFN channels", layer.self_attn.layer_idx)
-    return LayerQ(q_heads, q_channels)
+    return LayerQ(q_heads, q_channels, offdiag_ratio(q_heads), offdiag_ratio(q_channels))
 
 
 def solve_sublayer(
-    solver: str, q_units: torch.Tensor, k: int, weight: torch.Tensor, moment: SecondMoment, block: int
+    solver: str,
+    q_units: torch.Tensor,
+    q_offdiag_ratio: float,
+    k: int,
+    weight: torch.Tensor,
+    moment: SecondMoment,
+    block: int,
 ) -> SubLayerReport:
     pruned, lower_bound = select_units(
         solver, q_units, k, weight=weight, second_moment=moment.second_moment, mean=moment.mean, block=block
@@ -60,7 +71,7 @@ def solve_sublayer(
         pruned=sorted(int(i) for i in pruned),
         objective=objective(q_units, pruned),
         diagonal_objective=objective(q_units, diagonal(q_units, k)),
-        offdiag_ratio=offdiag_ratio(q_units),
+        offdiag_ratio=q_offdiag_ratio,
         lower_bound=lower_bound,
     )
 
@@ -68,6 +79,7 @@ def solve_sublayer(
 def solve_uniform_heads(
     solver: str,
     q_heads: torch.Tensor,
+    q_offdiag_ratio: float,
     geometry: AttentionGeometry,
     shape: UniformShape,
     weight: torch.Tensor,
@@ -118,7 +130,7 @@ def solve_uniform_heads(
         pruned=sorted(pruned),
         objective=objective(q_heads, chosen),
         diagonal_objective=objective(q_heads, diagonal(q_heads, len(pruned))),
-        offdiag_ratio=offdiag_ratio(q_heads),
+        offdiag_ratio=q_offdiag_ratio,
         lower_bound=None,
     )
 
@@ -137,16 +149,20 @@ def choose_units(
     uniform shape plans the same heads per key/value group and the same channel count for every layer."""
     o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
     if isinstance(plan, UniformShape):
-        attn = solve_uniform_heads(solver, q.heads, geometry, plan, o_proj.weight, moments["attn"])
+        attn = solve_uniform_heads(
+            solver, q.heads, q.heads_offdiag_ratio, geometry, plan, o_proj.weight, moments["attn"]
+        )
     else:
         n_heads = plan.layers[index].heads
-        attn = solve_sublayer(solver, q.heads, n_heads, o_proj.weight, moments["attn"], geometry.head_dim)
+        attn = solve_sublayer(
+            solver, q.heads, q.heads_offdiag_ratio, n_heads, o_proj.weight, moments["attn"], geometry.head_dim
+        )
     attention_removed = attention_params_removed(layer, geometry, attn.pruned)
     if isinstance(plan, UniformShape):
         n_channels = plan.pruned_channels
     else:
         n_channels = channels_to_prune(plan, index, removed_before, attention_removed)
-    mlp = solve_sublayer(solver, q.channels, n_channels, down_proj.weight, moments["mlp"], 1)
+    mlp = solve_sublayer(solver, q.channels, q.channels_offdiag_ratio, n_channels, down_proj.weight, moments["mlp"], 1)
     return LayerChoice(attn, mlp, attention_removed)
 
 

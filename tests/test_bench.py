@@ -307,6 +307,13 @@ def test_sweep_tiny(tmp_path: Path) -> None:
     # --render writes the same markdown from the JSON alone.
     sweep.main(["--render", str(tmp_path / "sweep.json"), "--out", str(tmp_path / "rendered")])
     assert (tmp_path / "rendered" / "sweep.md").read_text() == markdown
+    # Each row says when and under what load it was measured; a later run into the same folder keeps the rows it
+    # does not measure again (here, as if it ran sequential mode only) and replaces the one it does.
+    assert len(measured["loadavg"]) == len(single["loadavg"]) == 2
+    assert f"{written['machine']['date'][:16]}, {written['machine']['git_commit'][:10]}, load up to" in markdown
+    assert sweep._earlier_results(tmp_path / "sweep.json", [("ptbwiki-7M", "dense", "least_squares")]) == []
+    (kept,) = sweep._earlier_results(tmp_path / "sweep.json", [("ptbwiki-7M", "sequential", "least_squares")])
+    assert kept == result and kept["measured"]["machine"]["date"] == written["machine"]["date"]
 
 
 def test_frontier_tiny(tmp_path: Path) -> None:

@@ -70,15 +70,15 @@ def test_dense_target_update_equals_a_direct_least_squares_solve():
     pruned = [0, 3, 4, 10]
     kept = split(12, pruned)
     cross = cross_moment_of(dense, inputs)
-    fit = fit_kept_columns(weight, moment_of(inputs).second_moment, pruned, kept, 1e-12, cross.cross_moment)
+    fit = fit_kept_columns(weight, moment_of(inputs).second_moment, pruned, kept, 1e-12, cross)
     # min over W' of sum_t ||W y_d(t) - W' y_k(t)||², y_k the kept columns of the pruned stream; D = W' - W_k.
     refitted = torch.linalg.lstsq(inputs[:, kept], dense @ weight.T).solution.T
     torch.testing.assert_close(fit.update, refitted - weight[:, kept], rtol=1e-7, atol=1e-9)
-    # The error it reports is the mean squared distance to the dense model's output, before and after.
-    for update in (torch.zeros_like(fit.update), fit.update):
+    # The errors it reports are the mean squared distance to the dense model's output, before and after.
+    for update, reported in ((torch.zeros_like(fit.update), fit.error_before), (fit.update, fit.error_after)):
         residual = dense @ weight.T - inputs[:, kept] @ (weight[:, kept] + update).T
-        reported = removal_error(weight, moment_of(inputs).second_moment, pruned, kept, update, cross)
         assert reported == pytest.approx(float(residual.pow(2).sum(1).mean()), rel=1e-9)
+    assert removal_error(weight, moment_of(inputs).second_moment, pruned, kept, cross) == fit.error_before
 
 
 def test_dense_target_with_one_stream_is_the_symmetric_fit_and_refits_a_layer_that_loses_nothing():
@@ -87,7 +87,7 @@ def test_dense_target_with_one_stream_is_the_symmetric_fit_and_refits_a_layer_th
     pruned = [2, 5, 6]
     kept = split(10, pruned)
     c = moment_of(inputs).second_moment
-    same_stream = cross_moment_of(inputs, inputs).cross_moment
+    same_stream = cross_moment_of(inputs, inputs)
     symmetric = fit_kept_columns(weight, c, pruned, kept, 0.05).update
     torch.testing.assert_close(fit_kept_columns(weight, c, pruned, kept, 0.05, same_stream).update, symmetric)
     # Nothing pruned: against its own output there is nothing to refit; against the dense model's there is.
@@ -111,20 +111,61 @@ def test_damping_is_ridge_regression_scaled_by_the_mean_diagonal():
     assert fit.damping == damping
 
 
-def test_removal_error_is_the_mean_squared_output_error_and_z_q_z_without_update():
+def test_removal_error_is_the_mean_squared_output_error_and_z_q_z():
     inputs = correlated_inputs(250, 9, seed=4)
     weight = torch.randn(6, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     pruned = [2, 3, 8]
     kept = split(9, pruned)
     c = moment_of(inputs).second_moment
-    update = fit_kept_columns(weight, c, pruned, kept, damping=0.01).update
-    residual = inputs[:, pruned] @ weight[:, pruned].T - inputs[:, kept] @ update.T
-    mean_squared_error = float(residual.pow(2).sum(1).mean())
-    assert removal_error(weight, c, pruned, kept, update) == pytest.approx(mean_squared_error, rel=1e-9)
-    before = removal_error(weight, c, pruned, kept, None)
-    assert before == removal_error(weight, c, pruned, kept, torch.zeros_like(update))  # None: the D terms skipped
+    before = removal_error(weight, c, pruned, kept)
+    assert before == pytest.approx(float((inputs[:, pruned] @ weight[:, pruned].T).pow(2).sum(1).mean()), rel=1e-9)
     assert before == pytest.approx(objective(interaction_matrix(weight, c), torch.tensor(pruned)), rel=1e-9)
-    assert removal_error(weight, c, pruned, kept, update) < 0.5 * before
+    fit = fit_kept_columns(weight, c, pruned, kept, damping=0.01)
+    assert fit.error_before == before and fit.error_after < 0.5 * before
+
+
+def direct_errors(
+    weight: torch.Tensor, inputs: torch.Tensor, dense: torch.Tensor | None, kept: list[int], update: torch.Tensor
+) -> tuple[float, float]:
+    """The mean squared output error over the tokens, kept columns as they were and with `update`: against the
+    layer's own output on `inputs`, or against the dense model's on `dense` (its inputs on the dense stream)."""
+    target = (inputs if dense is None else dense) @ weight.T
+    return tuple(
+        float((target - inputs[:, kept] @ (weight[:, kept] + d).T).pow(2).sum(1).mean())
+        for d in (torch.zeros_like(update), update)
+    )
+
+
+# (out, width, pruned): which order `fit_kept_columns` solves in, |p| (|k| + out) < out |k| or not.
+SHAPES = {
+    "solve on C_kp": (30, 12, [4, 9]),  # 2 x 40 < 300
+    "solve on the numerator": (5, 12, [1, 4, 5, 9, 11]),  # 5 x 12 >= 35
+}
+
+
+@pytest.mark.parametrize("reference", [SAME_INPUTS, DENSE_MODEL])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_error_after_the_refit_follows_from_the_error_before(reference, shape):
+    """after = before - <D, N> - λ||D||², against the direct formula on the tokens: both solve orders, both
+    references, damping strong enough that dropping the λ term shows."""
+    out, width, pruned = SHAPES[shape]
+    kept, damping = split(width, pruned), 0.2
+    dense, inputs = paired_inputs(300, width, seed=15)
+    weight = torch.randn(out, width, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
+    c = moment_of(inputs).second_moment
+    cross = None if reference == SAME_INPUTS else cross_moment_of(dense, inputs)
+    fit = fit_kept_columns(weight, c, pruned, kept, damping, cross)
+    # The ridge solution written out: D (C_kk + λI) = N.
+    ridge = c[kept][:, kept] + damping * c[kept][:, kept].diagonal().mean() * torch.eye(len(kept), dtype=c.dtype)
+    if cross is None:
+        numerator = weight[:, pruned] @ c[pruned][:, kept]
+    else:
+        numerator = weight @ cross.cross_moment[:, kept] - weight[:, kept] @ c[kept][:, kept]
+    torch.testing.assert_close(fit.update, numerator @ torch.linalg.inv(ridge), rtol=1e-9, atol=1e-12)
+    before, after = direct_errors(weight, inputs, None if cross is None else dense, kept, fit.update)
+    assert fit.error_before == pytest.approx(before, rel=1e-9)
+    assert fit.error_after == pytest.approx(after, rel=1e-9)
+    assert fit.error_after < fit.error_before
 
 
 def test_compensate_linear_updates_only_the_kept_columns_and_reports_both_errors():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import casp_core.prune
+import casp_core.selection
 from casp_core.calibration import calibration_windows
 from casp_core.errors import Cancelled, InvalidConfig
 from casp_core.model import load_model
@@ -88,9 +89,11 @@ def test_dense_mode_takes_each_layers_statistics_once_for_every_ratio(ptbwiki, m
     dense_before = state(dense)
     statistics = counted(monkeypatch, casp_core.prune, "record_inputs")
     interactions = counted(monkeypatch, casp_core.prune, "layer_q")
+    offdiag_ratios = counted(monkeypatch, casp_core.selection, "offdiag_ratio")
     results = list(prune_ratios(dense, tokenizer, config, RATIOS))
     n_layers = dense.config.num_hidden_layers
     assert (len(statistics), len(interactions)) == (n_layers, n_layers)
+    assert len(offdiag_ratios) == 2 * n_layers  # read off each Q once (heads, channels), not once per ratio
     windows = calibration_windows(dense, tokenizer, config)
     for ratio, swept in results:
         single = prune(copy.deepcopy(dense), tokenizer, config.model_copy(update={"ratio": ratio}), windows=windows)

@@ -21,7 +21,7 @@ from casp_core.checkpoint import save_pruned
 from casp_core.cli.main import main
 from casp_core.errors import InvalidConfig
 from casp_core.export.gguf import export_gguf
-from casp_core.interaction import block_aggregate, interaction_matrix
+from casp_core.interaction import block_aggregate, interaction_matrix, offdiag_ratio
 from casp_core.model import attention_geometry, decoder_layers, load_model
 from casp_core.prune import prune
 from casp_core.rounding import auto_round_to
@@ -156,7 +156,9 @@ def real_statistics():
 def test_whole_groups_go_by_the_group_aggregated_q_then_heads_within_each_kept_group():
     geometry, q_heads, weight, moment = real_statistics()
     # Three of four groups stay, one head of each: greedy on the groups' Q, then on each kept pair's 2 x 2 block.
-    report = solve_uniform_heads("greedy", q_heads, geometry, UniformShape(3, 1, 0), weight, moment)
+    report = solve_uniform_heads(
+        "greedy", q_heads, offdiag_ratio(q_heads), geometry, UniformShape(3, 1, 0), weight, moment
+    )
     (gone_group,) = greedy(block_aggregate(q_heads, 2), 1).tolist()
     expected = {2 * gone_group, 2 * gone_group + 1}
     for kv in set(range(4)) - {gone_group}:

@@ -1,6 +1,7 @@
 """Verification compares masked and pruned in float64: no false alarm from float32 rounding, and a single changed
 weight element is still caught."""
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -9,12 +10,19 @@ import torch
 from transformers import LlamaForCausalLM
 
 from bench.shapes import llama_config
-from casp_core.calibration import calibration_windows
+from casp_core.calibration import calibration_windows, capture_first_layer_inputs
 from casp_core.errors import VerificationFailed
 from casp_core.model import load_model
 from casp_core.prune import prune
 from casp_core.report.build import build_report, pruning_section, render_markdown
-from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE, float64_forward, verify
+from casp_core.verification import (
+    VERIFY_RELATIVE_TOLERANCE,
+    VERIFY_RULE,
+    Float64Scratch,
+    float64_forward,
+    same_memory,
+    verify,
+)
 from tests.conftest import STORIES, small_config
 
 CPU = torch.device("cpu")
@@ -104,13 +112,32 @@ def test_one_changed_weight_element_is_caught(pruned_stories, name):
             verify(masked, result.model, tokens, CPU)
 
 
-def test_changed_head_is_caught(pruned_stories):
+@pytest.mark.parametrize("name", ["model.norm", "lm_head"])
+def test_changed_head_is_caught(pruned_stories, name):
+    """The final norm or the head: verify skips the pruned logits only where both are the masked model's."""
     masked, result, tokens = pruned_stories
+    assert same_memory(result.model.lm_head.weight, masked.lm_head.weight)  # surgery shares it: the skip applies
     with (
-        one_element_changed(result.model.model.norm, 7),
+        one_element_changed(result.model.get_submodule(name), 7),
         pytest.raises(VerificationFailed, match=r"^the final norm and head \(logits\) of the pruned model"),
     ):
         verify(masked, result.model, tokens, CPU)
+
+
+def test_float64_forward_widens_each_projection_into_one_reused_buffer(stories):
+    """A decoder layer's projections of three shapes through one `Float64Scratch`: the same output as the layer
+    on float64 copies of its weights, and the buffer no larger than the largest projection."""
+    model, _tokenizer = stories
+    layer = model.model.layers[1]
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    inputs = capture_first_layer_inputs(model, tokens, 2, CPU, CPU)
+    hidden, kwargs = inputs.batches[0].double(), inputs.kwargs(layer, 2)
+    scratch = Float64Scratch()
+    actual = float64_forward(layer, CPU, hidden, scratch=scratch, **kwargs)
+    widest = max(p.numel() for p in layer.parameters() if p.dim() == 2)
+    assert scratch.buffer is not None and scratch.buffer.numel() == widest
+    expected = float64_forward(copy.deepcopy(layer).double(), CPU, hidden, **kwargs)  # nothing left to widen
+    assert torch.equal(actual, expected)
 
 
 def test_verify_leaves_both_models_as_they_were(pruned_stories):
