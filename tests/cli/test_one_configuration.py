@@ -38,7 +38,10 @@ TEXT_SAMPLES: dict[str, Any] = {
     # Budgets the demo model's candidates meet (an impossible one is refused at submit).
     "target.max_bytes": 10**9,
     "target.max_params": 10**9,
+    "recovery.ce_weight": 0.25,  # the middle of [0, 1] is the default
 }
+# Settings valid only beside another one: a distillation loss trains, so it needs a recovery method.
+NEEDS: dict[str, dict[str, Any]] = {"recovery.loss": {"recovery.method": "lora"}}
 # A target replaces the ratio; its format goes with a bytes budget.
 TARGET = "target."
 FORMAT_NEEDS = {"max_bytes": 10**9}
@@ -99,7 +102,10 @@ def value_at(config: PruneConfig, name: str) -> Any:
 def job_with(name: str, value: Any) -> dict[str, Any]:
     """The parked job with the setting: a target's part in place of the ratio."""
     if not name.startswith(TARGET):
-        return merged(PARKED, nested(name, value))
+        body = merged(PARKED, nested(name, value))
+        for needed, needed_value in NEEDS.get(name, {}).items():
+            body = merged(body, nested(needed, needed_value))
+        return body
     budget = FORMAT_NEEDS if name == "target.format" else {}
     sweep = {key: setting for key, setting in PARKED.items() if key != "ratio"}
     return {**sweep, "target": {**budget, name.removeprefix(TARGET): value}}
@@ -108,7 +114,8 @@ def job_with(name: str, value: Any) -> dict[str, Any]:
 def base_flags(name: str) -> list[str]:
     """--ratio 0.3, or for a target's part what it needs beside it."""
     if not name.startswith(TARGET):
-        return ["--ratio", "0.3"]
+        needed = [argument for need in NEEDS.get(name, {}).items() for argument in (flag_of(need[0]), str(need[1]))]
+        return ["--ratio", "0.3", *needed]
     return ["--target-bytes", str(FORMAT_NEEDS["max_bytes"])] if name == "target.format" else []
 
 
