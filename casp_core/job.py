@@ -316,8 +316,9 @@ def recover_checkpoint(
     datasets_dir: str | None = None,
     device: str = "auto",
 ) -> dict[str, Any]:
-    """`casp recover`: a saved checkpoint recovered into a new one in `out_dir` (merged weights, `adapter/`,
-    recovery.json, the loss curve), or nothing."""
+    """`casp recover`: a saved checkpoint recovered into a new one in `out_dir` (the trained weights, `adapter/`
+    with LoRA, recovery.json, the loss curve), or nothing."""
+    lora = config.method == "lora"
     run = run or Run()
     out_dir = Path(out_dir)
     with staged_output(out_dir) as staging:
@@ -336,13 +337,19 @@ def recover_checkpoint(
             )
         with run.stage("recovery"):
             model, recovery = recover(
-                model, tokenizer, training, config, run, device=device, adapter_dir=staging / ADAPTER_DIR
+                model,
+                tokenizer,
+                training,
+                config,
+                run,
+                device=device,
+                adapter_dir=staging / ADAPTER_DIR if lora else None,
             )
         with run.stage("checkpoint"):
             run.report("checkpoint", 0.0, "writing the checkpoint")
             model.config.casp = {**(getattr(model.config, "casp", None) or {}), "recovery": config.to_dict()}
             save_pruned(model, tokenizer, staging)
-        summary = {"checkpoint": str(checkpoint), **recovery.summary(), "adapter": ADAPTER_DIR}
+        summary = {"checkpoint": str(checkpoint), **recovery.summary(), "adapter": ADAPTER_DIR if lora else None}
         summary["plots"] = [str(plot_recovery_curve(recovery.curve, staging / RECOVERY_CURVE).relative_to(staging))]
         summary["timings"] = run.timer.stages
         (staging / "recovery.json").write_text(json.dumps(summary, indent=2) + "\n")
