@@ -19,7 +19,6 @@ from casp_core.model import (
     prunable_parameters,
     sublayer_parameters,
 )
-from casp_core.plain import allows_head_count, check_plain_shape
 from casp_core.rounding import aligned_heads, channel_counts, head_multiple, round_to_for
 from casp_core.surgery import kept_kv_heads
 
@@ -229,7 +228,8 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
     key/value heads (a smaller KV cache). Channels: the rest of the layer's share, to the nearest count, so the
     achieved ratio is within half a rounding unit (round_to channels in every layer) of the target.
     """
-    check_plain_shape(model.config, config)
+    family = family_of(model.config)
+    family.check_plain_shape(model.config, config)
     layers = decoder_layers(model)
     layer = layers[0]  # the supported families' decoder layers are all alike
     geometry = attention_geometry(model, layer)
@@ -244,7 +244,7 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
             (kv, per)
             for kv in range(1, geometry.num_kv_heads + 1)
             for per in range(1, group + 1)
-            if allows_head_count(model.config, kv * per) and geometry.num_heads - kv * per <= cap
+            if family.allows_head_count(model.config, kv * per) and geometry.num_heads - kv * per <= cap
         ),
         key=lambda choice: (abs(choice[0] * choice[1] - wanted_heads), -choice[0] * choice[1], -choice[1]),
     )

@@ -15,7 +15,6 @@ from casp_core.errors import VerificationFailed
 from casp_core.families import family_of
 from casp_core.model import attention_geometry, decoder_layers
 from casp_core.modeling_casp_llama import even_group_size
-from casp_core.plain import plain_config
 from casp_core.units import AttentionGeometry, LayerPruning, kept, kept_kv_heads
 
 
@@ -38,8 +37,9 @@ def _plain_config(
         raise VerificationFailed("the uniform shape left decoder layers of different shapes")
     if even_group_size(kv_maps[0], kv_heads) is None:
         raise VerificationFailed("the uniform shape left key/value groups that repeat_kv cannot express")
-    parts = family_of(model.config).projections(decoder_layers(model)[0])
-    return plain_config(
+    family = family_of(model.config)
+    parts = family.projections(decoder_layers(model)[0])
+    return family.plain_config(
         model.config,
         heads=heads,
         kv_heads=kv_heads,

@@ -32,9 +32,8 @@ from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
 from casp_core.export.gguf_types import check_gguf_type
-from casp_core.families import check_export
+from casp_core.families import check_export, family_of
 from casp_core.model import is_local_reference, load_config
-from casp_core.plain import check_plain_shape
 from casp_core.quantization import check_quantization
 from casp_core.recovery_data import check_length
 from casp_core.targets import sweep_candidates
@@ -84,7 +83,7 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
             # config (a hub model's, when the job starts).
             model_config = load_config(model)
             check_export(model_config, body.export)
-            check_plain_shape(model_config, body)
+            family_of(model_config).check_plain_shape(model_config, body)
             check_quantization(model_config, body)
             if "gguf" in body.export:
                 check_gguf_type(model_config.hidden_size, body.gguf_type)
