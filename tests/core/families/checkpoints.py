@@ -10,10 +10,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import LORA_TARGETS, RecoveryConfig
+from casp_core.model import load_model
 from casp_core.recovery import recover
 from casp_core.recovery_data import load_training_data
 from tests.conftest import REPO
-from tests.core.families.helpers import VOCAB, WINDOW
+from tests.core.families.helpers import VOCAB, WINDOW, prune_small
 from tests.core.fresh_process import run_python
 
 # The lowest transformers the project supports, installed apart from the venv by `make install`.
@@ -87,3 +88,15 @@ def assert_recovery_trains_and_reloads(
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, recovered(tokens).logits)
         assert not torch.allclose(pruned(tokens).logits, recovered(tokens).logits)
+
+
+def pipeline_checkpoints_of(dense_folder: Path, root: Path) -> dict[str, tuple]:
+    """Per shape, the masked dense model's logits, the written checkpoint of the real pipeline at 0.5 under `root`,
+    the pruned model and the tokenizer."""
+    written = {}
+    for shape in ("per_layer", "uniform"):
+        model, tokenizer = load_model(str(dense_folder))
+        result = prune_small(model, tokenizer, 0.5, "greedy", shape=shape)  # masks `model`
+        save_pruned(result.model, tokenizer, root / shape)
+        written[shape] = (masked_logits(model), root / shape, result.model, tokenizer)
+    return written

@@ -22,7 +22,7 @@ from casp_core.surgery import remove_units
 from tests.core.families.checkpoints import (
     assert_recovery_trains_and_reloads,
     fresh_logits,
-    masked_logits,
+    pipeline_checkpoints_of,
     test_tokens,
 )
 from tests.core.families.helpers import (
@@ -118,14 +118,7 @@ def test_mean_bias_compensation_is_carried(shape: str, dense_folder: Path, tmp_p
 @pytest.fixture(scope="module")
 def pipeline_checkpoints(dense_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """Per shape, the masked dense model's logits and the written checkpoint of the real pipeline at 0.5."""
-    root = tmp_path_factory.mktemp("granite-pruned")
-    written = {}
-    for shape in ("per_layer", "uniform"):
-        model, tokenizer = load_model(str(dense_folder))
-        result = prune_small(model, tokenizer, 0.5, "greedy", shape=shape)  # masks `model`
-        save_pruned(result.model, tokenizer, root / shape)
-        written[shape] = (masked_logits(model), root / shape, result.model, tokenizer)
-    return written
+    return pipeline_checkpoints_of(dense_folder, tmp_path_factory.mktemp("granite-pruned"))
 
 
 @pytest.mark.parametrize("lowest", [False, True], ids=["locked", "lowest"])

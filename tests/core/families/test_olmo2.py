@@ -10,14 +10,17 @@ import pytest
 from transformers import Olmo2Config, Olmo2ForCausalLM
 
 from casp_core.budget import channel_params
-from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig, UnsupportedExport, VerificationFailed
 from casp_core.families import check_export
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_olmo2 import CaspOlmo2ForCausalLM
 from casp_core.surgery import LayerPruning, remove_units
-from tests.core.families.checkpoints import assert_recovery_trains_and_reloads, fresh_logits, masked_logits
+from tests.core.families.checkpoints import (
+    assert_recovery_trains_and_reloads,
+    fresh_logits,
+    pipeline_checkpoints_of,
+)
 from tests.core.families.helpers import (
     COMMON,
     WIDTH,
@@ -116,14 +119,7 @@ def test_casp_prune_succeeds(
 @pytest.fixture(scope="module")
 def pipeline_checkpoints(dense_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """Per shape, the masked dense model's logits and the written checkpoint of the real pipeline at 0.5."""
-    root = tmp_path_factory.mktemp("olmo2-pruned")
-    written = {}
-    for shape in ("per_layer", "uniform"):
-        model, tokenizer = load_model(str(dense_folder))
-        result = prune_small(model, tokenizer, 0.5, "greedy", shape=shape)  # masks `model`
-        save_pruned(result.model, tokenizer, root / shape)
-        written[shape] = (masked_logits(model), root / shape, result.model, tokenizer)
-    return written
+    return pipeline_checkpoints_of(dense_folder, tmp_path_factory.mktemp("olmo2-pruned"))
 
 
 def test_written_checkpoints_load_where_casp_core_is_not(
