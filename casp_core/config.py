@@ -54,6 +54,9 @@ QUANTIZATIONS = ("none", "w8a8_int8", "fp8_dynamic", "w4a16")
 PLACEMENTS = ("auto", "resident", "offload")
 # lora: adapters on the projections, merged after training; full: every kept weight of the decoder layers trained.
 RECOVERY_METHODS = ("none", "lora", "full")
+FULL_RECOVERY = "full"
+# The adapters' own settings: with method full there are no adapters, so setting one is a mistake worth naming.
+LORA_ONLY_SETTINGS = ("rank", "alpha", "dropout", "target_modules")
 # cross_entropy: next-token loss on the data; distill: KL divergence from the dense model's next-token distribution
 # (its top-k, cached before pruning: casp_core.teacher); distill_ce: a weighted sum of the two.
 RECOVERY_LOSSES = ("cross_entropy", "distill", "distill_ce")
@@ -473,6 +476,15 @@ class PruneConfig(PruneSettings):
             raise InvalidConfig(
                 f"recovery.loss: {checked.recovery.loss} trains the pruned model: give recovery.method lora or full"
             )
+        if checked.recovery.method == FULL_RECOVERY:
+            for name in LORA_ONLY_SETTINGS:
+                if getattr(checked.recovery, name) != RecoveryConfig.model_fields[name].get_default(
+                    call_default_factory=True
+                ):
+                    raise InvalidConfig(
+                        f"recovery.{name}: a LoRA setting, unused by recovery.method full (which trains the weights "
+                        "themselves): leave it out or give recovery.method lora"
+                    )
         if checked.alpha == AUTO_ALPHA and checked.calibration.n_samples < 2:
             raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
         return self

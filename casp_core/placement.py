@@ -35,7 +35,14 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.calibration import FLOAT64_MAX_DIM
-from casp_core.config import AUTO_ALPHA, CROSS_ENTROPY_LOSS, DENSE_TARGET_COMPENSATION, PruneConfig, RecoveryConfig
+from casp_core.config import (
+    AUTO_ALPHA,
+    CROSS_ENTROPY_LOSS,
+    DENSE_TARGET_COMPENSATION,
+    FULL_RECOVERY,
+    PruneConfig,
+    RecoveryConfig,
+)
 from casp_core.errors import DeviceMemoryTooSmall
 from casp_core.run import CPU
 
@@ -240,7 +247,7 @@ def estimate_recovery_memory(
     rest = shape.model_parameters() - shape.layers * shape.layer_parameters()
     tokens = recovery.batch_size * recovery.max_seq_len
     attn_width, qkv = shape.heads * shape.head_dim, (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    if recovery.method == "full":
+    if recovery.method == FULL_RECOVERY:
         weights = decoder * FLOAT32 + rest * weight_bytes  # the decoder layers train in float32
         optimizer_state = decoder * OPTIMIZER_STATE
     else:
@@ -252,11 +259,11 @@ def estimate_recovery_memory(
     # One layer's forward and backward: hidden states, q/k/v, attention output, the MLP's gate, up and product
     # (their gradients as many again), LoRA's dropout copy of each adapted input.
     per_layer = tokens * (3 * shape.hidden + qkv + attn_width + 3 * shape.intermediate) * activation_bytes
-    if recovery.method != "full":
+    if recovery.method != FULL_RECOVERY:
         per_layer += tokens * LORA_PROJECTIONS * shape.hidden * activation_bytes
     if shape.eager_attention:
         per_layer += recovery.batch_size * shape.heads * recovery.max_seq_len**2 * (FLOAT32 + activation_bytes)
-    checkpointing = recovery.gradient_checkpointing or recovery.method == "full"
+    checkpointing = recovery.gradient_checkpointing or recovery.method == FULL_RECOVERY
     if checkpointing:
         activations = shape.layers * tokens * shape.hidden * activation_bytes + 2 * per_layer
     else:
@@ -281,9 +288,9 @@ def check_recovery_fits(model: PreTrainedModel, config: PruneConfig, device: tor
     if limit is None or needed.peak <= limit:
         return needed
     alternatives = []
-    if recovery.method == "full" and estimate({"method": "lora"}).peak <= limit:
+    if recovery.method == FULL_RECOVERY and estimate({"method": "lora"}).peak <= limit:
         alternatives.append(f"method lora ({byte_size(estimate({'method': 'lora'}).peak)})")
-    if not recovery.gradient_checkpointing and recovery.method != "full":
+    if not recovery.gradient_checkpointing and recovery.method != FULL_RECOVERY:
         checkpointed = estimate({"gradient_checkpointing": True})
         if checkpointed.peak <= limit:
             alternatives.append(f"gradient_checkpointing ({byte_size(checkpointed.peak)})")

@@ -31,7 +31,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
-from casp_core.config import CROSS_ENTROPY_LOSS, RecoveryConfig
+from casp_core.config import CROSS_ENTROPY_LOSS, FULL_RECOVERY, RecoveryConfig
 from casp_core.errors import InvalidConfig
 from casp_core.families import family_of
 from casp_core.model import decoder_layers, resolve_device
@@ -43,7 +43,6 @@ from casp_core.teacher import TeacherCache, distillation_loss, labelled_position
 STAGE = "recovery"
 STATE_FILE = "recovery-state.pt"
 ADAPTER_DIR = "adapter"
-FULL = "full"
 DISTILL_CE = "distill_ce"
 # LLM-Pruner's 100 warm-up steps, but never more than a tenth of a short run.
 WARMUP_STEPS = 100
@@ -144,7 +143,7 @@ def recover(
     # Master weights in float32 unless bf16 autocast runs the matmuls: fp16/bf16 AdamW updates would round away.
     model.to(device=target, dtype=dtype if autocast else torch.float32)
     model.config.use_cache = False
-    checkpointing = config.gradient_checkpointing or config.method == FULL
+    checkpointing = config.gradient_checkpointing or config.method == FULL_RECOVERY
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     torch.manual_seed(config.seed)
@@ -218,7 +217,7 @@ def recover(
             saved = _save_state(state_dir, fingerprint, step + 1, trainable, optimizer, schedule, result)
             if on_state_saved is not None:
                 on_state_saved(saved)
-    if config.method == FULL:
+    if config.method == FULL_RECOVERY:
         recovered = trained
     else:
         if adapter_dir is not None:
@@ -233,7 +232,7 @@ def recover(
 def _trainable_model(model: PreTrainedModel, config: RecoveryConfig) -> torch.nn.Module:
     """`model` with only what `config.method` trains requiring a gradient: LoRA adapters (a peft model around
     it), or every parameter of its decoder layers."""
-    if config.method != FULL:
+    if config.method != FULL_RECOVERY:
         lora = LoraConfig(
             r=config.rank,
             lora_alpha=config.alpha,

@@ -8,13 +8,11 @@ from pathlib import Path
 
 from casp_core.cli.progress import StageBars
 from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, bare_flag, settings_from_args
-from casp_core.config import RecoveryConfig
+from casp_core.config import LORA_ONLY_SETTINGS, RecoveryConfig
 from casp_core.errors import InvalidConfig
 
 # Distillation needs the dense model, which a saved checkpoint does not bring: a job's settings only.
 DISTILLATION = ("loss", "temperature", "ce_weight", "teacher_top_k")
-# The adapters' shape: RecoveryConfig keeps them with method full (unused), a flag given for them is a mistake.
-LORA_ONLY = ("rank", "alpha", "dropout", "target_modules")
 METHODS = ("lora", "full")
 
 DESCRIPTION = (
@@ -57,7 +55,7 @@ def run_recover(args: argparse.Namespace) -> int:
     from casp_core.run import Run
 
     settings = settings_from_args(args, RecoveryConfig)
-    unused = [name for name in LORA_ONLY if name in settings]
+    unused = [name for name in LORA_ONLY_SETTINGS if name in settings]
     if args.method != "lora" and unused:
         raise InvalidConfig(f"{bare_flag(unused[0])}: a LoRA setting, unused by --method {args.method}")
     config = RecoveryConfig.from_dict({**settings, "method": args.method})

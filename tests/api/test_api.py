@@ -68,6 +68,11 @@ def refusal(response: Any, status: int = 422) -> dict[str, Any]:
         ({"recovery": {"rank": 0}}, "recovery.rank", "greater than or equal to 1"),
         ({"recovery": {"method": "sft"}}, "recovery.method", "'lora'"),
         ({"recovery": {"loss": "distill"}}, "recovery.loss", "distill trains the pruned model: give recovery.method"),
+        (
+            {"recovery": {"method": "full", "dataset": "ptb", "target_modules": ["q_proj"]}},
+            "recovery.target_modules",
+            "a LoRA setting, unused by recovery.method full",
+        ),
         ({"recovery": {"method": "lora", "loss": "kl"}}, "recovery.loss", "'cross_entropy', 'distill' or 'distill_ce'"),
         ({"recovery": {"method": "lora", "temperature": 0}}, "recovery.temperature", "greater than 0"),
         ({"recovery": {"method": "lora", "ce_weight": 1.5}}, "recovery.ce_weight", "less than or equal to 1"),

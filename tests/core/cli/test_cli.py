@@ -122,6 +122,10 @@ def test_a_round_to_that_forfeits_the_speedup_is_one_warning_line_and_in_the_rep
             ["--model", str(STORIES), "--ratio", "0.3", "--device", "gpu0"],
             "invalid_config: device: 'gpu0' is not a device name",
         ),
+        (
+            ["--model", str(STORIES), "--ratio", "0.3", "--recovery", "full", "--lora-rank", "16"],
+            "invalid_config: recovery.rank: a LoRA setting, unused by recovery.method full",
+        ),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(tmp_path, arguments, expected):
