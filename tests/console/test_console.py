@@ -1,0 +1,322 @@
+"""The console (api/console) in a real browser: Chromium from Debian's packages, driven by Playwright, against the
+embedded service on a loopback port (SQLite, local storage, one worker thread, API keys on), running real jobs on
+stories260K. Two real jobs in all: one submitted through the form and run to the end, one cancelled while it runs.
+The tests write the screenshots in docs/console/ that the README shows."""
+
+import hashlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Locator, Page, Playwright, expect, sync_playwright
+
+from casp_cli.app import service_app
+from service import jobs
+from service.db import session_scope
+from service.settings import Settings
+from tests.service_fixtures import REPO, TINY_JOB, embedded_settings, finished, serving, wait_for
+
+pytestmark = pytest.mark.service
+
+CHROMIUM = "/usr/bin/chromium"
+# This machine's network is closed: no background connections, which would only time out.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOTS = REPO / "docs" / "console"
+JOB_SECONDS = 180_000  # ms, Playwright's unit: a real job on a busy 2-core machine
+# Every stage of a ratio job, in the order the worker runs them (the placement is an event of the evaluation).
+STAGES = ["load", "calibration", "evaluation", "placement", "allocation", "pruning", "verification", "checkpoint",
+          "report", "upload"]  # fmt: skip
+# Enough calibration work that the job is still running when the test cancels it.
+SLOW_JOB = {**TINY_JOB, "calibration": {"dataset": "wikitext2:validation", "n_samples": 64, "seq_len": 256}}
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    home = tmp_path_factory.mktemp("console-home")
+    return embedded_settings(home, auth="apikey", embedded_workers=1, default_device="cpu")
+
+
+@pytest.fixture(scope="module")
+def keys(settings: Settings) -> dict[str, str]:
+    with session_scope(settings.database) as session:
+        return {name: jobs.create_api_key(session, name)[1] for name in ("alice", "bob")}
+
+
+@pytest.fixture(scope="module")
+def server(settings: Settings) -> Iterator[str]:
+    with serving(service_app(settings)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert Path(CHROMIUM).exists(), f"no {CHROMIUM}: apt-get install chromium (.ci/run does)"
+    with sync_playwright() as playwright:
+        browser = launch(playwright)
+        yield browser
+        browser.close()
+
+
+def launch(playwright: Playwright) -> Browser:
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+@pytest.fixture
+def context(browser: Browser, server: str) -> Iterator[BrowserContext]:
+    """A fresh tab's worth of state (sessionStorage, downloads), whose every request is logged: at the end, none
+    may have gone anywhere but the server's own origin."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    requests: list[str] = []
+    context.on("request", lambda request: requests.append(request.url))
+    yield context
+    context.close()
+    origin = urlsplit(server).netloc
+    assert requests, "no request was logged"
+    foreign = [url for url in requests if urlsplit(url).scheme not in ("data", "blob") and urlsplit(url).netloc != origin]
+    assert not foreign, f"requests left {origin}: {foreign}"
+
+
+@pytest.fixture
+def page(context: BrowserContext) -> Iterator[Page]:
+    """A page whose scripts must throw nothing uncaught."""
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.set_default_timeout(20_000)
+    yield page
+    assert not errors, errors
+
+
+def sign_in(page: Page, url: str, key: str) -> None:
+    """Opens `url` and enters the key in the form the console asks for it with."""
+    page.goto(url)
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Use this key").click()
+    expect(page.locator("main")).to_be_visible()
+
+
+def api_get(server: str, key: str, path: str) -> Any:
+    response = httpx.get(f"{server}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def api_post(server: str, key: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    response = httpx.post(f"{server}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def screenshot(page: Page, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+
+
+def form_field(page: Page, path: str) -> Locator:
+    """The form's input for `path` (`calibration.n_samples`), its group opened first."""
+    group, _, name = path.rpartition(".")
+    if group:
+        details = page.locator(f'details[data-group="{group}"]')
+        if details.get_attribute("open") is None:
+            details.locator("summary").click()
+    return page.locator(f'[data-field="{path}"]').get_by_label(re.compile(f"^{name}( \\(required\\))?$"))
+
+
+def fill_field(page: Page, path: str, value: str) -> None:
+    form_field(page, path).fill(value)
+
+
+def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
+    page: Page, server: str, keys: dict[str, str], tmp_path: Path
+) -> None:
+    sign_in(page, f"{server}/console/new", keys["alice"])
+    fill_field(page, "model", TINY_JOB["model"])
+    fill_field(page, "ratio", "0.3")
+    fill_field(page, "calibration.dataset", "wikitext2:validation")
+    fill_field(page, "calibration.n_samples", "2")
+    fill_field(page, "calibration.seq_len", "32")
+    fill_field(page, "evaluation.perplexity", "wikitext2")
+    fill_field(page, "evaluation.seq_len", "32")
+    fill_field(page, "evaluation.limit", "2")
+    fill_field(page, "metadata", "source=console test")
+    posts: list[dict[str, str]] = []
+    page.on("request", lambda r: posts.append(r.headers) if r.method == "POST" and r.url.endswith("/v1/jobs") else None)
+    page.get_by_role("button", name="Submit the job").dblclick()
+    page.wait_for_url(re.compile(r"/console/jobs/[0-9a-f]{32}$"))
+    job_id = page.url.rsplit("/", 1)[1]
+
+    # Two requests, one key: one job.
+    assert len(posts) == 2 and posts[0]["idempotency-key"] == posts[1]["idempotency-key"], posts
+    listed = api_get(server, keys["alice"], "/v1/jobs")["data"]
+    assert [job["id"] for job in listed] == [job_id]
+    assert listed[0]["metadata"] == {"source": "console test"}
+    assert listed[0]["settings"]["calibration"]["n_samples"] == 2
+
+    # The stages advance from the event stream while the page is open, then all show done.
+    expect(page.locator("#stages li").first).to_be_visible(timeout=JOB_SECONDS)
+    expect(page.locator("#status")).to_have_text("succeeded", timeout=JOB_SECONDS)
+    expect(page.locator("#stages li")).to_have_count(len(STAGES))
+    assert page.locator("#stages li").evaluate_all("items => items.map(i => i.dataset.stage)") == STAGES
+    assert set(page.locator("#stages li").evaluate_all("items => items.map(i => i.dataset.state)")) == {"done"}
+    expect(page.locator("#events tbody tr").last).to_contain_text("succeeded")
+    expect(page.locator("#cancel")).to_be_hidden()
+
+    # The result, dense against pruned, as the API reports it.
+    job = api_get(server, keys["alice"], f"/v1/jobs/{job_id}")
+    ppl = job["result"]["perplexity"]["wikitext2"]
+    perplexity_row = page.locator("#summary tr", has_text="perplexity wikitext2")
+    expect(perplexity_row).to_contain_text(f"{ppl['dense']:.3f}")
+    expect(perplexity_row).to_contain_text(f"{ppl['pruned']:.3f}")
+    expect(page.locator("#facts")).to_contain_text(f"{job['result']['achieved_ratio']:.4f}")
+
+    # report.md rendered: its perplexity table (dense, pruned and their ratio per data set), the per-layer table,
+    # and its plots, loaded from the artifacts' signed links.
+    report = page.locator("#report")
+    perplexity_table = report.locator("table", has=page.locator("th", has_text="pruned / dense"))
+    expect(perplexity_table.locator("tbody tr")).to_have_count(1)
+    expect(perplexity_table.locator("tbody tr")).to_contain_text(f"{ppl['pruned']:.3f}")
+    expect(report.locator("table", has=page.locator("th", has_text="heads pruned")).locator("tbody tr")).to_have_count(5)
+    plot = report.locator('img[alt="layer_ratio"]')
+    expect(plot).to_be_visible()
+    plot.scroll_into_view_if_needed()
+    wait_for(lambda: plot.evaluate("img => img.complete && img.naturalWidth > 100"), 20, "the plot to load")
+    expect(page.locator("#model-card h3").first).to_contain_text("casp-30")
+    screenshot(page, "job.png")
+
+    # The checkpoint through its link: the bytes the row's sha256 names, which are the API's.
+    row = page.locator('#artifacts tr[data-artifact="model.safetensors"]')
+    with page.expect_download() as download:
+        row.get_by_role("link", name="model.safetensors").click()
+    saved = tmp_path / "model.safetensors"
+    download.value.save_as(saved)
+    digest = hashlib.sha256(saved.read_bytes()).hexdigest()
+    artifacts = {a["name"]: a for a in api_get(server, keys["alice"], f"/v1/jobs/{job_id}/artifacts")["data"]}
+    assert digest == artifacts["model.safetensors"]["sha256"]
+    expect(row.locator(".sha256")).to_have_text(digest)
+
+    # The list: the job with its status and achieved ratio; a filter that leaves it out shows none.
+    page.goto(f"{server}/console")
+    job_row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+    expect(job_row).to_contain_text("succeeded")
+    expect(job_row).to_contain_text("ratio 0.3")
+    expect(job_row).to_contain_text(f"{job['result']['achieved_ratio']:.4f}")
+    screenshot(page, "jobs.png")
+    page.get_by_label("Status").select_option("failed")
+    expect(page.locator("#jobs tbody tr")).to_have_count(0)
+    expect(page.get_by_text("No jobs here.")).to_be_visible()
+    page.get_by_label("Status").select_option("succeeded")
+    expect(job_row).to_be_visible()
+
+    # Usable at 390 px: nothing wider than the screen but the tables, which scroll in their own box.
+    page.set_viewport_size({"width": 390, "height": 844})
+    for path in ("/console", f"/console/jobs/{job_id}", "/console/new", "/console/usage"):
+        page.goto(f"{server}{path}")
+        expect(page.locator("main")).to_be_visible()
+        page.wait_for_load_state("networkidle")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390, path
+
+
+def test_the_api_s_422_is_shown_beside_the_field_it_names(page: Page, server: str, keys: dict[str, str]) -> None:
+    sign_in(page, f"{server}/console/new", keys["alice"])
+    before = api_get(server, keys["alice"], "/v1/usage")["submissions_last_minute"]
+    ratio = page.locator('[data-field="ratio"]')
+    # Each field as the schema has it: description, range and default.
+    expect(ratio.locator(".hint")).to_contain_text("fraction of decoder parameters to remove")
+    expect(ratio.locator(".hint")).to_contain_text("a number > 0 and < 1")
+    form_field(page, "calibration.n_samples")
+    expect(page.locator('[data-field="calibration.n_samples"] .hint')).to_contain_text("default 128")
+    # Every control has a label.
+    unlabelled = page.evaluate(
+        "[...document.querySelectorAll('input, select, textarea')].filter(c => !c.labels.length).map(c => c.id)"
+    )
+    assert unlabelled == []
+
+    # By keyboard: the fields, then Enter.
+    fill_field(page, "model", TINY_JOB["model"])
+    form_field(page, "ratio").fill("1.5")
+    form_field(page, "ratio").press("Enter")
+    expect(ratio.locator(".field-error")).to_have_text("Input should be less than 1")
+    expect(form_field(page, "ratio")).to_have_attribute("aria-invalid", "true")
+    expect(form_field(page, "ratio")).to_be_focused()
+    expect(page.locator('[data-field="model"] .field-error')).to_be_empty()
+    screenshot(page, "new.png")
+    assert api_get(server, keys["alice"], "/v1/usage")["submissions_last_minute"] == before  # no job made
+
+
+@pytest.fixture(scope="module")
+def alice_job(server: str, keys: dict[str, str]) -> str:
+    """A job of alice's, cancelled at once: what bob must not see."""
+    job = api_post(server, keys["alice"], "/v1/jobs", TINY_JOB)
+    api_post(server, keys["alice"], f"/v1/jobs/{job['id']}/cancel")
+    return job["id"]
+
+
+def test_another_key_s_job_is_refused(page: Page, server: str, keys: dict[str, str], alice_job: str) -> None:
+    sign_in(page, f"{server}/console/jobs/{alice_job}", keys["bob"])
+    expect(page.locator("#page-error")).to_have_text(f"not_found: no job {alice_job}")
+    expect(page.locator("#job")).to_be_hidden()
+    expect(page.locator("#events tbody tr")).to_have_count(0)
+    page.goto(f"{server}/console")
+    expect(page.get_by_text("No jobs here.")).to_be_visible()
+    expect(page.locator("#jobs tbody tr")).to_have_count(0)
+    page.goto(f"{server}/console/usage")
+    expect(page.locator("#usage")).to_contain_text("bob")
+
+    # A wrong key is refused, and the form asks again.
+    page.get_by_role("button", name="Forget the key").click()
+    page.get_by_label("API key").fill("casp_not-a-key")
+    page.get_by_role("button", name="Use this key").click()
+    expect(page.locator("#key-error")).to_contain_text("a valid API key is required")
+    expect(page.locator("main")).to_be_hidden()
+
+
+def test_cancel_a_running_job(page: Page, server: str, keys: dict[str, str]) -> None:
+    job = api_post(server, keys["alice"], "/v1/jobs", SLOW_JOB)
+    sign_in(page, f"{server}/console/jobs/{job['id']}", keys["alice"])
+    expect(page.locator("#status")).to_have_text("running", timeout=JOB_SECONDS)
+    expect(page.locator('#stages li[data-state="running"]')).to_have_count(1, timeout=JOB_SECONDS)
+    page.get_by_role("button", name="Cancel the job").click()
+    expect(page.get_by_role("button", name="Cancel requested")).to_be_disabled()
+    expect(page.locator("#status")).to_have_text("cancelled", timeout=JOB_SECONDS)
+    expect(page.locator('#stages li[data-state="cancelled"]')).to_have_count(1)
+    expect(page.locator("#events tbody tr").last).to_contain_text("cancelled")
+    expect(page.locator("#results")).to_be_hidden()
+    assert finished(api_get(server, keys["alice"], f"/v1/jobs/{job['id']}"))
+
+
+def test_without_auth_no_key_is_asked(browser: Browser, tmp_path: Path) -> None:
+    settings = embedded_settings(tmp_path / "home", auth="none", embedded_workers=0)
+    with serving(service_app(settings)) as url:
+        page = browser.new_page()
+        page.goto(f"{url}/console")
+        expect(page.locator("main")).to_be_visible()
+        expect(page.locator("#key-form")).to_have_count(0)
+        expect(page.get_by_text("No jobs here.")).to_be_visible()
+        page.close()
+
+
+def test_the_pages_are_the_server_s_own(server: str) -> None:
+    """Every asset a page names is served here, and the policy lets the page reach nothing else."""
+    for path in ("/console", "/console/new", "/console/usage", f"/console/jobs/{'0' * 32}"):
+        response = httpx.get(f"{server}{path}")
+        assert response.status_code == 200, path
+        csp = response.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "connect-src 'self';" in csp and "img-src 'self';" in csp
+        links = re.findall(r'(?:src|href)="([^"]+)"', response.text)
+        assert all(link.startswith(("/", "#")) for link in links), links
+        for link in links:
+            if link.startswith("/"):
+                assert httpx.get(f"{server}{link}").status_code == 200, link
