@@ -85,7 +85,9 @@ def context(browser: Browser, server: str) -> Iterator[BrowserContext]:
     context.close()
     origin = urlsplit(server).netloc
     assert requests, "no request was logged"
-    foreign = [url for url in requests if urlsplit(url).scheme not in ("data", "blob") and urlsplit(url).netloc != origin]
+    foreign = [
+        url for url in requests if urlsplit(url).scheme not in ("data", "blob") and urlsplit(url).netloc != origin
+    ]
     assert not foreign, f"requests left {origin}: {foreign}"
 
 
@@ -120,9 +122,11 @@ def api_post(server: str, key: str, path: str, body: dict[str, Any] | None = Non
     return response.json()
 
 
-def screenshot(page: Page, name: str) -> None:
+def screenshot(page: Page, name: str, height: int = 900) -> None:
+    """The page's top `height` pixels into docs/console/, as the README shows them."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+    clip = {"x": 0, "y": 0, "width": page.viewport_size["width"], "height": height}
+    page.screenshot(path=str(SCREENSHOTS / name), full_page=True, clip=clip)
 
 
 def form_field(page: Page, path: str) -> Locator:
@@ -188,13 +192,14 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     perplexity_table = report.locator("table", has=page.locator("th", has_text="pruned / dense"))
     expect(perplexity_table.locator("tbody tr")).to_have_count(1)
     expect(perplexity_table.locator("tbody tr")).to_contain_text(f"{ppl['pruned']:.3f}")
-    expect(report.locator("table", has=page.locator("th", has_text="heads pruned")).locator("tbody tr")).to_have_count(5)
+    layers_table = report.locator("table", has=page.locator("th", has_text="heads pruned"))
+    expect(layers_table.locator("tbody tr")).to_have_count(5)  # stories260K's five layers
     plot = report.locator('img[alt="layer_ratio"]')
     expect(plot).to_be_visible()
     plot.scroll_into_view_if_needed()
     wait_for(lambda: plot.evaluate("img => img.complete && img.naturalWidth > 100"), 20, "the plot to load")
     expect(page.locator("#model-card h3").first).to_contain_text("casp-30")
-    screenshot(page, "job.png")
+    screenshot(page, "job.png", height=1250)
 
     # The checkpoint through its link: the bytes the row's sha256 names, which are the API's.
     row = page.locator('#artifacts tr[data-artifact="model.safetensors"]')
@@ -213,7 +218,7 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     expect(job_row).to_contain_text("succeeded")
     expect(job_row).to_contain_text("ratio 0.3")
     expect(job_row).to_contain_text(f"{job['result']['achieved_ratio']:.4f}")
-    screenshot(page, "jobs.png")
+    screenshot(page, "jobs.png", height=400)
     page.get_by_label("Status").select_option("failed")
     expect(page.locator("#jobs tbody tr")).to_have_count(0)
     expect(page.get_by_text("No jobs here.")).to_be_visible()
@@ -296,9 +301,26 @@ def test_cancel_a_running_job(page: Page, server: str, keys: dict[str, str]) -> 
     expect(page.locator("#results")).to_be_hidden()
     assert finished(api_get(server, keys["alice"], f"/v1/jobs/{job['id']}"))
 
+    # The list a page at a time, newest first: alice has three jobs by now (the form's, alice_job and this one).
+    newest_first = [job["id"] for job in api_get(server, keys["alice"], "/v1/jobs")["data"]]
+    assert len(newest_first) == 3 and newest_first[0] == job["id"]
+    page.goto(f"{server}/console?limit=2")
+    ids = page.locator("#jobs tbody tr")
+    expect(ids).to_have_count(2)
+    assert ids.evaluate_all("rows => rows.map(r => r.dataset.jobId)") == newest_first[:2]
+    expect(page.get_by_role("button", name="Previous page")).to_be_disabled()
+    page.get_by_role("button", name="Next page").click()
+    expect(ids).to_have_count(1)
+    assert ids.evaluate_all("rows => rows.map(r => r.dataset.jobId)") == newest_first[2:]
+    expect(page.get_by_role("button", name="Next page")).to_be_disabled()
+    page.get_by_role("button", name="Previous page").click()
+    expect(ids).to_have_count(2)
+    page.get_by_label("Status").select_option("cancelled")
+    expect(ids).to_have_count(2)  # the form's job succeeded
+
 
 def test_without_auth_no_key_is_asked(browser: Browser, tmp_path: Path) -> None:
-    settings = embedded_settings(tmp_path / "home", auth="none", embedded_workers=0)
+    settings = embedded_settings(tmp_path, auth="none", embedded_workers=0)
     with serving(service_app(settings)) as url:
         page = browser.new_page()
         page.goto(f"{url}/console")

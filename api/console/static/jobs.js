@@ -1,7 +1,8 @@
 // The jobs list: GET /v1/jobs, filtered by status, a page at a time (`after`: the last id of the page before).
 import { api, askedFor, el, formatDuration, formatTime, start } from "./api.js";
 
-const PAGE_SIZE = 20;
+// Jobs a page: ?limit= in the address, as the API's own query (1 to 100).
+const PAGE_SIZE = new URLSearchParams(location.search).get("limit") ?? 20;
 const rows = document.querySelector("#jobs tbody");
 const statusSelect = document.getElementById("status");
 const previous = document.getElementById("previous");
