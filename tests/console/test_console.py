@@ -15,6 +15,7 @@ import pytest
 from playwright.sync_api import Browser, BrowserContext, Locator, Page, Playwright, expect, sync_playwright
 
 from casp_cli.app import service_app
+from casp_core.report.frontier_section import render_frontier_section
 from service import jobs
 from service.db import session_scope
 from service.settings import Settings
@@ -169,8 +170,8 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     assert listed[0]["metadata"] == {"source": "console test"}
     assert listed[0]["settings"]["calibration"]["n_samples"] == 2
 
-    # The stages advance from the event stream while the page is open, then all show done.
-    expect(page.locator("#stages li").first).to_be_visible(timeout=JOB_SECONDS)
+    # The stages advance from the event stream while the page is open (one running at a time), then all show done.
+    expect(page.locator('#stages li[data-state="running"]')).to_have_count(1, timeout=JOB_SECONDS)
     expect(page.locator("#status")).to_have_text("succeeded", timeout=JOB_SECONDS)
     expect(page.locator("#stages li")).to_have_count(len(STAGES))
     assert page.locator("#stages li").evaluate_all("items => items.map(i => i.dataset.stage)") == STAGES
@@ -342,3 +343,46 @@ def test_the_pages_are_the_server_s_own(server: str) -> None:
         for link in links:
             if link.startswith("/"):
                 assert httpx.get(f"{server}{link}").status_code == 200, link
+
+
+def test_a_budget_job_s_frontier_renders_with_its_plot(page: Page, server: str) -> None:
+    """report.md's frontier section, as casp_core writes it, through the console's Markdown: the candidates'
+    table and the plot from its signed link; an image elsewhere, or HTML in the text, is shown as text."""
+    points = [
+        {"dense": True, "ratio": 0.0, "variant": "f16", "bytes": 1_000_000, "params": 260_000},
+        {"dense": False, "ratio": 0.2, "variant": "f16", "bytes": 800_000, "params": 210_000},
+        {"dense": False, "ratio": 0.3, "variant": "q8_0", "bytes": 400_000, "params": 180_000},
+    ]
+    for point, perplexity in zip(points, (10.0, 11.0, 12.5), strict=True):
+        point |= {"perplexity": {"wikitext2": perplexity}, "within_target": True, "on_front": True, "seconds": 1.0}
+    frontier = {
+        "target": {"max_bytes": 900_000, "format": "gguf"},
+        "format": "gguf",
+        "perplexity_text": "wikitext2",
+        "dense_perplexity": {"wikitext2": 10.0},
+        "candidates": points,
+        "pick": points[1],
+    }
+    markdown = "\n".join(
+        [*render_frontier_section(frontier), "![elsewhere](https://example.com/x.png) <img src=x onerror=alert(1)>"]
+    )
+    page.goto(f"{server}/console")
+    rendered = page.evaluate(
+        """async (text) => {
+            const { renderMarkdown } = await import("/console/static/markdown.js");
+            const links = { "frontier.png": "/console/static/favicon.svg" };
+            const article = document.createElement("article");
+            article.append(...renderMarkdown(text, (target) => links[target] ?? null));
+            return {
+                rows: [...article.querySelectorAll("tbody tr")].map((row) => row.cells[0].textContent),
+                images: [...article.querySelectorAll("img")].map((img) => img.getAttribute("src")),
+                heading: article.querySelector("h4").textContent,
+                text: article.textContent,
+            };
+        }""",
+        markdown,
+    )
+    assert rendered["heading"] == "Sweep: the candidates and the pick"
+    assert rendered["rows"] == ["dense", "0.2 (pick)", "0.3"]
+    assert rendered["images"] == ["/console/static/favicon.svg"]
+    assert "elsewhere <img src=x onerror=alert(1)>" in rendered["text"]
