@@ -1,7 +1,19 @@
 // One job: its state (GET /v1/jobs/{id}), its stages and events as the event stream sends them (read with
 // fetch, since EventSource cannot send the key), and once it has succeeded the result, the signed artifact links,
 // report.md with its tables and plots, and the model card. Cancel and delete call the API's own routes.
-import { api, askedFor, call, el, errorOf, formatBytes, formatDuration, formatTime, isFinished, showError, start } from "./api.js";
+import {
+  api,
+  askedFor,
+  call,
+  el,
+  errorOf,
+  formatBytes,
+  formatDuration,
+  formatTime,
+  isFinished,
+  showError,
+  start,
+} from "./api.js";
 import { renderMarkdown } from "./markdown.js";
 
 const jobId = document.body.dataset.jobId;
@@ -26,9 +38,16 @@ function showJob(next) {
     ["Finished", formatTime(job.finished_at)],
     ["Duration", formatDuration(job)],
     ["Attempts", String(job.attempts)],
-    ["Metadata", Object.entries(job.metadata).map(([key, value]) => `${key}=${value}`).join(", ")],
+    [
+      "Metadata",
+      Object.entries(job.metadata)
+        .map(([key, value]) => `${key}=${value}`)
+        .join(", "),
+    ],
   ].filter(([, value]) => value);
-  document.getElementById("facts").replaceChildren(...facts.flatMap(([name, value]) => [el("dt", { text: name }), el("dd", {}, value)]));
+  document
+    .getElementById("facts")
+    .replaceChildren(...facts.flatMap(([name, value]) => [el("dt", { text: name }), el("dd", {}, value)]));
   const progress = document.getElementById("progress");
   progress.value = job.progress;
   progress.textContent = `${job.progress} %`;
@@ -43,7 +62,8 @@ function showJob(next) {
   document.getElementById("job").hidden = false;
   if (isFinished(job)) {
     for (const item of stageItems.values()) {
-      if (job.status === "succeeded" || item.dataset.state === "running") item.dataset.state = job.status === "succeeded" ? "done" : job.status;
+      if (job.status === "succeeded" || item.dataset.state === "running")
+        item.dataset.state = job.status === "succeeded" ? "done" : job.status;
     }
   }
   if (job.status === "succeeded" && !resultsShown) {
@@ -55,7 +75,13 @@ function showJob(next) {
 function showStage(event) {
   let item = stageItems.get(event.stage);
   if (!item) {
-    item = el("li", { "data-stage": event.stage }, el("span", { class: "stage-name", text: event.stage }), " ", el("span", { class: "stage-message" }));
+    item = el(
+      "li",
+      { "data-stage": event.stage },
+      el("span", { class: "stage-name", text: event.stage }),
+      " ",
+      el("span", { class: "stage-message" }),
+    );
     stageItems.set(event.stage, item);
     document.getElementById("stages").append(item);
   }
@@ -147,12 +173,20 @@ function summaryRows(result) {
       el("td", { text: (pruned / dense).toFixed(3) }),
     );
   const count = (value) => value.toLocaleString("en");
-  const rows = [row(`parameters (${result.params.counted ?? "counted"})`, result.params.dense, result.params.pruned, count)];
+  const rows = [
+    row(`parameters (${result.params.counted ?? "counted"})`, result.params.dense, result.params.pruned, count),
+  ];
   for (const [dataset, ppl] of Object.entries(result.perplexity ?? {})) {
     const split = ppl.split ? `, ${ppl.split} split` : "";
-    rows.push(row(`perplexity ${dataset} (${ppl.seq_len}-token windows${split})`, ppl.dense, ppl.pruned, (v) => v.toFixed(3)));
+    rows.push(
+      row(`perplexity ${dataset} (${ppl.seq_len}-token windows${split})`, ppl.dense, ppl.pruned, (v) => v.toFixed(3)),
+    );
   }
-  const head = el("tr", {}, ...["", "dense", "pruned", "pruned / dense"].map((text) => el("th", { scope: "col", text })));
+  const head = el(
+    "tr",
+    {},
+    ...["", "dense", "pruned", "pruned / dense"].map((text) => el("th", { scope: "col", text })),
+  );
   return [head, ...rows];
 }
 
@@ -173,24 +207,31 @@ async function showResults() {
     note.textContent = error.message; // 410: expired or deleted
     return;
   }
-  note.textContent = `${artifacts.length} files, ${formatBytes(artifacts.reduce((sum, a) => sum + a.size, 0))}; kept until ${formatTime(job.expires_at)}.`;
-  document.querySelector("#artifacts tbody").replaceChildren(
-    ...artifacts.map((artifact) =>
-      el(
-        "tr",
-        { "data-artifact": artifact.name },
-        el("td", {}, el("a", { href: artifact.url, download: artifact.name.split("/").pop(), text: artifact.name })),
-        el("td", { text: formatBytes(artifact.size) }),
-        el("td", {}, el("code", { class: "sha256", text: artifact.sha256 })),
-        el("td", { text: formatTime(artifact.expires_at) }),
+  const total = formatBytes(artifacts.reduce((sum, artifact) => sum + artifact.size, 0));
+  note.textContent = `${artifacts.length} files, ${total}; kept until ${formatTime(job.expires_at)}.`;
+  document
+    .querySelector("#artifacts tbody")
+    .replaceChildren(
+      ...artifacts.map((artifact) =>
+        el(
+          "tr",
+          { "data-artifact": artifact.name },
+          el("td", {}, el("a", { href: artifact.url, download: artifact.name.split("/").pop(), text: artifact.name })),
+          el("td", { text: formatBytes(artifact.size) }),
+          el("td", {}, el("code", { class: "sha256", text: artifact.sha256 })),
+          el("td", { text: formatTime(artifact.expires_at) }),
+        ),
       ),
-    ),
-  );
+    );
   const byName = new Map(artifacts.map((artifact) => [artifact.name, artifact]));
   const resolve = (target) => byName.get(target.replace(/^\.\//, ""))?.url ?? null;
-  for (const [name, target] of [["report.md", "report"], ["README.md", "model-card"]]) {
+  for (const [name, target] of [
+    ["report.md", "report"],
+    ["README.md", "model-card"],
+  ]) {
     const artifact = byName.get(name);
-    if (artifact) document.getElementById(target).replaceChildren(...renderMarkdown(await markdownOf(artifact), resolve));
+    if (artifact)
+      document.getElementById(target).replaceChildren(...renderMarkdown(await markdownOf(artifact), resolve));
   }
 }
 

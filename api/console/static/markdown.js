@@ -6,7 +6,8 @@ import { el } from "./api.js";
 
 const INLINE = /(`[^`]+`)|(\*\*[^*]+\*\*)|(!?\[[^\]]*\]\([^)\s]+\))/g;
 
-function inline(text, resolve) {
+// Inline Markdown (code, bold, links, images) as nodes; with no `resolve`, links and images are their text.
+export function inline(text, resolve = () => null) {
   const nodes = [];
   let last = 0;
   for (const match of text.matchAll(INLINE)) {
@@ -28,7 +29,11 @@ function inline(text, resolve) {
 }
 
 function cells(line) {
-  return line.replace(/^\|/, "").replace(/\|$/, "").split("|").map((cell) => cell.trim());
+  return line
+    .replace(/^\|/, "")
+    .replace(/\|$/, "")
+    .split("|")
+    .map((cell) => cell.trim());
 }
 
 export function renderMarkdown(text, resolve) {
@@ -38,7 +43,9 @@ export function renderMarkdown(text, resolve) {
   if (lines[0] === "---") {
     const end = lines.indexOf("---", 1);
     if (end > 0) {
-      blocks.push(el("details", {}, el("summary", { text: "metadata" }), el("pre", { text: lines.slice(1, end).join("\n") })));
+      blocks.push(
+        el("details", {}, el("summary", { text: "metadata" }), el("pre", { text: lines.slice(1, end).join("\n") })),
+      );
       i = end + 1;
     }
   }
@@ -64,11 +71,13 @@ export function renderMarkdown(text, resolve) {
       blocks.push(el("div", { class: "scroll" }, el("table", {}, el("thead", {}, head), el("tbody", {}, ...body))));
     } else if (/^[-*] /.test(line)) {
       const items = [];
-      for (; i < lines.length && /^[-*] /.test(lines[i]); i += 1) items.push(el("li", {}, ...inline(lines[i].slice(2), resolve)));
+      for (; i < lines.length && /^[-*] /.test(lines[i]); i += 1)
+        items.push(el("li", {}, ...inline(lines[i].slice(2), resolve)));
       blocks.push(el("ul", {}, ...items));
     } else {
       const paragraph = [];
-      for (; i < lines.length && lines[i].trim() && !/^(#{1,6} |```|\||[-*] )/.test(lines[i]); i += 1) paragraph.push(lines[i]);
+      for (; i < lines.length && lines[i].trim() && !/^(#{1,6} |```|\||[-*] )/.test(lines[i]); i += 1)
+        paragraph.push(lines[i]);
       if (!paragraph.length) paragraph.push(lines[i++]); // a line no other block takes
       blocks.push(el("p", {}, ...inline(paragraph.join(" "), resolve)));
     }

@@ -3,6 +3,7 @@
 // the API's 422 names the field at fault, and its message goes beside that field. The Idempotency-Key is kept
 // while the form is unchanged, so a double click (or a retry) makes one job.
 import { call, el, errorOf, start } from "./api.js";
+import { inline } from "./markdown.js";
 
 let spec;
 const fieldsById = new Map(); // dotted path -> {input, choices, kind}
@@ -78,10 +79,10 @@ function field(path, schema, required) {
   const choices = choicesOf(schema);
   const kind = kindOf(choices);
   const hint = [
-    schema.description,
     choices.map(describe).join(", or "),
     schema.default !== undefined ? `default ${JSON.stringify(schema.default)}` : null,
   ].filter(Boolean);
+  const description = schema.description ? [...inline(schema.description), "; "] : [];
   const hintId = `hint-${id}`;
   const errorId = `error-${id}`;
   const input = control(id, kind, choices, schema.default, `${hintId} ${errorId}`);
@@ -92,7 +93,7 @@ function field(path, schema, required) {
     { class: "field", "data-field": id },
     el("label", { for: id, text: required ? `${path.at(-1)} (required)` : path.at(-1) }),
     input,
-    el("p", { class: "hint", id: hintId, text: hint.join("; ") }),
+    el("p", { class: "hint", id: hintId }, ...description, hint.join("; ")),
     el("p", { class: "field-error", id: errorId }),
   );
 }
@@ -101,10 +102,11 @@ function field(path, schema, required) {
 function group(path, schema) {
   const object = resolve(choicesOf(schema)[0]);
   const legend = path.join(".");
+  const description = schema.description ?? object.description;
   return el(
     "details",
     { "data-group": legend },
-    el("summary", { text: [legend, schema.description ?? object.description].filter(Boolean).join(": ") }),
+    el("summary", {}, legend, ...(description ? [": ", ...inline(description)] : [])),
     el("fieldset", {}, el("legend", { class: "visually-hidden", text: legend }), ...fields(path, object)),
   );
 }
@@ -221,8 +223,8 @@ start(async () => {
     }
     const error = await errorOf(answer);
     if (error.status === 422) showErrors(error);
-    else if (error.status !== 401) document.getElementById("form-error").textContent = `${error.code}: ${error.message}`;
+    else if (error.status !== 401)
+      document.getElementById("form-error").textContent = `${error.code}: ${error.message}`;
   });
   document.getElementById(fieldsById.keys().next().value)?.focus();
 });
-
