@@ -234,6 +234,18 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
         page.wait_for_load_state("networkidle")
         assert page.evaluate("document.documentElement.scrollWidth") <= 390, path
 
+    # Delete, once confirmed: the links go, and the API answers 410 for the artifacts from then on.
+    page.goto(f"{server}/console/jobs/{job_id}")
+    expect(page.locator("#artifacts tbody tr")).not_to_have_count(0)
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Delete its artifacts").click()
+    expect(page.locator("#artifacts-note")).to_have_text("The artifacts were deleted.")
+    expect(page.locator("#artifacts tbody tr")).to_have_count(0)
+    gone = httpx.get(f"{server}/v1/jobs/{job_id}/artifacts", headers={"Authorization": f"Bearer {keys['alice']}"})
+    assert gone.status_code == 410
+    page.reload()
+    expect(page.locator("#artifacts-note")).to_contain_text("the job's artifacts expired at")
+
 
 def test_the_api_s_422_is_shown_beside_the_field_it_names(page: Page, server: str, keys: dict[str, str]) -> None:
     sign_in(page, f"{server}/console/new", keys["alice"])
