@@ -291,7 +291,10 @@ def test_another_key_s_job_is_refused(page: Page, server: str, keys: dict[str, s
     expect(page.get_by_text("No jobs here.")).to_be_visible()
     expect(page.locator("#jobs tbody tr")).to_have_count(0)
     page.goto(f"{server}/console/usage")
-    expect(page.locator("#usage")).to_contain_text("bob")
+    usage = page.locator("#usage")
+    expect(usage).to_contain_text("bob")
+    expect(usage.locator("dt", has_text="Jobs queued or running").locator("+ dd")).to_have_text("0 of 8")
+    expect(usage.locator("dt", has_text="Jobs submitted in the last minute").locator("+ dd")).to_have_text("0 of 30")
 
     # A wrong key is refused, and the form asks again.
     page.get_by_role("button", name="Forget the key").click()
