@@ -157,6 +157,7 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     fill_field(page, "evaluation.seq_len", "32")
     fill_field(page, "evaluation.limit", "2")
     fill_field(page, "metadata", "source=console test")
+    jobs_before = len(api_get(server, keys["alice"], "/v1/jobs")["data"])
     posts: list[dict[str, str]] = []
     page.on("request", lambda r: posts.append(r.headers) if r.method == "POST" and r.url.endswith("/v1/jobs") else None)
     page.get_by_role("button", name="Submit the job").dblclick()
@@ -166,7 +167,7 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     # Two requests, one key: one job.
     assert len(posts) == 2 and posts[0]["idempotency-key"] == posts[1]["idempotency-key"], posts
     listed = api_get(server, keys["alice"], "/v1/jobs")["data"]
-    assert [job["id"] for job in listed] == [job_id]
+    assert len(listed) == jobs_before + 1 and listed[0]["id"] == job_id
     assert listed[0]["metadata"] == {"source": "console test"}
     assert listed[0]["settings"]["calibration"]["n_samples"] == 2
 
@@ -304,11 +305,17 @@ def test_another_key_s_job_is_refused(page: Page, server: str, keys: dict[str, s
     expect(page.locator("main")).to_be_hidden()
 
 
-def test_cancel_a_running_job(page: Page, server: str, keys: dict[str, str]) -> None:
+def test_cancel_a_running_job(
+    page: Page, context: BrowserContext, server: str, keys: dict[str, str], alice_job: str
+) -> None:
     job = api_post(server, keys["alice"], "/v1/jobs", SLOW_JOB)
     sign_in(page, f"{server}/console/jobs/{job['id']}", keys["alice"])
     expect(page.locator("#status")).to_have_text("running", timeout=JOB_SECONDS)
     expect(page.locator('#stages li[data-state="running"]')).to_have_count(1, timeout=JOB_SECONDS)
+    # The list in another tab (a key of its own: sessionStorage is the tab's) reads itself again while it runs.
+    listing = context.new_page()
+    sign_in(listing, f"{server}/console", keys["alice"])
+    expect(listing.locator(f'#jobs tr[data-job-id="{job["id"]}"]')).to_contain_text("running")
     page.get_by_role("button", name="Cancel the job").click()
     expect(page.get_by_role("button", name="Cancel requested")).to_be_disabled()
     expect(page.locator("#status")).to_have_text("cancelled", timeout=JOB_SECONDS)
@@ -316,23 +323,31 @@ def test_cancel_a_running_job(page: Page, server: str, keys: dict[str, str]) -> 
     expect(page.locator("#events tbody tr").last).to_contain_text("cancelled")
     expect(page.locator("#results")).to_be_hidden()
     assert finished(api_get(server, keys["alice"], f"/v1/jobs/{job['id']}"))
+    expect(listing.locator(f'#jobs tr[data-job-id="{job["id"]}"]')).to_contain_text("cancelled", timeout=10_000)
+    listing.close()
 
-    # The list a page at a time, newest first: alice has three jobs by now (the form's, alice_job and this one).
-    newest_first = [job["id"] for job in api_get(server, keys["alice"], "/v1/jobs")["data"]]
-    assert len(newest_first) == 3 and newest_first[0] == job["id"]
-    page.goto(f"{server}/console?limit=2")
-    ids = page.locator("#jobs tbody tr")
-    expect(ids).to_have_count(2)
-    assert ids.evaluate_all("rows => rows.map(r => r.dataset.jobId)") == newest_first[:2]
+    # The list a page at a time, newest first: all but the oldest of alice's jobs (at least alice_job and this
+    # one), then the oldest alone; filtered, her cancelled ones.
+    listed = api_get(server, keys["alice"], "/v1/jobs")["data"]
+    newest_first = [listed_job["id"] for listed_job in listed]
+    assert len(newest_first) >= 2 and newest_first[0] == job["id"] and alice_job in newest_first
+    first_page = len(newest_first) - 1
+    page.goto(f"{server}/console?limit={first_page}")
+    rows = page.locator("#jobs tbody tr")
+    expect(rows).to_have_count(first_page)
+    assert rows.evaluate_all("rows => rows.map(r => r.dataset.jobId)") == newest_first[:-1]
     expect(page.get_by_role("button", name="Previous page")).to_be_disabled()
     page.get_by_role("button", name="Next page").click()
-    expect(ids).to_have_count(1)
-    assert ids.evaluate_all("rows => rows.map(r => r.dataset.jobId)") == newest_first[2:]
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-job-id", newest_first[-1])
     expect(page.get_by_role("button", name="Next page")).to_be_disabled()
     page.get_by_role("button", name="Previous page").click()
-    expect(ids).to_have_count(2)
-    page.get_by_label("Status").select_option("cancelled")
-    expect(ids).to_have_count(2)  # the form's job succeeded
+    expect(rows.first).to_have_attribute("data-job-id", newest_first[0])
+    expect(rows).to_have_count(first_page)
+    # The filter from the address, as the select puts it there.
+    page.goto(f"{server}/console?status=cancelled")
+    expect(page.get_by_label("Status")).to_have_value("cancelled")
+    expect(rows).to_have_count(sum(listed_job["status"] == "cancelled" for listed_job in listed))
 
 
 def test_without_auth_no_key_is_asked(browser: Browser, tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 // The jobs list: GET /v1/jobs, filtered by status, a page at a time (`after`: the last id of the page before).
-import { api, askedFor, el, formatDuration, formatTime, start } from "./api.js";
+import { api, askedFor, el, formatDuration, formatTime, isFinished, start } from "./api.js";
 
 // Jobs a page: ?limit= in the address, as the API's own query (1 to 100).
 const PAGE_SIZE = new URLSearchParams(location.search).get("limit") ?? 20;
@@ -7,8 +7,11 @@ const rows = document.querySelector("#jobs tbody");
 const statusSelect = document.getElementById("status");
 const previous = document.getElementById("previous");
 const next = document.getElementById("next");
+// While a job on the page is queued or running, the page is read again this often.
+const REFRESH_MS = 5000;
 // The `after` of each page shown so far: the last is this page's.
 let cursors = [null];
+let refresh = null;
 
 function row(job) {
   const link = el("a", { href: `/console/jobs/${job.id}`, text: job.id.slice(0, 8) });
@@ -37,6 +40,8 @@ async function show() {
   previous.disabled = cursors.length === 1;
   next.disabled = !page.has_more;
   next.dataset.after = page.data.at(-1)?.id ?? "";
+  clearTimeout(refresh);
+  if (page.data.some((job) => !isFinished(job))) refresh = setTimeout(show, REFRESH_MS);
 }
 
 start(async () => {
