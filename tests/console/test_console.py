@@ -350,6 +350,16 @@ def test_cancel_a_running_job(
     expect(rows).to_have_count(sum(listed_job["status"] == "cancelled" for listed_job in listed))
 
 
+def test_a_failed_job_shows_its_error(page: Page, server: str, keys: dict[str, str]) -> None:
+    # Offline (HF_HUB_OFFLINE=1) and not cached: the worker cannot find it, at once.
+    job = api_post(server, keys["alice"], "/v1/jobs", {**TINY_JOB, "model": "casp-tests/no-such-model"})
+    sign_in(page, f"{server}/console/jobs/{job['id']}", keys["alice"])
+    expect(page.locator("#status")).to_have_text("failed", timeout=JOB_SECONDS)
+    expect(page.locator("#job-error")).to_contain_text("model_not_found: ")
+    expect(page.locator("#results")).to_be_hidden()
+    expect(page.get_by_role("button", name="Delete its artifacts")).to_be_visible()
+
+
 def test_without_auth_no_key_is_asked(browser: Browser, tmp_path: Path) -> None:
     settings = embedded_settings(tmp_path, auth="none", embedded_workers=0)
     with serving(service_app(settings)) as url:
