@@ -60,11 +60,10 @@ function showJob(next) {
   error.hidden = !job.error;
   error.textContent = job.error ? `${job.error.code}: ${job.error.message}` : "";
   document.getElementById("job").hidden = false;
-  if (isFinished(job)) {
-    for (const item of stageItems.values()) {
-      if (job.status === "succeeded" || item.dataset.state === "running")
-        item.dataset.state = job.status === "succeeded" ? "done" : job.status;
-    }
+  // Succeeded: every stage done; failed or cancelled: the stage it was in marked as where it stopped.
+  for (const item of isFinished(job) ? stageItems.values() : []) {
+    if (job.status === "succeeded") item.dataset.state = "done";
+    else if (item.dataset.state === "running") item.dataset.state = job.status;
   }
   if (job.status === "succeeded" && !resultsShown) {
     resultsShown = true;
