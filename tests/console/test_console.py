@@ -371,6 +371,27 @@ def test_without_auth_no_key_is_asked(browser: Browser, tmp_path: Path) -> None:
         page.close()
 
 
+def test_a_page_refused_a_stream_polls_instead(browser: Browser, tmp_path: Path) -> None:
+    """With one stream a key (here: the one caller of a server without keys), a second page of a running job is
+    answered 429 and follows the job by polling its events."""
+    settings = embedded_settings(tmp_path, auth="none", embedded_workers=1, max_streams_per_key=1)
+    with serving(service_app(settings)) as url:
+        job = httpx.post(f"{url}/v1/jobs", json=SLOW_JOB, timeout=30).json()
+        streaming, polling = browser.new_page(), browser.new_page()
+        streaming.goto(f"{url}/console/jobs/{job['id']}")
+        expect(streaming.locator('#stages li[data-state="running"]')).to_have_count(1, timeout=JOB_SECONDS)
+        refused: list[int] = []
+        polling.on("response", lambda r: refused.append(r.status) if "stream=true" in r.url else None)
+        polling.goto(f"{url}/console/jobs/{job['id']}")
+        expect(polling.locator('#stages li[data-state="running"]')).to_have_count(1)
+        assert refused == [429]
+        httpx.post(f"{url}/v1/jobs/{job['id']}/cancel", timeout=30).raise_for_status()
+        for page in (streaming, polling):
+            expect(page.locator("#status")).to_have_text("cancelled", timeout=JOB_SECONDS)
+            expect(page.locator("#events tbody tr").last).to_contain_text("cancelled")
+            page.close()
+
+
 def test_the_pages_are_the_server_s_own(server: str) -> None:
     """Every asset a page names is served here, and the policy lets the page reach nothing else."""
     for path in ("/console", "/console/new", "/console/usage", f"/console/jobs/{'0' * 32}"):
