@@ -40,6 +40,7 @@ demo: $(RUNTIME_STAMP)
 
 test: $(DEV_STAMP)
 	bash scripts/services.sh
+	bash scripts/chromium.sh
 	$(OFFLINE) $(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 # The 1B-scale checks (tests/core/test_host_memory.py), minutes each: before a change to memory or placement.

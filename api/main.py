@@ -9,7 +9,7 @@ from typing import Protocol
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from api import errors, unavailable
+from api import console, errors, unavailable
 from api.limits import RequestBodyLimit
 from api.log_context import JobLogContext
 from api.methods import Options
@@ -79,4 +79,5 @@ def create_app(settings: Settings | None = None, background: BackgroundServices 
     app.include_router(usage.router)
     app.include_router(files.router)
     app.include_router(health.router)
+    console.install(app)
     return app

@@ -201,10 +201,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     server = threading.Thread(target=serve, args=(settings, sock, "warning"), daemon=True)
     server.start()
     print(f"casp service (embedded mode, data in {home}) at {url}; API docs at {url}/docs")
+    print(f"console: {url}/console (the jobs, their progress and reports, a form to submit one)")
     with CaspClient(url) as client:
         wait_until_up(client, server)
         job = client.submit(demo_request(model))
         print(f"submitted job {job['id']}: prune {model.name} by {job['settings']['ratio']:.0%}")
+        print(f"follow it at {url}/console/jobs/{job['id']}")
         job = client.wait(job["id"], timeout=args.timeout, on_update=progress_printer())
         if job["status"] != "succeeded":
             print(f"job {job['status']}: {job['error']}", file=sys.stderr)
@@ -222,6 +224,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(DEMO_PERPLEXITY_NOTE)
     print(f"checkpoint: {out}")
     print(f"report:     {out / 'report.md'}")
+    print(f"to browse it in the console again: CASP_HOME={home} CASP_AUTH=none casp serve, then {DEFAULT_URL}/console")
     return 0
 
 

@@ -231,6 +231,7 @@ def test_casp_demo_prunes_the_bundled_model(tmp_path: Path) -> None:
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^console: http://127\.0\.0\.1:\d+/console ", result.stdout, re.MULTILINE), result.stdout
     lines = dict(line.split(":", 1) for line in result.stdout.splitlines() if line.startswith(("checkpoint", "report")))
     checkpoint, report = Path(lines["checkpoint"].strip()), Path(lines["report"].strip())
     assert (checkpoint / "config.json").is_file() and (checkpoint / "model.safetensors").is_file()

@@ -1,0 +1,449 @@
+"""The console (api/console) in a real browser: Chromium from Debian's packages, driven by Playwright, against the
+embedded service on a loopback port (SQLite, local storage, one worker thread, API keys on), running real jobs on
+stories260K. Two real jobs in all: one submitted through the form and run to the end, one cancelled while it runs.
+The tests write the screenshots in docs/console/ that the README shows."""
+
+import hashlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Locator, Page, Playwright, expect, sync_playwright
+
+from casp_cli.app import service_app
+from casp_core.report.frontier_section import render_frontier_section
+from service import jobs
+from service.db import session_scope
+from service.settings import Settings
+from tests.service_fixtures import REPO, TINY_JOB, embedded_settings, finished, serving, wait_for
+
+pytestmark = pytest.mark.service
+
+CHROMIUM = "/usr/bin/chromium"
+# This machine's network is closed: no background connections, which would only time out.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOTS = REPO / "docs" / "console"
+JOB_SECONDS = 180_000  # ms, Playwright's unit: a real job on a busy 2-core machine
+# Every stage of a ratio job, in the order the worker runs them (the placement is an event of the evaluation).
+STAGES = ["load", "calibration", "evaluation", "placement", "allocation", "pruning", "verification", "checkpoint",
+          "report", "upload"]  # fmt: skip
+# Enough calibration work that the job is still running when the test cancels it.
+SLOW_JOB = {**TINY_JOB, "calibration": {"dataset": "wikitext2:validation", "n_samples": 64, "seq_len": 256}}
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    home = tmp_path_factory.mktemp("console-home")
+    return embedded_settings(home, auth="apikey", embedded_workers=1, default_device="cpu")
+
+
+@pytest.fixture(scope="module")
+def keys(settings: Settings) -> dict[str, str]:
+    with session_scope(settings.database) as session:
+        return {name: jobs.create_api_key(session, name)[1] for name in ("alice", "bob")}
+
+
+@pytest.fixture(scope="module")
+def server(settings: Settings) -> Iterator[str]:
+    with serving(service_app(settings)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert Path(CHROMIUM).exists(), f"no {CHROMIUM}: apt-get install chromium (.ci/run does)"
+    with sync_playwright() as playwright:
+        browser = launch(playwright)
+        yield browser
+        browser.close()
+
+
+def launch(playwright: Playwright) -> Browser:
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+@pytest.fixture
+def context(browser: Browser, server: str) -> Iterator[BrowserContext]:
+    """A fresh tab's worth of state (sessionStorage, downloads), whose every request is logged: at the end, none
+    may have gone anywhere but the server's own origin."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    requests: list[str] = []
+    context.on("request", lambda request: requests.append(request.url))
+    yield context
+    context.close()
+    origin = urlsplit(server).netloc
+    assert requests, "no request was logged"
+    foreign = [
+        url for url in requests if urlsplit(url).scheme not in ("data", "blob") and urlsplit(url).netloc != origin
+    ]
+    assert not foreign, f"requests left {origin}: {foreign}"
+
+
+@pytest.fixture
+def page(context: BrowserContext) -> Iterator[Page]:
+    """A page whose scripts must throw nothing uncaught."""
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.set_default_timeout(20_000)
+    yield page
+    assert not errors, errors
+
+
+def sign_in(page: Page, url: str, key: str) -> None:
+    """Opens `url` and enters the key in the form the console asks for it with."""
+    page.goto(url)
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Use this key").click()
+    expect(page.locator("main")).to_be_visible()
+
+
+def api_get(server: str, key: str, path: str) -> Any:
+    response = httpx.get(f"{server}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def api_post(server: str, key: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    response = httpx.post(f"{server}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def screenshot(page: Page, name: str, height: int = 900) -> None:
+    """The page's top `height` pixels into docs/console/, as the README shows them."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    clip = {"x": 0, "y": 0, "width": page.viewport_size["width"], "height": height}
+    page.screenshot(path=str(SCREENSHOTS / name), full_page=True, clip=clip)
+
+
+def form_field(page: Page, path: str) -> Locator:
+    """The form's input for `path` (`calibration.n_samples`), its group opened first."""
+    group, _, name = path.rpartition(".")
+    if group:
+        details = page.locator(f'details[data-group="{group}"]')
+        if details.get_attribute("open") is None:
+            details.locator("summary").click()
+    return page.locator(f'[data-field="{path}"]').get_by_label(re.compile(f"^{name}( \\(required\\))?$"))
+
+
+def fill_field(page: Page, path: str, value: str) -> None:
+    form_field(page, path).fill(value)
+
+
+def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
+    page: Page, server: str, keys: dict[str, str], tmp_path: Path
+) -> None:
+    sign_in(page, f"{server}/console/new", keys["alice"])
+    fill_field(page, "model", TINY_JOB["model"])
+    fill_field(page, "ratio", "0.3")
+    fill_field(page, "calibration.dataset", "wikitext2:validation")
+    fill_field(page, "calibration.n_samples", "2")
+    fill_field(page, "calibration.seq_len", "32")
+    fill_field(page, "evaluation.perplexity", "wikitext2")
+    fill_field(page, "evaluation.seq_len", "32")
+    fill_field(page, "evaluation.limit", "2")
+    fill_field(page, "metadata", "source=console test")
+    jobs_before = len(api_get(server, keys["alice"], "/v1/jobs")["data"])
+    posts: list[dict[str, str]] = []
+    page.on("request", lambda r: posts.append(r.headers) if r.method == "POST" and r.url.endswith("/v1/jobs") else None)
+    page.get_by_role("button", name="Submit the job").dblclick()
+    page.wait_for_url(re.compile(r"/console/jobs/[0-9a-f]{32}$"))
+    job_id = page.url.rsplit("/", 1)[1]
+
+    # Two requests, one key: one job.
+    assert len(posts) == 2 and posts[0]["idempotency-key"] == posts[1]["idempotency-key"], posts
+    listed = api_get(server, keys["alice"], "/v1/jobs")["data"]
+    assert len(listed) == jobs_before + 1 and listed[0]["id"] == job_id
+    assert listed[0]["metadata"] == {"source": "console test"}
+    assert listed[0]["settings"]["calibration"]["n_samples"] == 2
+
+    # The stages advance from the event stream while the page is open (one running at a time), then all show done.
+    expect(page.locator('#stages li[data-state="running"]')).to_have_count(1, timeout=JOB_SECONDS)
+    expect(page.locator("#status")).to_have_text("succeeded", timeout=JOB_SECONDS)
+    expect(page.locator("#stages li")).to_have_count(len(STAGES))
+    assert page.locator("#stages li").evaluate_all("items => items.map(i => i.dataset.stage)") == STAGES
+    assert set(page.locator("#stages li").evaluate_all("items => items.map(i => i.dataset.state)")) == {"done"}
+    expect(page.locator("#events tbody tr").last).to_contain_text("succeeded")
+    expect(page.locator("#cancel")).to_be_hidden()
+
+    # The result, dense against pruned, as the API reports it.
+    job = api_get(server, keys["alice"], f"/v1/jobs/{job_id}")
+    ppl = job["result"]["perplexity"]["wikitext2"]
+    perplexity_row = page.locator("#summary tr", has_text="perplexity wikitext2")
+    expect(perplexity_row).to_contain_text(f"{ppl['dense']:.3f}")
+    expect(perplexity_row).to_contain_text(f"{ppl['pruned']:.3f}")
+    expect(page.locator("#facts")).to_contain_text(f"{job['result']['achieved_ratio']:.4f}")
+
+    # report.md rendered: its perplexity table (dense, pruned and their ratio per data set), the per-layer table,
+    # and its plots, loaded from the artifacts' signed links.
+    report = page.locator("#report")
+    perplexity_table = report.locator("table", has=page.locator("th", has_text="pruned / dense"))
+    expect(perplexity_table.locator("tbody tr")).to_have_count(1)
+    expect(perplexity_table.locator("tbody tr")).to_contain_text(f"{ppl['pruned']:.3f}")
+    layers_table = report.locator("table", has=page.locator("th", has_text="heads pruned"))
+    expect(layers_table.locator("tbody tr")).to_have_count(5)  # stories260K's five layers
+    plot = report.locator('img[alt="layer_ratio"]')
+    expect(plot).to_be_visible()
+    plot.scroll_into_view_if_needed()
+    wait_for(lambda: plot.evaluate("img => img.complete && img.naturalWidth > 100"), 20, "the plot to load")
+    expect(page.locator("#model-card h3").first).to_contain_text("casp-30")
+    screenshot(page, "job.png", height=1250)
+
+    # The checkpoint through its link: the bytes the row's sha256 names, which are the API's.
+    row = page.locator('#artifacts tr[data-artifact="model.safetensors"]')
+    with page.expect_download() as download:
+        row.get_by_role("link", name="model.safetensors").click()
+    saved = tmp_path / "model.safetensors"
+    download.value.save_as(saved)
+    digest = hashlib.sha256(saved.read_bytes()).hexdigest()
+    artifacts = {a["name"]: a for a in api_get(server, keys["alice"], f"/v1/jobs/{job_id}/artifacts")["data"]}
+    assert digest == artifacts["model.safetensors"]["sha256"]
+    expect(row.locator(".sha256")).to_have_text(digest)
+
+    # The list: the job with its status and achieved ratio; a filter that leaves it out shows none.
+    page.goto(f"{server}/console")
+    job_row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+    expect(job_row).to_contain_text("succeeded")
+    expect(job_row).to_contain_text("ratio 0.3")
+    expect(job_row).to_contain_text(f"{job['result']['achieved_ratio']:.4f}")
+    screenshot(page, "jobs.png", height=400)
+    page.get_by_label("Status").select_option("failed")
+    expect(page.locator("#jobs tbody tr")).to_have_count(0)
+    expect(page.get_by_text("No jobs here.")).to_be_visible()
+    page.get_by_label("Status").select_option("succeeded")
+    expect(job_row).to_be_visible()
+
+    # Usable at 390 px: nothing wider than the screen but the tables, which scroll in their own box.
+    page.set_viewport_size({"width": 390, "height": 844})
+    for path in ("/console", f"/console/jobs/{job_id}", "/console/new", "/console/usage"):
+        page.goto(f"{server}{path}")
+        expect(page.locator("main")).to_be_visible()
+        page.wait_for_load_state("networkidle")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390, path
+
+    # Delete, once confirmed: the links go, and the API answers 410 for the artifacts from then on.
+    page.goto(f"{server}/console/jobs/{job_id}")
+    expect(page.locator("#artifacts tbody tr")).not_to_have_count(0)
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Delete its artifacts").click()
+    expect(page.locator("#artifacts-note")).to_have_text("The artifacts were deleted.")
+    expect(page.locator("#artifacts tbody tr")).to_have_count(0)
+    gone = httpx.get(f"{server}/v1/jobs/{job_id}/artifacts", headers={"Authorization": f"Bearer {keys['alice']}"})
+    assert gone.status_code == 410
+    page.reload()
+    expect(page.locator("#artifacts-note")).to_contain_text("the job's artifacts expired at")
+
+
+def test_the_api_s_422_is_shown_beside_the_field_it_names(page: Page, server: str, keys: dict[str, str]) -> None:
+    sign_in(page, f"{server}/console/new", keys["alice"])
+    before = api_get(server, keys["alice"], "/v1/usage")["submissions_last_minute"]
+    ratio = page.locator('[data-field="ratio"]')
+    # Each field as the schema has it: description, range and default.
+    expect(ratio.locator(".hint")).to_contain_text("fraction of decoder parameters to remove")
+    expect(ratio.locator(".hint")).to_contain_text("a number > 0 and < 1")
+    form_field(page, "calibration.n_samples")
+    expect(page.locator('[data-field="calibration.n_samples"] .hint')).to_contain_text("default 128")
+    # Every control has a label.
+    unlabelled = page.evaluate(
+        "[...document.querySelectorAll('input, select, textarea')].filter(c => !c.labels.length).map(c => c.id)"
+    )
+    assert unlabelled == []
+
+    # By keyboard: the fields, then Enter.
+    fill_field(page, "model", TINY_JOB["model"])
+    form_field(page, "ratio").fill("1.5")
+    form_field(page, "ratio").press("Enter")
+    expect(ratio.locator(".field-error")).to_have_text("Input should be less than 1")
+    expect(form_field(page, "ratio")).to_have_attribute("aria-invalid", "true")
+    expect(form_field(page, "ratio")).to_be_focused()
+    expect(page.locator('[data-field="model"] .field-error')).to_be_empty()
+    screenshot(page, "new.png")
+    assert api_get(server, keys["alice"], "/v1/usage")["submissions_last_minute"] == before  # no job made
+
+
+@pytest.fixture(scope="module")
+def alice_job(server: str, keys: dict[str, str]) -> str:
+    """A job of alice's, cancelled at once: what bob must not see."""
+    job = api_post(server, keys["alice"], "/v1/jobs", TINY_JOB)
+    api_post(server, keys["alice"], f"/v1/jobs/{job['id']}/cancel")
+    return job["id"]
+
+
+def test_another_key_s_job_is_refused(page: Page, server: str, keys: dict[str, str], alice_job: str) -> None:
+    sign_in(page, f"{server}/console/jobs/{alice_job}", keys["bob"])
+    expect(page.locator("#page-error")).to_have_text(f"not_found: no job {alice_job}")
+    expect(page.locator("#job")).to_be_hidden()
+    expect(page.locator("#events tbody tr")).to_have_count(0)
+    page.goto(f"{server}/console")
+    expect(page.get_by_text("No jobs here.")).to_be_visible()
+    expect(page.locator("#jobs tbody tr")).to_have_count(0)
+    page.goto(f"{server}/console/usage")
+    usage = page.locator("#usage")
+    expect(usage).to_contain_text("bob")
+    expect(usage.locator("dt", has_text="Jobs queued or running").locator("+ dd")).to_have_text("0 of 8")
+    expect(usage.locator("dt", has_text="Jobs submitted in the last minute").locator("+ dd")).to_have_text("0 of 30")
+
+    # A wrong key is refused, and the form asks again.
+    page.get_by_role("button", name="Forget the key").click()
+    page.get_by_label("API key").fill("casp_not-a-key")
+    page.get_by_role("button", name="Use this key").click()
+    expect(page.locator("#key-error")).to_contain_text("a valid API key is required")
+    expect(page.locator("main")).to_be_hidden()
+
+
+def test_cancel_a_running_job(
+    page: Page, context: BrowserContext, server: str, keys: dict[str, str], alice_job: str
+) -> None:
+    job = api_post(server, keys["alice"], "/v1/jobs", SLOW_JOB)
+    sign_in(page, f"{server}/console/jobs/{job['id']}", keys["alice"])
+    expect(page.locator("#status")).to_have_text("running", timeout=JOB_SECONDS)
+    expect(page.locator('#stages li[data-state="running"]')).to_have_count(1, timeout=JOB_SECONDS)
+    # The list in another tab (a key of its own: sessionStorage is the tab's) reads itself again while it runs.
+    listing = context.new_page()
+    sign_in(listing, f"{server}/console", keys["alice"])
+    expect(listing.locator(f'#jobs tr[data-job-id="{job["id"]}"]')).to_contain_text("running")
+    page.get_by_role("button", name="Cancel the job").click()
+    expect(page.get_by_role("button", name="Cancel requested")).to_be_disabled()
+    expect(page.locator("#status")).to_have_text("cancelled", timeout=JOB_SECONDS)
+    expect(page.locator('#stages li[data-state="cancelled"]')).to_have_count(1)
+    expect(page.locator("#events tbody tr").last).to_contain_text("cancelled")
+    expect(page.locator("#results")).to_be_hidden()
+    assert finished(api_get(server, keys["alice"], f"/v1/jobs/{job['id']}"))
+    expect(listing.locator(f'#jobs tr[data-job-id="{job["id"]}"]')).to_contain_text("cancelled", timeout=10_000)
+    listing.close()
+
+    # The list a page at a time, newest first: all but the oldest of alice's jobs (at least alice_job and this
+    # one), then the oldest alone; filtered, her cancelled ones.
+    listed = api_get(server, keys["alice"], "/v1/jobs")["data"]
+    newest_first = [listed_job["id"] for listed_job in listed]
+    assert len(newest_first) >= 2 and newest_first[0] == job["id"] and alice_job in newest_first
+    first_page = len(newest_first) - 1
+    page.goto(f"{server}/console?limit={first_page}")
+    rows = page.locator("#jobs tbody tr")
+    expect(rows).to_have_count(first_page)
+    assert rows.evaluate_all("rows => rows.map(r => r.dataset.jobId)") == newest_first[:-1]
+    expect(page.get_by_role("button", name="Previous page")).to_be_disabled()
+    page.get_by_role("button", name="Next page").click()
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-job-id", newest_first[-1])
+    expect(page.get_by_role("button", name="Next page")).to_be_disabled()
+    page.get_by_role("button", name="Previous page").click()
+    expect(rows.first).to_have_attribute("data-job-id", newest_first[0])
+    expect(rows).to_have_count(first_page)
+    # The filter from the address, as the select puts it there.
+    page.goto(f"{server}/console?status=cancelled")
+    expect(page.get_by_label("Status")).to_have_value("cancelled")
+    expect(rows).to_have_count(sum(listed_job["status"] == "cancelled" for listed_job in listed))
+
+
+def test_a_failed_job_shows_its_error(page: Page, server: str, keys: dict[str, str]) -> None:
+    # Offline (HF_HUB_OFFLINE=1) and not cached: the worker cannot find it, at once.
+    job = api_post(server, keys["alice"], "/v1/jobs", {**TINY_JOB, "model": "casp-tests/no-such-model"})
+    sign_in(page, f"{server}/console/jobs/{job['id']}", keys["alice"])
+    expect(page.locator("#status")).to_have_text("failed", timeout=JOB_SECONDS)
+    expect(page.locator("#job-error")).to_contain_text("model_not_found: ")
+    expect(page.locator("#results")).to_be_hidden()
+    expect(page.get_by_role("button", name="Delete its artifacts")).to_be_visible()
+
+
+def test_without_auth_no_key_is_asked(browser: Browser, tmp_path: Path) -> None:
+    settings = embedded_settings(tmp_path, auth="none", embedded_workers=0)
+    with serving(service_app(settings)) as url:
+        page = browser.new_page()
+        page.goto(f"{url}/console")
+        expect(page.locator("main")).to_be_visible()
+        expect(page.locator("#key-form")).to_have_count(0)
+        expect(page.get_by_text("No jobs here.")).to_be_visible()
+        page.close()
+
+
+def test_a_page_refused_a_stream_polls_instead(browser: Browser, tmp_path: Path) -> None:
+    """With one stream a key (here: the one caller of a server without keys), a second page of a running job is
+    answered 429 and follows the job by polling its events."""
+    settings = embedded_settings(tmp_path, auth="none", embedded_workers=1, max_streams_per_key=1)
+    with serving(service_app(settings)) as url:
+        job = httpx.post(f"{url}/v1/jobs", json=SLOW_JOB, timeout=30).json()
+        streaming, polling = browser.new_page(), browser.new_page()
+        streaming.goto(f"{url}/console/jobs/{job['id']}")
+        expect(streaming.locator('#stages li[data-state="running"]')).to_have_count(1, timeout=JOB_SECONDS)
+        refused: list[int] = []
+        polling.on("response", lambda r: refused.append(r.status) if "stream=true" in r.url else None)
+        polling.goto(f"{url}/console/jobs/{job['id']}")
+        expect(polling.locator('#stages li[data-state="running"]')).to_have_count(1)
+        assert refused == [429]
+        httpx.post(f"{url}/v1/jobs/{job['id']}/cancel", timeout=30).raise_for_status()
+        for page in (streaming, polling):
+            expect(page.locator("#status")).to_have_text("cancelled", timeout=JOB_SECONDS)
+            expect(page.locator("#events tbody tr").last).to_contain_text("cancelled")
+            page.close()
+
+
+def test_the_pages_are_the_server_s_own(server: str) -> None:
+    """Every asset a page names is served here, and the policy lets the page reach nothing else."""
+    for path in ("/console", "/console/new", "/console/usage", f"/console/jobs/{'0' * 32}"):
+        response = httpx.get(f"{server}{path}")
+        assert response.status_code == 200, path
+        csp = response.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "connect-src 'self';" in csp and "img-src 'self';" in csp
+        links = re.findall(r'(?:src|href)="([^"]+)"', response.text)
+        assert all(link.startswith(("/", "#")) for link in links), links
+        for link in links:
+            if link.startswith("/"):
+                assert httpx.get(f"{server}{link}").status_code == 200, link
+
+
+def test_a_budget_job_s_frontier_renders_with_its_plot(page: Page, server: str) -> None:
+    """report.md's frontier section, as casp_core writes it, through the console's Markdown: the candidates'
+    table and the plot from its signed link; an image elsewhere, or HTML in the text, is shown as text."""
+    points = [
+        {"dense": True, "ratio": 0.0, "variant": "f16", "bytes": 1_000_000, "params": 260_000},
+        {"dense": False, "ratio": 0.2, "variant": "f16", "bytes": 800_000, "params": 210_000},
+        {"dense": False, "ratio": 0.3, "variant": "q8_0", "bytes": 400_000, "params": 180_000},
+    ]
+    for point, perplexity in zip(points, (10.0, 11.0, 12.5), strict=True):
+        point |= {"perplexity": {"wikitext2": perplexity}, "within_target": True, "on_front": True, "seconds": 1.0}
+    frontier = {
+        "target": {"max_bytes": 900_000, "format": "gguf"},
+        "format": "gguf",
+        "perplexity_text": "wikitext2",
+        "dense_perplexity": {"wikitext2": 10.0},
+        "candidates": points,
+        "pick": points[1],
+    }
+    markdown = "\n".join(
+        [*render_frontier_section(frontier), "![elsewhere](https://example.com/x.png) <img src=x onerror=alert(1)>"]
+    )
+    page.goto(f"{server}/console")
+    rendered = page.evaluate(
+        """async (text) => {
+            const { renderMarkdown } = await import("/console/static/markdown.js");
+            const links = { "frontier.png": "/console/static/favicon.svg" };
+            const article = document.createElement("article");
+            article.append(...renderMarkdown(text, (target) => links[target] ?? null));
+            return {
+                rows: [...article.querySelectorAll("tbody tr")].map((row) => row.cells[0].textContent),
+                images: [...article.querySelectorAll("img")].map((img) => img.getAttribute("src")),
+                heading: article.querySelector("h4").textContent,
+                text: article.textContent,
+            };
+        }""",
+        markdown,
+    )
+    assert rendered["heading"] == "Sweep: the candidates and the pick"
+    assert rendered["rows"] == ["dense", "0.2 (pick)", "0.3"]
+    assert rendered["images"] == ["/console/static/favicon.svg"]
+    assert "elsewhere <img src=x onerror=alert(1)>" in rendered["text"]
