@@ -15,14 +15,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.errors import ModelNotFound
-from casp_core.families import FAMILIES, family_of, is_pruned_model_type
-
-# Where casp_core is loaded, its own config classes serve the pruned model types (`casp_llama`, ...): otherwise
-# AutoTokenizer, which reads the config, asks on stdin whether to run the checkpoint's copy of the modeling file,
-# which stalls a worker for 15 s or fails at once off the main thread. The model classes are left unregistered, so
-# that AutoModelForCausalLM(trust_remote_code=True) still runs the file shipped in the checkpoint, as users will.
-for _family in FAMILIES:
-    AutoConfig.register(_family.pruned_model_type, _family.pruned_model_class.config_class, exist_ok=True)
+from casp_core.families import family_of, is_pruned_model_type
 
 
 def save_pruned(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:

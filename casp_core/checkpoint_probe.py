@@ -3,7 +3,7 @@
 
 The model comes from `AutoModelForCausalLM.from_pretrained(CHECKPOINT, trust_remote_code=True)`, so a pruned
 checkpoint runs the modeling file it carries (auto_map), not casp_core's: this module imports nothing of casp_core
-(casp_core.checkpoint would register casp_core's own config class), and a fresh process holds no copy of an
+(casp_core.families would register casp_core's own config class), and a fresh process holds no copy of an
 earlier modeling file under the same module name. Written to OUT: `logits`, the uncached forward's on `prompt`,
 and `cached` / `uncached`, greedy generation from it with the cache and without.
 """

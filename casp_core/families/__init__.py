@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
-from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
 from casp_core.errors import UnsupportedModel
 from casp_core.families.base import Family, GgufScales, LayerProjections, RowSlice, projection_parameters
@@ -30,6 +30,14 @@ _BY_DENSE_TYPE = {model_type: family for family in FAMILIES for model_type in fa
 # Qwen3 share, to Llama, whose settings checks read the pruned config's own switches (qk_norm, biases).
 _BY_PRUNED_TYPE = {family.pruned_model_type: family for family in reversed(FAMILIES)}
 PRUNED_MODEL_TYPES: tuple[str, ...] = tuple(_BY_PRUNED_TYPE)
+
+# Wherever casp_core is loaded, its own config classes serve the pruned model types (`casp_llama`, ...): otherwise
+# AutoTokenizer, which reads the config, asks on stdin whether to run the checkpoint's copy of the modeling file
+# (`casp export` of a per-layer checkpoint did), which stalls a worker for 15 s or fails at once off the main thread.
+# The model classes are left unregistered, so that AutoModelForCausalLM(trust_remote_code=True) still runs the file
+# shipped in the checkpoint, as users will.
+for _family in FAMILIES:
+    AutoConfig.register(_family.pruned_model_type, _family.pruned_model_class.config_class, exist_ok=True)
 
 __all__ = [
     "FAMILIES",

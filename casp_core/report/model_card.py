@@ -15,7 +15,8 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from casp_core.data import HUB_SOURCES, evaluation_source
-from casp_core.families import is_pruned_model_type
+from casp_core.errors import UnsupportedExport
+from casp_core.families import check_export, config_from_dict, is_pruned_model_type
 from casp_core.report.build import quantization_section, recovery_section, rounding_line
 from casp_core.report.evaluation_section import render_evaluation_section
 from casp_core.report.frontier_section import render_frontier_section
@@ -171,7 +172,16 @@ def _settings(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def _usage(model_type: str, name: str, exported: Sequence[str]) -> list[str]:
+def gguf_refusal(config: dict[str, Any]) -> str | None:
+    """Why casp cannot write a GGUF of the checkpoint whose config.json is `config`, or None when it can."""
+    try:
+        check_export(config_from_dict(config), ["gguf"])
+    except UnsupportedExport as refusal:
+        return refusal.message
+    return None
+
+
+def _usage(model_type: str, name: str, exported: Sequence[str], no_gguf: str | None) -> list[str]:
     per_layer = is_pruned_model_type(model_type)
     gguf = next((file for file in exported if file.endswith(".gguf")), None)
     # AutoTokenizer reads config.json too, whose model type transformers knows only from the modeling file here:
@@ -199,16 +209,20 @@ def _usage(model_type: str, name: str, exported: Sequence[str]) -> list[str]:
         "",
         "**llama.cpp**",
         "",
-        "```bash",
     ]
+    # Every command shown runs as written: none where casp's GGUF export would refuse the checkpoint.
     if gguf:
-        lines.append(f'llama-cli -m {gguf} -p "Once upon a time" -n 64')
+        lines += ["```bash", f'llama-cli -m {gguf} -p "Once upon a time" -n 64', "```"]
+    elif no_gguf:
+        lines.append(f"casp's GGUF export refuses this checkpoint ({no_gguf}).")
     else:
         lines += [
+            "```bash",
             f"casp export {name} --format gguf --out {name}.gguf   # casp's GGUF export",
             f'llama-cli -m {name}.gguf -p "Once upon a time" -n 64',
+            "```",
         ]
-    lines += ["```", "", "**vLLM**", ""]
+    lines += ["", "**vLLM**", ""]
     if per_layer:
         lines.append(
             "vLLM does not load layers of different shapes; prune with `shape: uniform` for a checkpoint it serves."
@@ -224,9 +238,11 @@ def render_model_card(
     model_type: str,
     base_model: str | None,
     exported: Sequence[str] = (),
+    no_gguf: str | None = None,
 ) -> ModelCard:
     """The card for a checkpoint of `model_type` (config.json's), from its path-free report (see
-    `casp_core.report.publish`); `exported` names the files written beside it (model-f16.gguf, ...)."""
+    `casp_core.report.publish`); `exported` names the files written beside it (model-f16.gguf, ...); `no_gguf`
+    says why casp's GGUF export refuses the checkpoint, if it does."""
     data = card_data(report, base_model=base_model, exported=exported)
     source = public_name(report["model"])
     base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else f"A local model, `{source}`"
@@ -251,7 +267,7 @@ def render_model_card(
         *render_frontier_section(report.get("frontier")),
         "## How to load it",
         "",
-        *_usage(model_type, data.model_name, exported),
+        *_usage(model_type, data.model_name, exported, no_gguf),
         "",
     ]
     recovery = recovery_section(report)
@@ -276,8 +292,10 @@ def write_model_card(
     exported: Sequence[str] = (),
 ) -> Path:
     """README.md in the checkpoint `directory`, for the model type its config.json holds."""
-    model_type = json.loads((directory / "config.json").read_text(encoding="utf-8"))["model_type"]
-    card = render_model_card(report, model_type=model_type, base_model=base_model, exported=exported)
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    card = render_model_card(
+        report, model_type=config["model_type"], base_model=base_model, exported=exported, no_gguf=gguf_refusal(config)
+    )
     path = directory / CARD_FILE
     card.save(path)
     return path

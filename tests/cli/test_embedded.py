@@ -213,6 +213,8 @@ def test_client_commands_refused_by_the_service_say_so_in_one_line(tmp_path: Pat
     assert unknown.returncode == 2 and unknown.stdout == ""
     lines = unknown.stderr.strip().splitlines()
     assert lines == ["casp: error: not_found: no job 0123456789abcdef"], unknown.stderr
+    service_doc = " ".join((REPO / "docs" / "service.md").read_text(encoding="utf-8").split())
+    assert "(`casp status` of an unknown job: `casp: error: not_found: ...`," in service_doc  # the docs say it so
     assert waited.returncode == 1
     assert (
         waited.stderr.strip().splitlines()[-1] == f"casp: error: timeout: job {job['id']} is still queued after 0.5 s"

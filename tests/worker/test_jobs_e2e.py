@@ -20,7 +20,17 @@ from casp_core.job import job_stages
 from service.dispatch import CeleryDispatcher
 from service.settings import Settings
 from service.storage import make_storage
-from tests.service_fixtures import SMALL_JOB, WorkerProcess, download, expected_parameters, finished, wait_for, wait_job
+from tests.service_fixtures import (
+    FIXTURE_DATA,
+    REPO,
+    SMALL_JOB,
+    WorkerProcess,
+    download,
+    expected_parameters,
+    finished,
+    wait_for,
+    wait_job,
+)
 from worker.runner import Segments
 
 pytestmark = pytest.mark.service
@@ -104,6 +114,14 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
 
     report = json.loads((checkpoint / "report.json").read_text())
     assert round(report["achieved_ratio"], 6) == result["achieved_ratio"]  # the result rounds it for display
+    assert report["achieved_ratio"] == 1 - report["params"]["pruned"] / report["params"]["dense"]  # exact there
+    # Nothing the job shows names a folder of the server's: its home (where the worker works and writes), the model
+    # root, the data sets' folder; not its events, its result or any field of its report. (The job echoes the model
+    # as the caller named it, a path under an allowed root.)
+    assert done["model"] == SMALL_JOB["model"]
+    server_folders = [str(distributed_settings.home), str(REPO / "demo"), str(FIXTURE_DATA)]
+    shown = json.dumps([{**done, "model": None}, events, report])
+    assert [folder for folder in server_folders if folder in shown] == []
     assert report["params"] == result["params"]
     assert report["artifacts"] == result["artifacts"]
     # Every GGUF written is an artifact, with the digest the export computed.

@@ -180,7 +180,13 @@ def test_casp_prune_succeeds(
     assert cli.main([*argv, *small_run]) == 0, capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     assert report["verification"]["max_relative_diff"] <= 1e-10
-    assert type(load_pruned(out)[0]) is CLASSES[family][0]
+    pruned = load_pruned(out)[0]
+    assert type(pruned) is CLASSES[family][0]
+    # The card shows no command that would fail: casp's GGUF export refuses Gemma, and the card says so instead.
+    card = (out / "README.md").read_text()
+    assert "casp export" not in card and "llama-cli" not in card
+    name = family_of(pruned.config).name
+    assert f"casp's GGUF export refuses this checkpoint (GGUF export: {name} (model type" in card
 
 
 # Run in a fresh process that never imports casp_core: each argument REFERENCE:CHECKPOINT:TRUST:ATTENTIONS, the
