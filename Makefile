@@ -18,7 +18,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 LIBRARY_TESTS := tests/core/test_generation.py tests/core/test_families.py tests/core/test_surgery.py \
 	tests/core/test_uniform_shape.py tests/core/test_gguf.py tests/core/test_recovery.py tests/core/eval
 
-.PHONY: demo test test-slow lint install lock test-latest
+.PHONY: demo test test-slow lint install lock test-latest screenshots
 
 install: $(DEV_STAMP)
 
@@ -42,6 +42,12 @@ test: $(DEV_STAMP)
 	bash scripts/services.sh
 	bash scripts/chromium.sh
 	$(OFFLINE) $(BIN)/python -m pytest -q -m "not slow" --durations=15
+
+# The console's screenshots in docs/console/ (the README shows them), taken by its browser tests.
+screenshots: $(DEV_STAMP)
+	bash scripts/services.sh
+	bash scripts/chromium.sh
+	CASP_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(OFFLINE) $(BIN)/python -m pytest -q tests/console
 
 # The 1B-scale checks (tests/core/test_host_memory.py), minutes each: before a change to memory or placement.
 test-slow: $(DEV_STAMP)

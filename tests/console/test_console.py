@@ -1,10 +1,14 @@
 """The console (api/console) in a real browser: Chromium from Debian's packages, driven by Playwright, against the
 embedded service on a loopback port (SQLite, local storage, one worker thread, API keys on), running real jobs on
 stories260K. Two real jobs in all: one submitted through the form and run to the end, one cancelled while it runs.
-The tests write the screenshots in docs/console/ that the README shows."""
+The tests take screenshots of the list, a job and the form; `make screenshots` runs them with
+CASP_CONSOLE_SCREENSHOTS=docs/console, which writes the ones the README shows (elsewhere they go to a scratch
+folder, so that `make test` leaves the tree as it was)."""
 
 import hashlib
+import os
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,7 @@ from casp_core.report.frontier_section import render_frontier_section
 from service import jobs
 from service.db import session_scope
 from service.settings import Settings
-from tests.service_fixtures import REPO, TINY_JOB, embedded_settings, finished, serving, wait_for
+from tests.service_fixtures import TINY_JOB, embedded_settings, finished, serving, wait_for
 
 pytestmark = pytest.mark.service
 
@@ -35,7 +39,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-SCREENSHOTS = REPO / "docs" / "console"
+SCREENSHOTS = Path(os.environ.get("CASP_CONSOLE_SCREENSHOTS") or tempfile.mkdtemp(prefix="casp-console-"))
 JOB_SECONDS = 180_000  # ms, Playwright's unit: a real job on a busy 2-core machine
 # Every stage of a ratio job, in the order the worker runs them (the placement is an event of the evaluation).
 STAGES = ["load", "calibration", "evaluation", "placement", "allocation", "pruning", "verification", "checkpoint",
@@ -124,7 +128,7 @@ def api_post(server: str, key: str, path: str, body: dict[str, Any] | None = Non
 
 
 def screenshot(page: Page, name: str, height: int = 900) -> None:
-    """The page's top `height` pixels into docs/console/, as the README shows them."""
+    """The page's top `height` pixels into SCREENSHOTS, as the README shows them."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     clip = {"x": 0, "y": 0, "width": page.viewport_size["width"], "height": height}
     page.screenshot(path=str(SCREENSHOTS / name), full_page=True, clip=clip)
