@@ -104,8 +104,10 @@ def model_source(name_or_path: str, revision: str | None = None, token: str | No
                 )
             )
     except (OSError, ValueError) as error:  # not cached offline, unknown repository or revision, no network
+        # `org/name` is a hub id even where a folder of that name is at hand; say how to mean the folder instead.
+        hint = f" (for the folder {name_or_path} here, write ./{name_or_path})" if Path(name_or_path).is_dir() else ""
         raise ModelNotFound(
-            f"cannot get model {name_or_path!r} from the Hugging Face hub or its cache: {error}"
+            f"cannot get model {name_or_path!r} from the Hugging Face hub or its cache{hint}: {error}"
         ) from error
     return folder
 

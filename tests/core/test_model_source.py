@@ -46,8 +46,9 @@ def test_a_hub_id_loads_from_the_cache_not_the_working_directory(hub_cache: Path
 def test_a_hub_id_missing_from_the_cache_is_not_found_even_if_the_cwd_has_it(
     hub_cache: Path, hostile_cwd: Path
 ) -> None:
-    with pytest.raises(ModelNotFound, match="org/absent"):
+    with pytest.raises(ModelNotFound, match=r"org/absent.*\(for the folder org/absent here, write \./org/absent\)"):
         load_model("org/absent")
+    assert load_model("./org/absent")[0].config.hidden_size == load_model(str(PTBWIKI))[0].config.hidden_size
 
 
 @pytest.mark.parametrize("reference", ["org/..", "org--x/name", "a/b/c"])
