@@ -17,12 +17,13 @@ from casp_core.families.gemma import GEMMA2, GEMMA3_TEXT
 from casp_core.families.granite import GRANITE
 from casp_core.families.llama import LLAMA
 from casp_core.families.mistral import MISTRAL
+from casp_core.families.mixtral import MIXTRAL
 from casp_core.families.olmo2 import OLMO2
 from casp_core.families.phi3 import PHI3
 from casp_core.families.qwen2 import QWEN2
 from casp_core.families.qwen3 import QWEN3
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, GRANITE)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, GRANITE, MIXTRAL)
 # The dense model types CASP prunes.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.model_types)
 _BY_DENSE_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}

@@ -1,0 +1,175 @@
+"""Mixtures of experts: each expert's FFN channels are the units; attention and the router are kept whole.
+
+An MoE layer's MLP computes Σ_e w_e(x) down_e(act(gate_e x) ⊙ up_e x) over the top-k experts the router picks for
+token x. Written as one FFN, its channels are every expert's channels one after another (channel c of expert e is
+channel e x width + c of the layer) and its input is y = (w_e(x) y_e(x))_e, zero for the experts not picked; the
+layer's output is then down y exactly, as in a dense layer. So the budget, the reports and the masks speak of the
+layer's channels in that numbering (`ExpertStack` stands for the stacked projections), while statistics, Q,
+selection and compensation are taken one expert at a time (casp_core.moe): no statistic of two experts together is
+ever held.
+
+Why heads stay whole (`prunes_heads = False`): the experts hold nearly all of an MoE layer's parameters (Mixtral
+8x7B: 1.4 B of a layer's 1.45 B), so the ratio is met by the experts' channels; the router is never pruned.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
+from casp_core.errors import InvalidConfig, VerificationFailed
+from casp_core.families.base import ExpertStack, Family, LayerProjections, kept_index
+from casp_core.units import AttentionGeometry, LayerPruning
+
+# The prefix of the experts' parameters in a decoder layer; everything else in it (attention, router, norms) is kept
+# whole.
+EXPERTS_PATH = "mlp.experts"
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One expert's weights as views: gate and up stacked (`gate_up` [2 x width, hidden]), `down` [hidden, width]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.down.shape[1]
+
+    @property
+    def gate(self) -> torch.Tensor:
+        return self.gate_up[: self.width]
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.gate_up[self.width :]
+
+
+def expert_weights(layer: nn.Module) -> list[ExpertWeights]:
+    """Each expert's weights: slices of the dense class's 3-D parameters, or each module's of the pruned class."""
+    experts = layer.get_submodule(EXPERTS_PATH)
+    if not hasattr(experts, "gate_up_proj"):  # the pruned class: one submodule per expert, "0", "1", ...
+        return [
+            ExpertWeights(expert.gate_up_proj, expert.down_proj)
+            for expert in (experts.get_submodule(str(index)) for index in range(experts.num_experts))
+        ]
+    return [ExpertWeights(gate_up, down) for gate_up, down in zip(experts.gate_up_proj, experts.down_proj, strict=True)]
+
+
+def expert_channels(channels: tuple[int, ...] | list[int], width: int, n_experts: int) -> list[list[int]]:
+    """The layer's channel numbers (expert e's channel c is e x width + c) as each expert's own channels."""
+    per_expert: list[list[int]] = [[] for _ in range(n_experts)]
+    for channel in sorted(set(channels)):
+        expert, own = divmod(channel, width)
+        per_expert[expert].append(own)
+    return per_expert
+
+
+class MixtureOfExperts(Family):
+    """What every MoE family shares: experts as 3-D parameters under `mlp.experts` (`gate_up_proj` [E, 2 x width,
+    hidden], `down_proj` [E, hidden, width]), a router `mlp.gate` whose forward returns (logits, top-k weights,
+    top-k experts) as transformers 5's routers do, and LLaMA's attention."""
+
+    prunes_heads = False
+    # Attention's projections only: the experts are no nn.Linear (`projections` builds their stacks).
+    projection_paths: ClassVar[dict[str, str]] = {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj",
+    }
+    gguf = None
+    gguf_refusal = (
+        "llama.cpp keeps a layer's experts in one 3-D tensor of one width, and per-expert widths have no place "
+        "there; use the safetensors checkpoint"
+    )
+
+    def check_config(self, config: PretrainedConfig) -> None:
+        super().check_config(config)
+        top_k, experts = config.num_experts_per_tok, self.num_experts(config)
+        if not 0 < top_k <= experts:
+            raise InvalidConfig(f"model type {config.model_type!r}: top-{top_k} routing over {experts} experts")
+
+    def num_experts(self, config: PretrainedConfig) -> int:
+        return config.num_local_experts
+
+    def prepare(self, model: PreTrainedModel) -> None:
+        """transformers' default grouped matrix product for the experts takes no float64, which verification
+        computes in: the eager loop over experts computes the same products."""
+        model.set_experts_implementation("eager")
+
+    def check_settings(self, config: PretrainedConfig, settings: PruneSettings) -> None:
+        refused = {
+            "shape": settings.shape == UNIFORM_SHAPE,
+            "alpha": settings.alpha == "auto",
+            "compensation": settings.compensation in (MEAN_BIAS_COMPENSATION, DENSE_TARGET_COMPENSATION),
+            "calibration.mode": settings.calibration.mode == "dense",
+            "target": settings.target is not None,
+        }
+        for name, is_refused in refused.items():
+            if is_refused:
+                raise InvalidConfig(
+                    f"{name}: {self.name} (a mixture of experts) is pruned with shape per_layer, a numeric alpha, "
+                    "least-squares or no compensation, sequential calibration and a ratio (docs/moe.md)"
+                )
+
+    def projections(self, layer: nn.Module) -> LayerProjections:
+        attention = {part: layer.get_submodule(path) for part, path in self.projection_paths.items()}
+        experts = expert_weights(layer)
+        return LayerProjections(
+            **attention,
+            gate=ExpertStack(tuple(e.gate for e in experts), stacked_rows=True),
+            up=ExpertStack(tuple(e.up for e in experts), stacked_rows=True),
+            down=ExpertStack(tuple(e.down for e in experts), stacked_rows=False),
+        )
+
+    @torch.no_grad()
+    def mask_channels(self, layer: nn.Module, channels: tuple[int, ...]) -> None:
+        experts = expert_weights(layer)
+        for expert, own in zip(experts, expert_channels(channels, experts[0].width, len(experts)), strict=True):
+            expert.down[:, own] = 0
+
+    def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> tuple[int, ...]:
+        experts = expert_weights(layer)
+        per_expert = expert_channels(pruning.pruned_channels, experts[0].width, len(experts))
+        return tuple(e.width - len(own) for e, own in zip(experts, per_expert, strict=True))
+
+    def pruned_config(
+        self, model: PreTrainedModel, kv_maps: list[list[int]], widths: list, head_dim: int
+    ) -> PretrainedConfig:
+        """The dense settings and each layer's experts' widths; attention and the router keep the dense settings."""
+        heads = model.config.num_attention_heads
+        if any(len(kv_map) != heads for kv_map in kv_maps):
+            raise VerificationFailed(f"{self.name} keeps every attention head, and the pruning removed some")
+        settings = {k: v for k, v in model.config.to_dict().items() if k not in self.dense_only_keys}
+        settings.update(
+            layer_expert_intermediate_sizes=[list(layer_widths) for layer_widths in widths],
+            casp=settings.get("casp"),
+            architectures=[self.pruned_model_class.__name__],
+        )
+        return self.pruned_model_class.config_class(**settings)
+
+    def pruned_layer_tensors(
+        self, layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning
+    ) -> dict[str, torch.Tensor]:
+        """Each expert's kept gate and up rows and down columns, as `mlp.experts.{e}.*`; every other parameter of
+        the layer (attention, router, norms) whole."""
+        experts = expert_weights(layer)
+        width = experts[0].width
+        tensors = {
+            name: p.detach().clone()
+            for name, p in layer.named_parameters()
+            if not name.startswith(f"{EXPERTS_PATH}.")
+        }
+        for index, (expert, own) in enumerate(
+            zip(experts, expert_channels(pruning.pruned_channels, width, len(experts)), strict=True)
+        ):
+            kept = kept_index(width, tuple(own), expert.down.device)
+            rows = torch.cat([kept, kept + width])
+            tensors[f"{EXPERTS_PATH}.{index}.gate_up_proj"] = expert.gate_up.index_select(0, rows)
+            tensors[f"{EXPERTS_PATH}.{index}.down_proj"] = expert.down.index_select(1, kept)
+        return tensors
