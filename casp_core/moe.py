@@ -39,10 +39,10 @@ from casp_core.families.base import RowSlice
 from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights
 from casp_core.interaction import interaction_matrix, offdiag_ratio
 from casp_core.numerics import check_finite
+from casp_core.results import ExpertReport, SubLayerReport
 from casp_core.rounding import channel_counts
 from casp_core.run import Run
 from casp_core.selection import solve_sublayer
-from casp_core.results import ExpertReport, SubLayerReport
 
 
 @dataclass
@@ -68,7 +68,8 @@ def record_routing(block: nn.Module, store: torch.device) -> Iterator[list[Route
     def keep(_router: nn.Module, args: tuple, output: tuple) -> None:
         hidden = args[0]
         _, weights, experts = output
-        batches.append(RoutedBatch(hidden.reshape(-1, hidden.shape[-1]).to(store), experts.to(store), weights.to(store)))
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        batches.append(RoutedBatch(hidden.to(store), experts.to(store), weights.to(store)))
 
     handle = block.gate.register_forward_hook(keep)
     try:
@@ -228,4 +229,3 @@ def prune_experts_channels(
         else CompensationReport(error_before=error_before, error_after=error_after, damping=damping),
     )
     return mlp, reports
-

@@ -39,6 +39,8 @@ from casp_core.calibration import (
 )
 from casp_core.compensation import compensate_layer
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
+from casp_core.families import family_of
+from casp_core.families.moe import MixtureOfExperts
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
@@ -48,10 +50,8 @@ from casp_core.model import (
     resolve_device,
     sublayer_parameters,
 )
-from casp_core.placement import RESIDENT, Placement, choose_placement
-from casp_core.families import family_of
-from casp_core.families.moe import MixtureOfExperts
 from casp_core.moe import prune_experts_channels, record_routing
+from casp_core.placement import RESIDENT, Placement, choose_placement
 from casp_core.results import LayerReport, PruneResult, SubLayerReport, TemperatureChoice
 from casp_core.run import CPU, Run, StageTimer
 from casp_core.selection import LayerQ, choose_units, layer_q, params_kept

@@ -23,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from casp_core.config import LORA_TARGETS, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+from casp_core.rounding import channel_counts
 from casp_core.units import AttentionGeometry, LayerPruning, kept_kv_heads
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -241,6 +242,10 @@ class Family:
     def mask_channels(self, layer: nn.Module, channels: tuple[int, ...]) -> None:
         """Zero these FFN channels' input columns of down_proj, which removes their contribution exactly."""
         layer.mlp.down_proj.weight[:, list(channels)] = 0
+
+    def channel_counts(self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None) -> tuple[int, ...]:
+        """The FFN channel counts the layer may prune (casp_core.rounding.channel_counts of its width)."""
+        return channel_counts(self.projections(layer).down.in_features, r_max, round_to, block)
 
     def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> int | tuple[int, ...]:
         """What the layer's FFN keeps: its width (a mixture of experts: each expert's)."""

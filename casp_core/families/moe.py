@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.errors import InvalidConfig, VerificationFailed
 from casp_core.families.base import ExpertStack, Family, LayerProjections, kept_index
+from casp_core.rounding import channel_counts
 from casp_core.units import AttentionGeometry, LayerPruning
 
 # The prefix of the experts' parameters in a decoder layer; everything else in it (attention, router, norms) is kept
@@ -133,6 +134,14 @@ class MixtureOfExperts(Family):
         for expert, own in zip(experts, expert_channels(channels, experts[0].width, len(experts)), strict=True):
             expert.down[:, own] = 0
 
+    def channel_counts(self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None) -> tuple[int, ...]:
+        """Every sum of one count per expert (each expert prunes as a layer of its width would), so that the layer's
+        count can always be spread over its experts."""
+        experts = expert_weights(layer)
+        own = channel_counts(experts[0].width, r_max, round_to, block)
+        step = own[1] - own[0] if len(own) > 1 else 1
+        return tuple(range(len(experts) * own[0], len(experts) * own[-1] + 1, step))
+
     def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> tuple[int, ...]:
         experts = expert_weights(layer)
         per_expert = expert_channels(pruning.pruned_channels, experts[0].width, len(experts))
@@ -161,9 +170,7 @@ class MixtureOfExperts(Family):
         experts = expert_weights(layer)
         width = experts[0].width
         tensors = {
-            name: p.detach().clone()
-            for name, p in layer.named_parameters()
-            if not name.startswith(f"{EXPERTS_PATH}.")
+            name: p.detach().clone() for name, p in layer.named_parameters() if not name.startswith(f"{EXPERTS_PATH}.")
         }
         for index, (expert, own) in enumerate(
             zip(experts, expert_channels(pruning.pruned_channels, width, len(experts)), strict=True)

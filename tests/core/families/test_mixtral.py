@@ -1,0 +1,206 @@
+"""Mixtral, a mixture of experts, prunes each expert's FFN channels exactly (casp_core/families/moe.py,
+casp_core/moe.py): chosen channels and the real pipeline give a casp_mixtral checkpoint whose experts keep their own
+widths and that computes the masked model's logits, in this process and in a user's fresh one; an expert no
+calibration token reaches is reported and kept whole unless allowed; what MoE pruning does not take is refused
+before any work."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import MixtralConfig
+
+from casp_core.budget import channel_params, check_reachable
+from casp_core.calibration import SecondMoment
+from casp_core.checkpoint import save_pruned
+from casp_core.cli import main as cli
+from casp_core.config import PruneConfig
+from casp_core.errors import InvalidConfig, UnsupportedExport
+from casp_core.families import check_export
+from casp_core.families.moe import ExpertWeights
+from casp_core.model import decoder_layers, load_model, sublayer_parameters
+from casp_core.modeling_casp_mixtral import CaspMixtralForCausalLM
+from casp_core.moe import ExpertTraffic, expert_counts, weighted_activations
+from casp_core.surgery import LayerPruning, remove_units
+from tests.core.families.checkpoints import fresh_logits, masked_logits
+from tests.core.families.helpers import (
+    COMMON,
+    assert_computes_the_same,
+    masked_copy,
+    prune_small,
+    small_run_arguments,
+    write_dense,
+    written_and_loaded_back,
+)
+
+EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 48
+TINY = {**COMMON, "num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH}
+# The stories260K tokenizer's <s> and </s>.
+TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def mixtral_config() -> MixtralConfig:
+    return MixtralConfig(**TINY, **TOKEN_IDS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+
+
+@pytest.fixture(scope="module")
+def dense_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dense(mixtral_config(), tmp_path_factory.mktemp("dense") / "mixtral")
+
+
+@pytest.fixture(scope="module")
+def unreached_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """No token is ever sent to expert 3: its router row is zero, and experts 0 and 1 (2 and 4) have opposite rows,
+    so for every token one of each pair has a positive logit, above expert 3's zero, and top-2 never reaches it."""
+    folder = write_dense(mixtral_config(), tmp_path_factory.mktemp("unreached") / "mixtral")
+    model, _ = load_model(str(folder))
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            router = layer.mlp.gate.weight
+            router[1], router[4], router[3] = -router[0], -router[2], 0
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_chosen_channels_prune_exactly(dense_folder: Path, tmp_path: Path) -> None:
+    """Channels in the layer's numbering (expert e's channel c is e x width + c): some of expert 0's and 5's in layer
+    0, every other channel of experts 1 and 2 in layer 1; each expert keeps its own width."""
+    model, tokenizer = load_model(str(dense_folder))
+    prunings = [
+        LayerPruning((), (0, 3, 7, 5 * EXPERT_WIDTH + 1)),
+        LayerPruning((), tuple(range(EXPERT_WIDTH, 3 * EXPERT_WIDTH, 2))),
+    ]
+    pruned = remove_units(model, prunings)
+    assert type(pruned) is CaspMixtralForCausalLM
+    half = EXPERT_WIDTH // 2
+    assert pruned.config.layer_expert_intermediate_sizes == [
+        [EXPERT_WIDTH - 3, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH - 1],
+        [EXPERT_WIDTH, half, half, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH],
+    ]
+    assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+    assert "modeling_casp_mixtral.py" in {path.name for path in tmp_path.iterdir()}
+
+
+def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Path) -> None:
+    """C_e over all N tokens, each routed token's activation scaled by its router weight: N x C_e is the sum of
+    w² y yᵀ over the tokens routed to e, computed here token by token from the router's own top-k."""
+    model, _ = load_model(str(dense_folder))
+    layer = decoder_layers(model)[0]
+    hidden = torch.randn(10, TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
+    _, weights, experts = layer.mlp.gate(hidden)
+    gate_up, down = layer.mlp.experts.gate_up_proj[2], layer.mlp.experts.down_proj[2]
+    expected = torch.zeros(EXPERT_WIDTH, EXPERT_WIDTH, dtype=torch.float64)
+    for token in range(10):
+        for slot in range(TOP_K):
+            if experts[token, slot] == 2:
+                gate, up = (gate_up @ hidden[token]).chunk(2)
+                y = (torch.nn.functional.silu(gate) * up).double() * float(weights[token, slot])
+                expected += torch.outer(y, y)
+    token, slot = (experts == 2).nonzero(as_tuple=True)
+    assert len(token) > 0
+    moment = SecondMoment(EXPERT_WIDTH, torch.device("cpu"))
+    rows = weighted_activations(
+        ExpertWeights(gate_up, down), layer.mlp.experts.act_fn, hidden[token], weights[token, slot], torch.device("cpu")
+    )
+    moment.update(rows, tokens=10)
+    torch.testing.assert_close(moment.second_moment, expected / 10, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5])
+def test_casp_prune_succeeds(ratio: float, dense_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(dense_folder), "--ratio", str(ratio), "--out", str(out)]
+    assert cli.main([*arguments, *small_run_arguments(tmp_path)]) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["verification"]["max_relative_diff"] <= 1e-10
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "casp_mixtral"
+    widths = config["layer_expert_intermediate_sizes"]
+    for layer, layer_widths in zip(report["layers"], widths, strict=True):
+        assert [EXPERT_WIDTH - e["pruned_channels"] for e in layer["experts"]] == layer_widths
+        assert len(layer["pruned_channels"]) == sum(e["pruned_channels"] for e in layer["experts"])
+        assert layer["pruned_heads"] == []
+
+
+@pytest.fixture(scope="module")
+def pipeline_checkpoint(dense_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    model, tokenizer = load_model(str(dense_folder))
+    result = prune_small(model, tokenizer, 0.5, "greedy")  # masks `model`, verifies
+    folder = tmp_path_factory.mktemp("mixtral-pruned") / "per_layer"
+    save_pruned(result.model, tokenizer, folder)
+    return model, result, folder
+
+
+def test_the_pipeline_meets_the_ratio_from_the_experts_alone(pipeline_checkpoint: tuple) -> None:
+    model, result, _ = pipeline_checkpoint
+    for dense_layer, layer in zip(decoder_layers(model), decoder_layers(result.model), strict=True):
+        assert sublayer_parameters(layer)[0] == sublayer_parameters(dense_layer)[0]  # attention whole
+        assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight)  # the router whole
+    unit = channel_params(decoder_layers(model)[0])
+    assert abs(result.params_dense - result.params_pruned - 0.5 * result.params_dense) <= unit
+    assert all(0 <= r <= 0.9 for layer in result.layers for r in [layer.ratio])
+
+
+def test_the_written_checkpoint_loads_where_casp_core_is_not(pipeline_checkpoint: tuple, tmp_path: Path) -> None:
+    model, _, folder = pipeline_checkpoint
+    logits, records = fresh_logits({folder: True}, tmp_path)
+    assert records[-1] == {"casp_core_imported": False}
+    assert records[0]["class"] == "CaspMixtralForCausalLM"
+    expected = masked_logits(model)
+    assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+
+
+def test_an_unreached_expert_is_reported_and_kept_whole_unless_allowed(unreached_folder: Path) -> None:
+    model, tokenizer = load_model(str(unreached_folder))
+    result = prune_small(model, tokenizer, 0.5, "greedy")
+    pruned_layers = [layer for layer in result.layers if layer.mlp.pruned]
+    assert pruned_layers
+    for layer in result.layers:
+        unreached = [expert for expert in layer.experts if not expert.reached]
+        assert [expert.index for expert in unreached] == [3]
+        assert unreached[0].tokens == 0 and unreached[0].pruned_channels == 0
+    assert all(w[3] == EXPERT_WIDTH for w in result.model.config.layer_expert_intermediate_sizes)
+
+    model, tokenizer = load_model(str(unreached_folder))
+    allowed = prune_small(model, tokenizer, 0.5, "greedy", moe={"prune_unreached": True})
+    assert any(w[3] < EXPERT_WIDTH for w in allowed.model.config.layer_expert_intermediate_sizes)
+
+
+def test_the_warning_names_the_unreached_experts(unreached_folder: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(unreached_folder), "--ratio", "0.3", "--out", str(out)]
+    assert cli.main([*arguments, *small_run_arguments(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "no calibration token reached experts [3]: kept whole" in err
+    report = json.loads((out / "report.json").read_text())
+    assert any("reached experts [3]" in warning for warning in report["warnings"])
+
+
+def test_the_experts_share_follows_their_sensitivity() -> None:
+    """The paper's layer rule over the experts: the most sensitive expert keeps every channel (c_e = 0 at alpha 1),
+    the others share the layer's count, summing to it."""
+    traffic = [ExpertTraffic(10, 0.1, s) for s in (1.0, 4.0, 16.0, 2.0)]
+    counts, unreached = expert_counts(60, traffic, EXPERT_WIDTH, PruneConfig(ratio=0.3, device="cpu"))
+    assert unreached == [] and sum(counts) == 60
+    assert counts[2] == 0 and counts[0] > counts[3] > counts[1]
+
+
+@pytest.mark.parametrize(
+    ("settings", "name"),
+    [
+        ({"shape": "uniform"}, "shape"),
+        ({"alpha": "auto"}, "alpha"),
+        ({"compensation": "bias"}, "compensation"),
+        ({"calibration": {"mode": "dense", "n_samples": 4, "seq_len": 32}}, "calibration.mode"),
+    ],
+)
+def test_settings_moe_pruning_does_not_take_are_refused(settings: dict, name: str, dense_folder: Path) -> None:
+    model, _ = load_model(str(dense_folder))
+    with pytest.raises(InvalidConfig, match=rf"^{name}: Mixtral \(a mixture of experts\)"):
+        check_reachable(model, PruneConfig(ratio=0.3, device="cpu", **settings))
+
+
+def test_gguf_export_is_refused_before_any_work() -> None:
+    with pytest.raises(UnsupportedExport, match=r"GGUF export: Mixtral .*one width"):
+        check_export(mixtral_config(), ["gguf"])
