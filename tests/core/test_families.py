@@ -16,7 +16,6 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
-    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -214,7 +213,6 @@ def test_casp_prune_succeeds(
     [
         (GPT2Config(n_layer=1, n_embd=32, n_head=2), "model type 'gpt2' is not supported"),
         (Qwen2MoeConfig(num_hidden_layers=1), "model type 'qwen2_moe' is not supported"),
-        (MixtralConfig(num_hidden_layers=1), "model type 'mixtral' is not supported"),
         (LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=4), "6 attention heads cannot share 4"),
     ],
 )
