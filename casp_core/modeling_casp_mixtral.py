@@ -13,7 +13,7 @@ picked: the same products, in the same order, on the kept channels. The router a
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
-from transformers import MixtralConfig
+from transformers import MixtralConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.mixtral.modeling_mixtral import (
@@ -55,9 +55,10 @@ class CaspExpert(nn.Module):
 
 class CaspExperts(nn.Module):
     """The experts of one layer, each its own width, as submodules "0", "1", ...; `forward` is upstream's eager
-    `MixtralExperts.forward` with expert e's weights read from module e instead of slice e of the 3-D parameters."""
+    `MixtralExperts.forward` (which Qwen3-MoE's and OLMoE's share) with expert e's weights read from module e instead
+    of slice e of the 3-D parameters. The pruned Qwen3-MoE and OLMoE classes import it from here."""
 
-    def __init__(self, config: CaspMixtralConfig, widths: list[int]) -> None:
+    def __init__(self, config: PretrainedConfig, widths: list[int]) -> None:
         super().__init__()
         self.num_experts = len(widths)
         for index, width in enumerate(widths):
@@ -111,7 +112,7 @@ class CaspMixtralPreTrainedModel(MixtralPreTrainedModel):
     config_class = CaspMixtralConfig
     config: CaspMixtralConfig
     _no_split_modules = ["CaspMixtralDecoderLayer"]
-    _can_record_outputs = {"hidden_states": CaspMixtralDecoderLayer, "attentions": MixtralAttention}
+    _can_record_outputs = {**MixtralPreTrainedModel._can_record_outputs, "hidden_states": CaspMixtralDecoderLayer}
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -1,15 +1,15 @@
-"""Mixtral, a mixture of experts, prunes each expert's FFN channels exactly (casp_core/families/moe.py,
-casp_core/moe.py): chosen channels and the real pipeline give a casp_mixtral checkpoint whose experts keep their own
-widths and that computes the masked model's logits, in this process and in a user's fresh one; an expert no
-calibration token reaches is reported and kept whole unless allowed; what MoE pruning does not take is refused
-before any work."""
+"""The mixtures of experts (Mixtral, Qwen3-MoE, OLMoE) prune each expert's FFN channels exactly
+(casp_core/families/moe.py, casp_core/moe.py): chosen channels and the real pipeline give a checkpoint whose experts
+keep their own widths and that computes the masked model's logits, in this process and in a user's fresh one; an
+expert no calibration token reaches is reported and kept whole unless allowed; what MoE pruning does not take is
+refused before any work."""
 
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import MixtralConfig
+from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 from casp_core.budget import channel_params, check_reachable
 from casp_core.calibration import SecondMoment
@@ -20,7 +20,6 @@ from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.families import check_export
 from casp_core.families.moe import ExpertWeights
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
-from casp_core.modeling_casp_mixtral import CaspMixtralForCausalLM
 from casp_core.moe import ExpertTraffic, expert_counts, weighted_activations
 from casp_core.surgery import LayerPruning, remove_units
 from tests.core.families.checkpoints import fresh_logits, masked_logits
@@ -40,13 +39,40 @@ TINY = {**COMMON, "num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH}
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
 
 
+ROUTING = {"num_experts_per_tok": TOP_K}
+
+
 def mixtral_config() -> MixtralConfig:
-    return MixtralConfig(**TINY, **TOKEN_IDS, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    return MixtralConfig(**TINY, **TOKEN_IDS, **ROUTING, num_local_experts=EXPERTS)
+
+
+# Each family's tiny model, and the class and model type its per-layer checkpoint has. Qwen3-MoE's and OLMoE's
+# routers do not renormalise the top-k weights by default; Qwen3-MoE's experts are `moe_intermediate_size` wide.
+FAMILIES = {
+    "mixtral": (mixtral_config, "CaspMixtralForCausalLM"),
+    "qwen3_moe": (
+        lambda: Qwen3MoeConfig(
+            **TINY, **TOKEN_IDS, **ROUTING, num_experts=EXPERTS, moe_intermediate_size=EXPERT_WIDTH, head_dim=8
+        ),
+        "CaspQwen3MoeForCausalLM",
+    ),
+    "olmoe": (
+        lambda: OlmoeConfig(**TINY, **TOKEN_IDS, **ROUTING, pad_token_id=None, num_experts=EXPERTS),
+        "CaspOlmoeForCausalLM",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
-def dense_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_dense(mixtral_config(), tmp_path_factory.mktemp("dense") / "mixtral")
+def dense_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dense")
+    return {name: write_dense(config(), root / name) for name, (config, _) in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def dense_folder(dense_folders: dict[str, Path]) -> Path:
+    """Mixtral's, for what all the families share."""
+    return dense_folders["mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -63,23 +89,25 @@ def unreached_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_chosen_channels_prune_exactly(dense_folder: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chosen_channels_prune_exactly(family: str, dense_folders: dict[str, Path], tmp_path: Path) -> None:
     """Channels in the layer's numbering (expert e's channel c is e x width + c): some of expert 0's and 5's in layer
     0, every other channel of experts 1 and 2 in layer 1; each expert keeps its own width."""
-    model, tokenizer = load_model(str(dense_folder))
+    model, tokenizer = load_model(str(dense_folders[family]))
     prunings = [
         LayerPruning((), (0, 3, 7, 5 * EXPERT_WIDTH + 1)),
         LayerPruning((), tuple(range(EXPERT_WIDTH, 3 * EXPERT_WIDTH, 2))),
     ]
     pruned = remove_units(model, prunings)
-    assert type(pruned) is CaspMixtralForCausalLM
+    assert type(pruned).__name__ == FAMILIES[family][1]
     half = EXPERT_WIDTH // 2
     assert pruned.config.layer_expert_intermediate_sizes == [
         [EXPERT_WIDTH - 3, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH - 1],
         [EXPERT_WIDTH, half, half, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH],
     ]
     assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
-    assert "modeling_casp_mixtral.py" in {path.name for path in tmp_path.iterdir()}
+    modeling_files = {"modeling_casp_mixtral.py", f"modeling_casp_{family}.py"}
+    assert modeling_files <= {path.name for path in tmp_path.iterdir()}
 
 
 def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Path) -> None:
@@ -107,15 +135,18 @@ def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Pat
     torch.testing.assert_close(moment.second_moment, expected / 10, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("ratio", [0.3, 0.5])
-def test_casp_prune_succeeds(ratio: float, dense_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_casp_prune_succeeds(
+    family: str, ratio: float, dense_folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "pruned"
-    arguments = ["prune", "--model", str(dense_folder), "--ratio", str(ratio), "--out", str(out)]
+    arguments = ["prune", "--model", str(dense_folders[family]), "--ratio", str(ratio), "--out", str(out)]
     assert cli.main([*arguments, *small_run_arguments(tmp_path)]) == 0, capsys.readouterr().err
     report = json.loads((out / "report.json").read_text())
     assert report["verification"]["max_relative_diff"] <= 1e-10
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "casp_mixtral"
+    assert config["model_type"] == f"casp_{family}"
     widths = config["layer_expert_intermediate_sizes"]
     for layer, layer_widths in zip(report["layers"], widths, strict=True):
         assert [EXPERT_WIDTH - e["pruned_channels"] for e in layer["experts"]] == layer_widths
@@ -124,16 +155,21 @@ def test_casp_prune_succeeds(ratio: float, dense_folder: Path, tmp_path: Path, c
 
 
 @pytest.fixture(scope="module")
-def pipeline_checkpoint(dense_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    model, tokenizer = load_model(str(dense_folder))
-    result = prune_small(model, tokenizer, 0.5, "greedy")  # masks `model`, verifies
-    folder = tmp_path_factory.mktemp("mixtral-pruned") / "per_layer"
-    save_pruned(result.model, tokenizer, folder)
-    return model, result, folder
+def pipeline_checkpoints(dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per family, the masked dense model, the pipeline's result at 0.5 and its written checkpoint."""
+    root = tmp_path_factory.mktemp("moe-pruned")
+    written = {}
+    for family, folder in dense_folders.items():
+        model, tokenizer = load_model(str(folder))
+        result = prune_small(model, tokenizer, 0.5, "greedy")  # masks `model`, verifies
+        save_pruned(result.model, tokenizer, root / family)
+        written[family] = (model, result, root / family)
+    return written
 
 
-def test_the_pipeline_meets_the_ratio_from_the_experts_alone(pipeline_checkpoint: tuple) -> None:
-    model, result, _ = pipeline_checkpoint
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_pipeline_meets_the_ratio_from_the_experts_alone(family: str, pipeline_checkpoints: dict) -> None:
+    model, result, _ = pipeline_checkpoints[family]
     for dense_layer, layer in zip(decoder_layers(model), decoder_layers(result.model), strict=True):
         assert sublayer_parameters(layer)[0] == sublayer_parameters(dense_layer)[0]  # attention whole
         assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight)  # the router whole
@@ -142,13 +178,15 @@ def test_the_pipeline_meets_the_ratio_from_the_experts_alone(pipeline_checkpoint
     assert all(0 <= r <= 0.9 for layer in result.layers for r in [layer.ratio])
 
 
-def test_the_written_checkpoint_loads_where_casp_core_is_not(pipeline_checkpoint: tuple, tmp_path: Path) -> None:
-    model, _, folder = pipeline_checkpoint
-    logits, records = fresh_logits({folder: True}, tmp_path)
+def test_the_written_checkpoints_load_where_casp_core_is_not(pipeline_checkpoints: dict, tmp_path: Path) -> None:
+    """Every family's checkpoint in one fresh process, with its own modeling file (trust_remote_code=True)."""
+    logits, records = fresh_logits({folder: True for _, _, folder in pipeline_checkpoints.values()}, tmp_path)
     assert records[-1] == {"casp_core_imported": False}
-    assert records[0]["class"] == "CaspMixtralForCausalLM"
-    expected = masked_logits(model)
-    assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+    classes = {record["checkpoint"]: record["class"] for record in records[:-1]}
+    for family, (model, _, folder) in pipeline_checkpoints.items():
+        assert classes[str(folder)] == FAMILIES[family][1]
+        expected = masked_logits(model)
+        assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
 
 
 def test_an_unreached_expert_is_reported_and_kept_whole_unless_allowed(unreached_folder: Path) -> None:
