@@ -35,6 +35,7 @@ from casp_core.budget import BudgetPlan, channels_to_prune
 from casp_core.calibration import SecondMoment
 from casp_core.compensation import CompensationReport, compensate_linear
 from casp_core.config import PruneConfig
+from casp_core.families import family_of_layer
 from casp_core.families.base import RowSlice
 from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights
 from casp_core.interaction import interaction_matrix, offdiag_ratio
@@ -84,6 +85,18 @@ def weighted_activations(
     """w_e(x) y_e(x) for these tokens: the expert's down-projection inputs, scaled by the router's weight."""
     gate, up = F.linear(hidden.to(device), expert.gate_up).chunk(2, dim=-1)
     return (act(gate) * up) * weights.to(device, gate.dtype)[:, None]
+
+
+@torch.no_grad()
+def expert_moment(
+    expert: ExpertWeights, number: int, act: nn.Module, batches: list[RoutedBatch], device: torch.device
+) -> SecondMoment:
+    """C_e = (1/N) Σ_{x routed to e} w_e(x)² y_e(x) y_e(x)ᵀ over all N tokens of `batches` (and E[w_e y_e])."""
+    moment = SecondMoment(expert.width, device)
+    for batch in batches:
+        hidden, weights = batch.routed_to(number)
+        moment.update(weighted_activations(expert, act, hidden, weights, device), tokens=batch.hidden.shape[0])
+    return moment
 
 
 @dataclass
@@ -183,11 +196,7 @@ def prune_experts_channels(
         own: list[int] = []
         if count:
             with run.stage("statistics"):
-                moment = SecondMoment(width, device)
-                for batch in batches:
-                    hidden, weights = batch.routed_to(number)
-                    rows = weighted_activations(expert, act, hidden, weights, device)
-                    moment.update(rows, tokens=batch.hidden.shape[0])
+                moment = expert_moment(expert, number, act, batches, device)
                 q = interaction_matrix(expert.down, moment.second_moment)
                 check_finite(q, "interaction", f"Q of expert {number}'s channels", index)
             with run.stage("solver"):
@@ -205,7 +214,6 @@ def prune_experts_channels(
                 error_after += refit.error_after
                 damping = max(damping, refit.damping)
             del moment, q
-        expert.down[:, own] = 0
         pruned += [number * width + channel for channel in own]
         reports.append(
             ExpertReport(
@@ -218,6 +226,7 @@ def prune_experts_channels(
                 pruned_channels=len(own),
             )
         )
+    family_of_layer(layer).mask_channels(layer, tuple(pruned))
     mlp = SubLayerReport(
         units=width * len(experts),
         pruned=pruned,

@@ -12,7 +12,6 @@ import torch
 from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 from casp_core.budget import channel_params, check_reachable
-from casp_core.calibration import SecondMoment
 from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
 from casp_core.config import PruneConfig
@@ -20,7 +19,7 @@ from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.families import check_export
 from casp_core.families.moe import ExpertWeights
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
-from casp_core.moe import ExpertTraffic, expert_counts, weighted_activations
+from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment
 from casp_core.surgery import LayerPruning, remove_units
 from tests.core.families.checkpoints import fresh_logits, masked_logits
 from tests.core.families.helpers import (
@@ -125,13 +124,9 @@ def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Pat
                 gate, up = (gate_up @ hidden[token]).chunk(2)
                 y = (torch.nn.functional.silu(gate) * up).double() * float(weights[token, slot])
                 expected += torch.outer(y, y)
-    token, slot = (experts == 2).nonzero(as_tuple=True)
-    assert len(token) > 0
-    moment = SecondMoment(EXPERT_WIDTH, torch.device("cpu"))
-    rows = weighted_activations(
-        ExpertWeights(gate_up, down), layer.mlp.experts.act_fn, hidden[token], weights[token, slot], torch.device("cpu")
-    )
-    moment.update(rows, tokens=10)
+    assert (experts == 2).any()
+    batches = [RoutedBatch(hidden[:4], experts[:4], weights[:4]), RoutedBatch(hidden[4:], experts[4:], weights[4:])]
+    moment = expert_moment(ExpertWeights(gate_up, down), 2, layer.mlp.experts.act_fn, batches, torch.device("cpu"))
     torch.testing.assert_close(moment.second_moment, expected / 10, rtol=1e-5, atol=1e-6)
 
 
