@@ -98,6 +98,10 @@ class MixtureOfExperts(Family):
     def num_experts(self, config: PretrainedConfig) -> int:
         return config.num_local_experts
 
+    def expert_width(self, config: PretrainedConfig) -> int:
+        """One expert's FFN width in the dense config."""
+        return config.intermediate_size
+
     def prepare(self, model: PreTrainedModel) -> None:
         """transformers' default grouped matrix product for the experts takes no float64, which verification
         computes in: the eager loop over experts computes the same products."""

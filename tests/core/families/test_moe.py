@@ -5,6 +5,7 @@ expert no calibration token reaches is reported and kept whole unless allowed; w
 refused before any work."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from casp_core.families import check_export
 from casp_core.families.moe import ExpertWeights
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
 from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment
+from casp_core.placement import JobShape, ModelShape, estimate_device_memory
 from casp_core.surgery import LayerPruning, remove_units
 from tests.core.families.checkpoints import fresh_logits, masked_logits
 from tests.core.families.helpers import (
@@ -237,3 +239,17 @@ def test_settings_moe_pruning_does_not_take_are_refused(settings: dict, name: st
 def test_gguf_export_is_refused_before_any_work() -> None:
     with pytest.raises(UnsupportedExport, match=r"GGUF export: Mixtral .*one width"):
         check_export(mixtral_config(), ["gguf"])
+
+
+def test_the_memory_model_counts_every_expert_and_one_expert_s_statistics(dense_folder: Path) -> None:
+    """casp_core.placement: the shape has every expert's weights and the router (the model's own parameter count);
+    the statistics are one expert's: at a width of 4096 (C, Q, C_kk and its factor: 4 x 128 MiB in float64) a layer
+    of 128 narrow experts needs well under five such matrices, where all experts' C and Q would need 256."""
+    model, _ = load_model(str(dense_folder))
+    shape = ModelShape.of(model)
+    assert (shape.experts, shape.intermediate) == (EXPERTS, EXPERT_WIDTH)
+    assert shape.model_parameters() == sum(parameter.numel() for parameter in model.parameters())
+    wide = replace(shape, hidden=8, heads=1, kv_heads=1, head_dim=8, intermediate=4096, experts=128)
+    job = JobShape(batch_size=1, seq_len=16, gradient_allocation=False, alpha_auto=False, dense_target=False)
+    one_matrix = 4096 * 4096 * 8
+    assert 4 * one_matrix < estimate_device_memory(wide, job).layer_working_set < 5 * one_matrix
