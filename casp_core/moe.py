@@ -37,7 +37,7 @@ from casp_core.compensation import CompensationReport, compensate_linear
 from casp_core.config import PruneConfig
 from casp_core.families import family_of_layer
 from casp_core.families.base import RowSlice
-from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights
+from casp_core.families.moe import ExpertWeights, expert_weights
 from casp_core.interaction import interaction_matrix, offdiag_ratio
 from casp_core.numerics import check_finite
 from casp_core.results import ExpertReport, SubLayerReport
@@ -53,9 +53,14 @@ class RoutedBatch:
     hidden: torch.Tensor  # [tokens, hidden]
     experts: torch.Tensor  # [tokens, top_k]
     weights: torch.Tensor  # [tokens, top_k]
+    routed_experts: int  # how many the router chooses from
+    shared_weights: torch.Tensor | None = None  # [tokens]: the shared expert's gate, where the layer has one
 
     def routed_to(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens the router sends to `expert` and the weight it gives each."""
+        """The tokens the router sends to `expert` and the weight it gives each; the shared expert (numbered after
+        the routed ones) takes every token, weighted by its own gate."""
+        if self.shared_weights is not None and expert == self.routed_experts:
+            return self.hidden, self.shared_weights
         token, slot = (self.experts == expert).nonzero(as_tuple=True)
         return self.hidden[token], self.weights[token, slot]
 
@@ -63,14 +68,16 @@ class RoutedBatch:
 @contextmanager
 def record_routing(block: nn.Module, store: torch.device) -> Iterator[list[RoutedBatch]]:
     """While active, every forward through the MoE `block` keeps its inputs and its router's top-k picks and
-    weights (the router's own output, so exactly the routing the model computes)."""
+    weights (the router's own output, so exactly the routing the model computes), and the shared expert's gate
+    σ(shared_expert_gate x) where the block has one (Qwen2-MoE)."""
     batches: list[RoutedBatch] = []
+    shared_gate = getattr(block, "shared_expert_gate", None)
 
-    def keep(_router: nn.Module, args: tuple, output: tuple) -> None:
-        hidden = args[0]
+    def keep(router: nn.Module, args: tuple, output: tuple) -> None:
+        hidden = args[0].reshape(-1, args[0].shape[-1])
         _, weights, experts = output
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        batches.append(RoutedBatch(hidden.to(store), experts.to(store), weights.to(store)))
+        shared = None if shared_gate is None else torch.sigmoid(shared_gate(hidden)).flatten().to(store)
+        batches.append(RoutedBatch(hidden.to(store), experts.to(store), weights.to(store), router.num_experts, shared))
 
     handle = block.gate.register_forward_hook(keep)
     try:
@@ -80,22 +87,21 @@ def record_routing(block: nn.Module, store: torch.device) -> Iterator[list[Route
 
 
 def weighted_activations(
-    expert: ExpertWeights, act: nn.Module, hidden: torch.Tensor, weights: torch.Tensor, device: torch.device
+    expert: ExpertWeights, hidden: torch.Tensor, weights: torch.Tensor, device: torch.device
 ) -> torch.Tensor:
     """w_e(x) y_e(x) for these tokens: the expert's down-projection inputs, scaled by the router's weight."""
-    gate, up = F.linear(hidden.to(device), expert.gate_up).chunk(2, dim=-1)
-    return (act(gate) * up) * weights.to(device, gate.dtype)[:, None]
+    hidden = hidden.to(device)
+    gate = F.linear(hidden, expert.gate)
+    return (expert.act(gate) * F.linear(hidden, expert.up)) * weights.to(device, gate.dtype)[:, None]
 
 
 @torch.no_grad()
-def expert_moment(
-    expert: ExpertWeights, number: int, act: nn.Module, batches: list[RoutedBatch], device: torch.device
-) -> SecondMoment:
+def expert_moment(expert: ExpertWeights, number: int, batches: list[RoutedBatch], device: torch.device) -> SecondMoment:
     """C_e = (1/N) Σ_{x routed to e} w_e(x)² y_e(x) y_e(x)ᵀ over all N tokens of `batches` (and E[w_e y_e])."""
     moment = SecondMoment(expert.width, device)
     for batch in batches:
         hidden, weights = batch.routed_to(number)
-        moment.update(weighted_activations(expert, act, hidden, weights, device), tokens=batch.hidden.shape[0])
+        moment.update(weighted_activations(expert, hidden, weights, device), tokens=batch.hidden.shape[0])
     return moment
 
 
@@ -110,7 +116,7 @@ class ExpertTraffic:
 
 @torch.no_grad()
 def expert_traffic(
-    experts: list[ExpertWeights], act: nn.Module, batches: list[RoutedBatch], device: torch.device
+    experts: list[ExpertWeights], batches: list[RoutedBatch], device: torch.device
 ) -> list[ExpertTraffic]:
     total = sum(batch.hidden.shape[0] for batch in batches)
     traffic = []
@@ -120,7 +126,7 @@ def expert_traffic(
             hidden, weights = batch.routed_to(index)
             if hidden.shape[0] == 0:
                 continue
-            output = F.linear(weighted_activations(expert, act, hidden, weights, device), expert.down)
+            output = F.linear(weighted_activations(expert, hidden, weights, device), expert.down)
             tokens += hidden.shape[0]
             mass += float(weights.double().sum())
             energy += float(output.double().pow(2).sum())
@@ -129,36 +135,36 @@ def expert_traffic(
 
 
 def expert_counts(
-    n_channels: int, traffic: list[ExpertTraffic], width: int, config: PruneConfig
+    n_channels: int, traffic: list[ExpertTraffic], widths: list[int], config: PruneConfig
 ) -> tuple[list[int], list[int]]:
-    """How many channels each expert prunes (summing to within one rounding step of `n_channels`), and the experts
-    no token reached."""
+    """How many channels each expert (of `widths`) prunes, summing to within one rounding step of `n_channels`, and
+    the experts no token reached."""
     unreached = [e for e, t in enumerate(traffic) if t.tokens == 0]
     taking_part = [e for e in range(len(traffic)) if e not in unreached or config.moe.prune_unreached]
     counts = [0] * len(traffic)
     if n_channels == 0 or not taking_part:
         return counts, unreached
-    allowed = channel_counts(width, config.r_max, config.round_to)
+    allowed = {e: channel_counts(widths[e], config.r_max, config.round_to) for e in taking_part}
     alpha = config.alpha if isinstance(config.alpha, float | int) else 1.0
-    ratio = min(n_channels / (len(taking_part) * width), config.r_max)
+    ratio = min(n_channels / sum(widths[e] for e in taking_part), config.r_max)
     ratios = allocate_ratios([traffic[e].sensitivity for e in taking_part], ratio, alpha, config.r_max)
-    wanted = {e: r * width for e, r in zip(taking_part, ratios, strict=True)}
-    step = {e: min(range(len(allowed)), key=lambda i: abs(allowed[i] - wanted[e])) for e in taking_part}
+    wanted = {e: r * widths[e] for e, r in zip(taking_part, ratios, strict=True)}
+    step = {e: min(range(len(allowed[e])), key=lambda i: abs(allowed[e][i] - wanted[e])) for e in taking_part}
     # Rounding each expert to its nearest count leaves the sum off by a few steps: move one step at a time on the
     # expert whose rounding went furthest the other way, until the next step would overshoot more than it closes.
     while True:
-        gap = n_channels - sum(allowed[step[e]] for e in taking_part)
-        movable = [e for e in taking_part if 0 <= step[e] + (1 if gap > 0 else -1) < len(allowed)]
+        gap = n_channels - sum(allowed[e][step[e]] for e in taking_part)
+        direction = 1 if gap > 0 else -1
+        movable = [e for e in taking_part if 0 <= step[e] + direction < len(allowed[e])]
         if gap == 0 or not movable:
             break
-        direction = 1 if gap > 0 else -1
-        expert = max(movable, key=lambda e: direction * (wanted[e] - allowed[step[e]]))
-        move = allowed[step[expert] + direction] - allowed[step[expert]]
+        expert = max(movable, key=lambda e: direction * (wanted[e] - allowed[e][step[e]]))
+        move = allowed[expert][step[expert] + direction] - allowed[expert][step[expert]]
         if abs(gap - move) >= abs(gap):
             break
         step[expert] += direction
     for e in taking_part:
-        counts[e] = allowed[step[e]]
+        counts[e] = allowed[e][step[e]]
     return counts, unreached
 
 
@@ -177,12 +183,11 @@ def prune_experts_channels(
     statistics freed before the next one's are taken. Returns the layer's MLP report (in the layer's channel
     numbering) and each expert's."""
     experts = expert_weights(layer)
-    act = layer.get_submodule(EXPERTS_PATH).act_fn
-    width = experts[0].width
+    widths = [expert.width for expert in experts]
     with run.stage("statistics"):
-        traffic = expert_traffic(experts, act, batches, device)
+        traffic = expert_traffic(experts, batches, device)
     n_channels = channels_to_prune(plan, index, removed_before, 0)
-    counts, unreached = expert_counts(n_channels, traffic, width, config)
+    counts, unreached = expert_counts(n_channels, traffic, widths, config)
     if unreached:
         kept = "pruned all the same (moe.prune_unreached)" if config.moe.prune_unreached else "kept whole"
         run.warn(f"layer {index}: no calibration token reached experts {unreached}: {kept}")
@@ -196,7 +201,7 @@ def prune_experts_channels(
         own: list[int] = []
         if count:
             with run.stage("statistics"):
-                moment = expert_moment(expert, number, act, batches, device)
+                moment = expert_moment(expert, number, batches, device)
                 q = interaction_matrix(expert.down, moment.second_moment)
                 check_finite(q, "interaction", f"Q of expert {number}'s channels", index)
             with run.stage("solver"):
@@ -214,7 +219,7 @@ def prune_experts_channels(
                 error_after += refit.error_after
                 damping = max(damping, refit.damping)
             del moment, q
-        pruned += [number * width + channel for channel in own]
+        pruned += [sum(widths[:number]) + channel for channel in own]
         reports.append(
             ExpertReport(
                 index=number,
@@ -224,11 +229,12 @@ def prune_experts_channels(
                 sensitivity=traffic[number].sensitivity,
                 reached=traffic[number].tokens > 0,
                 pruned_channels=len(own),
+                shared=number >= batches[0].routed_experts if batches else False,
             )
         )
     family_of_layer(layer).mask_channels(layer, tuple(pruned))
     mlp = SubLayerReport(
-        units=width * len(experts),
+        units=sum(widths),
         pruned=pruned,
         objective=objective,
         diagonal_objective=diagonal_objective,

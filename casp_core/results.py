@@ -35,6 +35,7 @@ class ExpertReport:
     sensitivity: float  # S_e = E||w_e W_e y_e||^2: its share of the layer's output energy (docs/moe.md)
     reached: bool  # False: no calibration token reached it (kept whole unless moe.prune_unreached)
     pruned_channels: int
+    shared: bool = False  # Qwen2-MoE's shared expert (numbered after the routed ones), which every token goes through
 
 
 @dataclass

@@ -12,6 +12,7 @@ Why heads stay whole (`prunes_heads = False`): the experts hold nearly all of an
 8x7B: 1.4 B of a layer's 1.45 B), so the ratio is met by the experts' channels; the router is never pruned.
 """
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,45 +29,54 @@ from casp_core.units import AttentionGeometry, LayerPruning
 # The prefix of the experts' parameters in a decoder layer; everything else in it (attention, router, norms) is kept
 # whole.
 EXPERTS_PATH = "mlp.experts"
+SHARED_EXPERT_PATH = "mlp.shared_expert"  # Qwen2-MoE's expert that every token goes through
 
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One expert's weights as views: gate and up stacked (`gate_up` [2 x width, hidden]), `down` [hidden, width]."""
+    """One expert's weights as views (`gate`, `up` [width, hidden], `down` [hidden, width]) and its activation."""
 
-    gate_up: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
     down: torch.Tensor
+    act: nn.Module
 
     @property
     def width(self) -> int:
         return self.down.shape[1]
 
-    @property
-    def gate(self) -> torch.Tensor:
-        return self.gate_up[: self.width]
 
-    @property
-    def up(self) -> torch.Tensor:
-        return self.gate_up[self.width :]
+def stacked_expert(gate_up: torch.Tensor, down: torch.Tensor, act: nn.Module) -> ExpertWeights:
+    width = down.shape[1]
+    return ExpertWeights(gate_up[:width], gate_up[width:], down, act)
 
 
 def expert_weights(layer: nn.Module) -> list[ExpertWeights]:
-    """Each expert's weights: slices of the dense class's 3-D parameters, or each module's of the pruned class."""
+    """Each routed expert's weights (slices of the dense class's 3-D parameters, or each module's of the pruned
+    class), then the shared expert's where the layer has one (Qwen2-MoE: `mlp.shared_expert`, a dense MLP)."""
     experts = layer.get_submodule(EXPERTS_PATH)
-    if not hasattr(experts, "gate_up_proj"):  # the pruned class: one submodule per expert, "0", "1", ...
-        return [
-            ExpertWeights(expert.gate_up_proj, expert.down_proj)
-            for expert in (experts.get_submodule(str(index)) for index in range(experts.num_experts))
-        ]
-    return [ExpertWeights(gate_up, down) for gate_up, down in zip(experts.gate_up_proj, experts.down_proj, strict=True)]
+    if hasattr(experts, "gate_up_proj"):
+        stacks = zip(experts.gate_up_proj, experts.down_proj, strict=True)
+        weights = [stacked_expert(gate_up, down, experts.act_fn) for gate_up, down in stacks]
+    else:  # the pruned class: one submodule per expert, "0", "1", ...
+        modules = [experts.get_submodule(str(index)) for index in range(experts.num_experts)]
+        weights = [stacked_expert(module.gate_up_proj, module.down_proj, experts.act_fn) for module in modules]
+    shared = getattr(layer.mlp, "shared_expert", None)
+    if shared is not None:
+        weights.append(
+            ExpertWeights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, shared.act_fn)
+        )
+    return weights
 
 
-def expert_channels(channels: tuple[int, ...] | list[int], width: int, n_experts: int) -> list[list[int]]:
-    """The layer's channel numbers (expert e's channel c is e x width + c) as each expert's own channels."""
-    per_expert: list[list[int]] = [[] for _ in range(n_experts)]
+def expert_channels(channels: tuple[int, ...] | list[int], widths: list[int]) -> list[list[int]]:
+    """The layer's channel numbers (each expert's channels after the previous experts': expert e's channel c is
+    e x width + c where the routed experts are alike, the shared expert's come last) as each expert's own."""
+    per_expert: list[list[int]] = [[] for _ in widths]
+    starts = [sum(widths[:index]) for index in range(len(widths))]
     for channel in sorted(set(channels)):
-        expert, own = divmod(channel, width)
-        per_expert[expert].append(own)
+        expert = max(index for index, start in enumerate(starts) if start <= channel)
+        per_expert[expert].append(channel - starts[expert])
     return per_expert
 
 
@@ -135,20 +145,20 @@ class MixtureOfExperts(Family):
     @torch.no_grad()
     def mask_channels(self, layer: nn.Module, channels: tuple[int, ...]) -> None:
         experts = expert_weights(layer)
-        for expert, own in zip(experts, expert_channels(channels, experts[0].width, len(experts)), strict=True):
+        for expert, own in zip(experts, expert_channels(channels, [e.width for e in experts]), strict=True):
             expert.down[:, own] = 0
 
     def channel_counts(self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None) -> tuple[int, ...]:
         """Every sum of one count per expert (each expert prunes as a layer of its width would), so that the layer's
-        count can always be spread over its experts."""
-        experts = expert_weights(layer)
-        own = channel_counts(experts[0].width, r_max, round_to, block)
-        step = own[1] - own[0] if len(own) > 1 else 1
-        return tuple(range(len(experts) * own[0], len(experts) * own[-1] + 1, step))
+        count can be spread over its experts (exactly where they are alike; a shared expert of another width may
+        leave some sums out, which the later layers then make up)."""
+        own = [channel_counts(expert.width, r_max, round_to, block) for expert in expert_weights(layer)]
+        step = math.gcd(*(counts[1] - counts[0] for counts in own if len(counts) > 1)) or 1
+        return tuple(range(sum(c[0] for c in own), sum(c[-1] for c in own) + 1, step))
 
     def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> tuple[int, ...]:
         experts = expert_weights(layer)
-        per_expert = expert_channels(pruning.pruned_channels, experts[0].width, len(experts))
+        per_expert = expert_channels(pruning.pruned_channels, [e.width for e in experts])
         return tuple(e.width - len(own) for e, own in zip(experts, per_expert, strict=True))
 
     def pruned_config(
@@ -169,18 +179,22 @@ class MixtureOfExperts(Family):
     def pruned_layer_tensors(
         self, layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning
     ) -> dict[str, torch.Tensor]:
-        """Each expert's kept gate and up rows and down columns, as `mlp.experts.{e}.*`; every other parameter of
-        the layer (attention, router, norms) whole."""
+        """Each expert's kept gate and up rows and down columns, as `mlp.experts.{e}.*` (a shared expert's as
+        `mlp.shared_expert.*_proj.weight`); every other parameter of the layer (attention, router, norms, the shared
+        expert's gate) whole."""
         experts = expert_weights(layer)
-        width = experts[0].width
-        tensors = {
-            name: p.detach().clone() for name, p in layer.named_parameters() if not name.startswith(f"{EXPERTS_PATH}.")
-        }
+        cut = (f"{EXPERTS_PATH}.", f"{SHARED_EXPERT_PATH}.")
+        tensors = {name: p.detach().clone() for name, p in layer.named_parameters() if not name.startswith(cut)}
+        routed = layer.get_submodule(EXPERTS_PATH).num_experts
         for index, (expert, own) in enumerate(
-            zip(experts, expert_channels(pruning.pruned_channels, width, len(experts)), strict=True)
+            zip(experts, expert_channels(pruning.pruned_channels, [e.width for e in experts]), strict=True)
         ):
-            kept = kept_index(width, tuple(own), expert.down.device)
-            rows = torch.cat([kept, kept + width])
-            tensors[f"{EXPERTS_PATH}.{index}.gate_up_proj"] = expert.gate_up.index_select(0, rows)
-            tensors[f"{EXPERTS_PATH}.{index}.down_proj"] = expert.down.index_select(1, kept)
+            kept = kept_index(expert.width, tuple(own), expert.down.device)
+            gate, up, down = expert.gate.index_select(0, kept), expert.up.index_select(0, kept), expert.down[:, kept]
+            if index < routed:
+                tensors[f"{EXPERTS_PATH}.{index}.gate_up_proj"] = torch.cat([gate, up])
+                tensors[f"{EXPERTS_PATH}.{index}.down_proj"] = down
+            else:
+                for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                    tensors[f"{SHARED_EXPERT_PATH}.{name}.weight"] = weight
         return tensors

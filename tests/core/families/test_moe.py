@@ -18,7 +18,7 @@ from casp_core.cli import main as cli
 from casp_core.config import PruneConfig
 from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.families import check_export
-from casp_core.families.moe import ExpertWeights
+from casp_core.families.moe import stacked_expert
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
 from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment
 from casp_core.placement import JobShape, ModelShape, estimate_device_memory
@@ -127,8 +127,9 @@ def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Pat
                 y = (torch.nn.functional.silu(gate) * up).double() * float(weights[token, slot])
                 expected += torch.outer(y, y)
     assert (experts == 2).any()
-    batches = [RoutedBatch(hidden[:4], experts[:4], weights[:4]), RoutedBatch(hidden[4:], experts[4:], weights[4:])]
-    moment = expert_moment(ExpertWeights(gate_up, down), 2, layer.mlp.experts.act_fn, batches, torch.device("cpu"))
+    batches = [RoutedBatch(hidden[part], experts[part], weights[part], EXPERTS) for part in (slice(4), slice(4, 10))]
+    expert = stacked_expert(gate_up, down, layer.mlp.experts.act_fn)
+    moment = expert_moment(expert, 2, batches, torch.device("cpu"))
     torch.testing.assert_close(moment.second_moment, expected / 10, rtol=1e-5, atol=1e-6)
 
 
@@ -216,7 +217,7 @@ def test_the_experts_share_follows_their_sensitivity() -> None:
     """The paper's layer rule over the experts: the most sensitive expert keeps every channel (c_e = 0 at alpha 1),
     the others share the layer's count, summing to it."""
     traffic = [ExpertTraffic(10, 0.1, s) for s in (1.0, 4.0, 16.0, 2.0)]
-    counts, unreached = expert_counts(60, traffic, EXPERT_WIDTH, PruneConfig(ratio=0.3, device="cpu"))
+    counts, unreached = expert_counts(60, traffic, [EXPERT_WIDTH] * 4, PruneConfig(ratio=0.3, device="cpu"))
     assert unreached == [] and sum(counts) == 60
     assert counts[2] == 0 and counts[0] > counts[3] > counts[1]
 
