@@ -72,6 +72,7 @@ class ModelShape:
     dtype_bytes: int
     eager_attention: bool  # the score matrix is materialised (sdpa and flash attention do not keep it)
     experts: int = 0  # a mixture of experts: its experts per layer (`intermediate` is then one expert's width)
+    shared_expert: int = 0  # the width of a mixture of experts' shared expert (Qwen2-MoE), 0 where there is none
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> "ModelShape":
@@ -83,7 +84,8 @@ class ModelShape:
         """A checkpoint's shapes without its weights (bench/device_memory.py: models this machine cannot load)."""
         heads = config.num_attention_heads
         family = family_of(config)
-        experts = family.num_experts(config) if isinstance(family, MixtureOfExperts) else 0
+        moe = isinstance(family, MixtureOfExperts)
+        experts = family.num_experts(config) if moe else 0
         return cls(
             hidden=config.hidden_size,
             intermediate=family.expert_width(config) if experts else config.intermediate_size,
@@ -96,12 +98,14 @@ class ModelShape:
             dtype_bytes=dtype_bytes,
             eager_attention=eager_attention,
             experts=experts,
+            shared_expert=family.shared_expert_width(config) if moe else 0,
         )
 
     def layer_parameters(self) -> int:
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        if self.experts:  # every expert's gate, up and down, and the router
-            return attention + self.experts * (3 * self.intermediate + 1) * self.hidden + 2 * self.hidden
+        if self.experts:  # every expert's gate, up and down, and the router; a shared expert and its gate
+            shared = 3 * self.shared_expert + 1 if self.shared_expert else 0
+            return attention + (self.experts * (3 * self.intermediate + 1) + shared) * self.hidden + 2 * self.hidden
         return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
     def model_parameters(self) -> int:
@@ -163,6 +167,8 @@ def estimate_device_memory(shape: ModelShape, job: JobShape) -> DeviceMemoryEsti
         return matrices * width * width * size + tokens * width * size * (2 if job.dense_target else 1)
 
     # A mixture of experts measures one expert at a time and no attention (its heads stay).
+    if shape.experts:
+        ffn = max(ffn, shape.shared_expert)  # the widest expert's statistics, one expert at a time
     statistics = sum(statistics_bytes(width) for width in ((ffn,) if shape.experts else (attn_width, ffn)))
     compensation = 2 * ffn * ffn * FLOAT64  # C_kk and its factor, at most the whole width kept
     pruning_stage = activations + statistics + compensation

@@ -112,6 +112,10 @@ class MixtureOfExperts(Family):
         """One expert's FFN width in the dense config."""
         return config.intermediate_size
 
+    def shared_expert_width(self, config: PretrainedConfig) -> int:
+        """The FFN width of the expert every token goes through (Qwen2-MoE's), 0 where there is none."""
+        return 0
+
     def prepare(self, model: PreTrainedModel) -> None:
         """transformers' default grouped matrix product for the experts takes no float64, which verification
         computes in: the eager loop over experts computes the same products."""
@@ -170,11 +174,15 @@ class MixtureOfExperts(Family):
             raise VerificationFailed(f"{self.name} keeps every attention head, and the pruning removed some")
         settings = {k: v for k, v in model.config.to_dict().items() if k not in self.dense_only_keys}
         settings.update(
-            layer_expert_intermediate_sizes=[list(layer_widths) for layer_widths in widths],
+            **self.width_settings(widths),
             casp=settings.get("casp"),
             architectures=[self.pruned_model_class.__name__],
         )
         return self.pruned_model_class.config_class(**settings)
+
+    def width_settings(self, widths: list[tuple[int, ...]]) -> dict[str, list]:
+        """The pruned config's settings for each layer's experts' widths (`kept_width`'s)."""
+        return {"layer_expert_intermediate_sizes": [list(layer_widths) for layer_widths in widths]}
 
     def pruned_layer_tensors(
         self, layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning

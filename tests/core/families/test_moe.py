@@ -1,4 +1,4 @@
-"""The mixtures of experts (Mixtral, Qwen3-MoE, OLMoE) prune each expert's FFN channels exactly
+"""The mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE) prune each expert's FFN channels exactly
 (casp_core/families/moe.py, casp_core/moe.py): chosen channels and the real pipeline give a checkpoint whose experts
 keep their own widths and that computes the masked model's logits, in this process and in a user's fresh one; an
 expert no calibration token reaches is reported and kept whole unless allowed; what MoE pruning does not take is
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from casp_core.budget import channel_params, check_reachable
 from casp_core.checkpoint import save_pruned
@@ -35,6 +35,7 @@ from tests.core.families.helpers import (
 )
 
 EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 48
+SHARED_WIDTH = 40  # Qwen2-MoE's shared expert: one more expert, of its own width, that every token goes through
 TINY = {**COMMON, "num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH}
 # The stories260K tokenizer's <s> and </s>.
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
@@ -51,6 +52,17 @@ def mixtral_config() -> MixtralConfig:
 # routers do not renormalise the top-k weights by default; Qwen3-MoE's experts are `moe_intermediate_size` wide.
 FAMILIES = {
     "mixtral": (mixtral_config, "CaspMixtralForCausalLM"),
+    "qwen2_moe": (
+        lambda: Qwen2MoeConfig(
+            **TINY,
+            **TOKEN_IDS,
+            **ROUTING,
+            num_experts=EXPERTS,
+            moe_intermediate_size=EXPERT_WIDTH,
+            shared_expert_intermediate_size=SHARED_WIDTH,
+        ),
+        "CaspQwen2MoeForCausalLM",
+    ),
     "qwen3_moe": (
         lambda: Qwen3MoeConfig(
             **TINY, **TOKEN_IDS, **ROUTING, num_experts=EXPERTS, moe_intermediate_size=EXPERT_WIDTH, head_dim=8
@@ -95,11 +107,14 @@ def test_chosen_channels_prune_exactly(family: str, dense_folders: dict[str, Pat
     """Channels in the layer's numbering (expert e's channel c is e x width + c): some of expert 0's and 5's in layer
     0, every other channel of experts 1 and 2 in layer 1; each expert keeps its own width."""
     model, tokenizer = load_model(str(dense_folders[family]))
+    shared = (EXPERTS * EXPERT_WIDTH + 5,) if family == "qwen2_moe" else ()  # the shared expert's, numbered last
     prunings = [
-        LayerPruning((), (0, 3, 7, 5 * EXPERT_WIDTH + 1)),
+        LayerPruning((), (0, 3, 7, 5 * EXPERT_WIDTH + 1, *shared)),
         LayerPruning((), tuple(range(EXPERT_WIDTH, 3 * EXPERT_WIDTH, 2))),
     ]
     pruned = remove_units(model, prunings)
+    if shared:
+        assert pruned.config.layer_shared_expert_intermediate_sizes == [SHARED_WIDTH - 1, SHARED_WIDTH]
     assert type(pruned).__name__ == FAMILIES[family][1]
     half = EXPERT_WIDTH // 2
     assert pruned.config.layer_expert_intermediate_sizes == [
@@ -146,8 +161,13 @@ def test_casp_prune_succeeds(
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == f"casp_{family}"
     widths = config["layer_expert_intermediate_sizes"]
-    for layer, layer_widths in zip(report["layers"], widths, strict=True):
-        assert [EXPERT_WIDTH - e["pruned_channels"] for e in layer["experts"]] == layer_widths
+    shared_widths = config.get("layer_shared_expert_intermediate_sizes", [None] * len(widths))
+    for layer, layer_widths, shared_width in zip(report["layers"], widths, shared_widths, strict=True):
+        routed = [e for e in layer["experts"] if not e["shared"]]
+        assert [EXPERT_WIDTH - e["pruned_channels"] for e in routed] == layer_widths
+        assert [SHARED_WIDTH - e["pruned_channels"] for e in layer["experts"] if e["shared"]] == (
+            [shared_width] if shared_width is not None else []
+        )
         assert len(layer["pruned_channels"]) == sum(e["pruned_channels"] for e in layer["experts"])
         assert layer["pruned_heads"] == []
 
