@@ -1,8 +1,8 @@
-"""The mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE) prune each expert's FFN channels exactly
-(casp_core/families/moe.py, casp_core/moe.py): chosen channels and the real pipeline give a checkpoint whose experts
-keep their own widths and that computes the masked model's logits, in this process and in a user's fresh one; an
-expert no calibration token reaches is reported and kept whole unless allowed; what MoE pruning does not take is
-refused before any work."""
+"""The mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE) prune each expert's FFN
+channels exactly (casp_core/families/moe.py, casp_core/moe.py): chosen channels and the real pipeline give a
+checkpoint whose experts keep their own widths and that computes the masked model's logits, in this process and in
+a user's fresh one; an expert no calibration token reaches is reported and kept whole unless allowed; what MoE
+pruning does not take is refused before any work."""
 
 import json
 from dataclasses import replace
