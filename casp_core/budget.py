@@ -255,7 +255,7 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
         ),
         key=lambda choice: (abs(choice[0] * choice[1] - wanted_heads), -choice[0] * choice[1], -choice[1]),
     )
-    counts = layer_channel_counts(layer, config, block)
+    counts = family.uniform_channel_counts(layer, config.r_max, config.round_to, block)
     per_channel = channel_params(layer)
     share = config.ratio * prunable_parameters(model) / len(layers)
     half_unit = round_to_for(projections(layer).down.in_features, config.round_to, block) * per_channel / 2

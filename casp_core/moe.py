@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from casp_core.allocation import allocate_ratios
-from casp_core.budget import BudgetPlan, channels_to_prune
+from casp_core.budget import BudgetPlan, UniformShape, channels_to_prune
 from casp_core.calibration import SecondMoment
 from casp_core.compensation import CompensationReport, compensate_linear
 from casp_core.config import PruneConfig
@@ -172,7 +172,7 @@ def expert_counts(
 def prune_experts_channels(
     layer: nn.Module,
     batches: list[RoutedBatch],
-    plan: BudgetPlan,
+    plan: BudgetPlan | UniformShape,
     index: int,
     removed_before: int,
     config: PruneConfig,
@@ -186,10 +186,19 @@ def prune_experts_channels(
     widths = [expert.width for expert in experts]
     with run.stage("statistics"):
         traffic = expert_traffic(experts, batches, device)
-    n_channels = channels_to_prune(plan, index, removed_before, 0)
-    counts, unreached = expert_counts(n_channels, traffic, widths, config)
+    if isinstance(plan, UniformShape):  # the same count in every expert, reached or not
+        counts = [plan.pruned_channels // len(experts)] * len(experts)
+        unreached = [e for e, t in enumerate(traffic) if t.tokens == 0]
+    else:
+        n_channels = channels_to_prune(plan, index, removed_before, 0)
+        counts, unreached = expert_counts(n_channels, traffic, widths, config)
     if unreached:
-        kept = "pruned all the same (moe.prune_unreached)" if config.moe.prune_unreached else "kept whole"
+        if isinstance(plan, UniformShape):
+            kept = "pruned all the same (shape uniform)"
+        elif config.moe.prune_unreached:
+            kept = "pruned all the same (moe.prune_unreached)"
+        else:
+            kept = "kept whole"
         run.warn(f"layer {index}: no calibration token reached experts {unreached}: {kept}")
     total_tokens = sum(batch.hidden.shape[0] for batch in batches)
     pruned: list[int] = []

@@ -151,9 +151,9 @@ def prune_moe_layer(
 ) -> LayerReport:
     """Layer `index` of a mixture of experts (on the device): attention and the router whole, the experts'
     channels chosen, compensated and masked one expert at a time (casp_core.moe), and the stream moved on. Its
-    family refuses, before any work, the settings this does not take (the uniform shape, dense calibration,
+    family refuses, before any work, the settings this does not take (dense calibration,
     dense-target and mean-bias compensation)."""
-    assert isinstance(plan, BudgetPlan) and stream.sequential and stream.dense_inputs is None
+    assert stream.sequential and stream.dense_inputs is None
     layer = decoder_layers(model)[index]
     params_before = sum(sublayer_parameters(layer))
     with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:

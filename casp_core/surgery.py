@@ -83,6 +83,8 @@ def pruned_skeleton(model: PreTrainedModel, prunings: list[LayerPruning], *, pla
         config, model_class = family.pruned_config(model, kv_maps, widths, head_dim), family.pruned_model_class
     with torch.device("meta"):
         pruned = model_class(config)
+    if plain:  # the family's own class: what the masked model runs (a mixture of experts' eager experts)
+        family.prepare(pruned)
     state = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("model.layers.")}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -118,6 +120,7 @@ def fill_pruned_layer(pruned: PreTrainedModel, model: PreTrainedModel, index: in
     layer, target = decoder_layers(model)[index], decoder_layers(pruned)[index]
     state = family.pruned_layer_tensors(layer, attention_geometry(model, layer), pruning)
     if not isinstance(pruned, family.pruned_model_class):
+        state = family.plain_layer_tensors(state)
         dtype = layer.self_attn.o_proj.weight.dtype
         for name, parameter in target.named_parameters():
             if name.endswith(".bias") and name not in state:

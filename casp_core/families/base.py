@@ -247,6 +247,12 @@ class Family:
         """The FFN channel counts the layer may prune (casp_core.rounding.channel_counts of its width)."""
         return channel_counts(self.projections(layer).down.in_features, r_max, round_to, block)
 
+    def uniform_channel_counts(
+        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None
+    ) -> tuple[int, ...]:
+        """The FFN channel counts the uniform shape may prune in each layer: the layer's own."""
+        return self.channel_counts(layer, r_max, round_to, block)
+
     def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> int | tuple[int, ...]:
         """What the layer's FFN keeps: its width (a mixture of experts: each expert's)."""
         return self.projections(layer).down.in_features - len(set(pruning.pruned_channels))
@@ -356,6 +362,10 @@ class Family:
         return type(config)(**settings)
 
     # ------------------------------------------------------------ exports
+
+    def plain_layer_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`pruned_layer_tensors`' tensors as the family's own class names them (the same for LLaMA)."""
+        return tensors
 
     def check_gguf(self, config: PretrainedConfig) -> None:
         """Refuse (UnsupportedExport), from the config alone, a GGUF export of this family or of settings the

@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.errors import InvalidConfig, VerificationFailed
-from casp_core.families.base import ExpertStack, Family, LayerProjections, kept_index
+from casp_core.families.base import SOURCE_ONLY_KEYS, ExpertStack, Family, LayerProjections, kept_index
 from casp_core.rounding import channel_counts
 from casp_core.units import AttentionGeometry, LayerPruning
 
@@ -86,6 +86,11 @@ class MixtureOfExperts(Family):
     top-k experts) as transformers 5's routers do, and LLaMA's attention."""
 
     prunes_heads = False
+    # The dense config's setting for one expert's width, which the uniform shape sets to the kept width.
+    expert_width_key: ClassVar[str] = "intermediate_size"
+    # The uniform shape keeps the dense attention; no mean-bias compensation (refused), so no bias switches.
+    plain_bias_switches = False
+    plain_heads_divide_hidden = False
     # Attention's projections only: the experts are no nn.Linear (`projections` builds their stacks).
     projection_paths: ClassVar[dict[str, str]] = {
         "q": "self_attn.q_proj",
@@ -110,7 +115,7 @@ class MixtureOfExperts(Family):
 
     def expert_width(self, config: PretrainedConfig) -> int:
         """One expert's FFN width in the dense config."""
-        return config.intermediate_size
+        return getattr(config, self.expert_width_key)
 
     def shared_expert_width(self, config: PretrainedConfig) -> int:
         """The FFN width of the expert every token goes through (Qwen2-MoE's), 0 where there is none."""
@@ -123,7 +128,7 @@ class MixtureOfExperts(Family):
 
     def check_settings(self, config: PretrainedConfig, settings: PruneSettings) -> None:
         refused = {
-            "shape": settings.shape == UNIFORM_SHAPE,
+            "shape": settings.shape == UNIFORM_SHAPE and self.shared_expert_width(config) > 0,
             "alpha": settings.alpha == "auto",
             "compensation": settings.compensation in (MEAN_BIAS_COMPENSATION, DENSE_TARGET_COMPENSATION),
             "calibration.mode": settings.calibration.mode == "dense",
@@ -132,8 +137,9 @@ class MixtureOfExperts(Family):
         for name, is_refused in refused.items():
             if is_refused:
                 raise InvalidConfig(
-                    f"{name}: {self.name} (a mixture of experts) is pruned with shape per_layer, a numeric alpha, "
-                    "least-squares or no compensation, sequential calibration and a ratio (docs/moe.md)"
+                    f"{name}: {self.name} (a mixture of experts) is pruned with a numeric alpha, least-squares or no "
+                    "compensation, sequential calibration and a ratio; the uniform shape only without a shared "
+                    "expert (docs/moe.md)"
                 )
 
     def projections(self, layer: nn.Module) -> LayerProjections:
@@ -160,6 +166,13 @@ class MixtureOfExperts(Family):
         step = math.gcd(*(counts[1] - counts[0] for counts in own if len(counts) > 1)) or 1
         return tuple(range(sum(c[0] for c in own), sum(c[-1] for c in own) + 1, step))
 
+    def uniform_channel_counts(
+        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None
+    ) -> tuple[int, ...]:
+        """The same count in every expert (all alike in a family the uniform shape takes)."""
+        experts = expert_weights(layer)
+        return tuple(len(experts) * count for count in channel_counts(experts[0].width, r_max, round_to, block))
+
     def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> tuple[int, ...]:
         experts = expert_weights(layer)
         per_expert = expert_channels(pruning.pruned_channels, [e.width for e in experts])
@@ -179,6 +192,35 @@ class MixtureOfExperts(Family):
             architectures=[self.pruned_model_class.__name__],
         )
         return self.pruned_model_class.config_class(**settings)
+
+    def plain_config(
+        self,
+        config: PretrainedConfig,
+        *,
+        heads: int,
+        kv_heads: int,
+        ffn_width: int | tuple[int, ...],
+        head_dim: int,
+        attention_bias: bool,
+        mlp_bias: bool,
+    ) -> PretrainedConfig:
+        """The dense config with the experts' kept width; attention and the router as they were."""
+        widths = set(ffn_width) if isinstance(ffn_width, tuple) else {ffn_width}
+        if len(widths) != 1 or heads != config.num_attention_heads:
+            raise VerificationFailed("the uniform shape left experts of different widths or removed heads")
+        settings = {k: v for k, v in config.to_dict().items() if k not in SOURCE_ONLY_KEYS}
+        settings[self.expert_width_key] = widths.pop()
+        return type(config)(**settings)
+
+    def plain_layer_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The experts' kept weights stacked into the family's 3-D parameters (all alike in the uniform shape)."""
+        names = ("gate_up_proj", "down_proj")
+        count = sum(1 for name in tensors if name.startswith(f"{EXPERTS_PATH}.") and name.endswith(".down_proj"))
+        stacked = {
+            f"{EXPERTS_PATH}.{name}": torch.stack([tensors.pop(f"{EXPERTS_PATH}.{e}.{name}") for e in range(count)])
+            for name in names
+        }
+        return tensors | stacked
 
     def width_settings(self, widths: list[tuple[int, ...]]) -> dict[str, list]:
         """The pruned config's settings for each layer's experts' widths (`kept_width`'s)."""

@@ -23,8 +23,7 @@ class Qwen2Moe(MixtureOfExperts):
     def num_experts(self, config: PretrainedConfig) -> int:
         return config.num_experts
 
-    def expert_width(self, config: PretrainedConfig) -> int:
-        return config.moe_intermediate_size
+    expert_width_key = "moe_intermediate_size"
 
     def shared_expert_width(self, config: PretrainedConfig) -> int:
         return config.shared_expert_intermediate_size

@@ -18,8 +18,7 @@ class Qwen3Moe(MixtureOfExperts):
     pruned_model_type = CaspQwen3MoeConfig.model_type
     pruned_model_class = CaspQwen3MoeForCausalLM
 
-    def expert_width(self, config: PretrainedConfig) -> int:
-        return config.moe_intermediate_size
+    expert_width_key = "moe_intermediate_size"
 
     def check_config(self, config: PretrainedConfig) -> None:
         super().check_config(config)

@@ -85,12 +85,12 @@ def test_a_uniform_shape_the_family_s_class_cannot_hold_is_422_at_submit(
 def test_settings_a_mixture_of_experts_is_not_pruned_with_are_422_at_submit(
     api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
 ) -> None:
-    """Mixtral is pruned per expert with shape per_layer (docs/moe.md): the uniform shape is refused on its field."""
+    """Mixtral is pruned with a numeric alpha (docs/moe.md): alpha auto is refused on its field."""
     body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "mixtral")}
-    response = api_with_root.post("/v1/jobs", json={**body, "shape": "uniform"}, headers=keys["alice"])
+    response = api_with_root.post("/v1/jobs", json={**body, "alpha": "auto"}, headers=keys["alice"])
     assert response.status_code == 422, response.text
     error = response.json()["error"]
-    assert error["param"] == "shape" and "Mixtral (a mixture of experts)" in error["message"], error
+    assert error["param"] == "alpha" and "Mixtral (a mixture of experts)" in error["message"], error
     assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
 
 

@@ -23,7 +23,7 @@ from casp_core.model import decoder_layers, load_model, sublayer_parameters
 from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment
 from casp_core.placement import JobShape, ModelShape, estimate_device_memory
 from casp_core.surgery import LayerPruning, remove_units
-from tests.core.families.checkpoints import fresh_logits, masked_logits
+from tests.core.families.checkpoints import fresh_logits, masked_logits, test_tokens
 from tests.core.families.helpers import (
     COMMON,
     assert_computes_the_same,
@@ -33,6 +33,7 @@ from tests.core.families.helpers import (
     write_dense,
     written_and_loaded_back,
 )
+from tests.core.fresh_process import run_python
 
 EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 48
 SHARED_WIDTH = 40  # Qwen2-MoE's shared expert: one more expert, of its own width, that every token goes through
@@ -243,18 +244,65 @@ def test_the_experts_share_follows_their_sensitivity() -> None:
 
 
 @pytest.mark.parametrize(
-    ("settings", "name"),
+    ("family", "settings", "name"),
     [
-        ({"shape": "uniform"}, "shape"),
-        ({"alpha": "auto"}, "alpha"),
-        ({"compensation": "bias"}, "compensation"),
-        ({"calibration": {"mode": "dense", "n_samples": 4, "seq_len": 32}}, "calibration.mode"),
+        ("qwen2_moe", {"shape": "uniform"}, "shape"),  # its shared expert has a width of its own
+        ("mixtral", {"alpha": "auto"}, "alpha"),
+        ("mixtral", {"compensation": "bias"}, "compensation"),
+        ("mixtral", {"calibration": {"mode": "dense", "n_samples": 4, "seq_len": 32}}, "calibration.mode"),
     ],
 )
-def test_settings_moe_pruning_does_not_take_are_refused(settings: dict, name: str, dense_folder: Path) -> None:
-    model, _ = load_model(str(dense_folder))
-    with pytest.raises(InvalidConfig, match=rf"^{name}: Mixtral \(a mixture of experts\)"):
+def test_settings_moe_pruning_does_not_take_are_refused(
+    family: str, settings: dict, name: str, dense_folders: dict[str, Path]
+) -> None:
+    model, _ = load_model(str(dense_folders[family]))
+    with pytest.raises(InvalidConfig, match=rf"^{name}: [\w-]+ \(a mixture of experts\)"):
         check_reachable(model, PruneConfig(ratio=0.3, device="cpu", **settings))
+
+
+# A user's process: the family's own class from config.json alone (no remote code), its experts run by the eager
+# loop, since transformers' default grouped product takes no float64.
+_PLAIN_LOGITS = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+tokens, out = torch.load(sys.argv[1]), {}
+for path in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, experts_implementation="eager")
+    with torch.no_grad():
+        out[path] = model.eval().double()(tokens, use_cache=False).logits
+    print(json.dumps({"checkpoint": path, "class": type(model).__name__}))
+torch.save(out, sys.argv[2])
+print(json.dumps({"casp_core_imported": "casp_core" in sys.modules}))
+"""
+UNIFORM_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
+def test_the_uniform_shape_is_the_family_s_own_class(dense_folders: dict[str, Path], tmp_path: Path) -> None:
+    """shape uniform at 0.5: the same kept width in every expert of every layer, the family's own config and class,
+    no auto_map; in a fresh process that never imports casp_core it loads without remote code and computes the
+    masked model's logits."""
+    written = {}
+    for family in UNIFORM_FAMILIES:
+        model, tokenizer = load_model(str(dense_folders[family]))
+        result = prune_small(model, tokenizer, 0.5, "greedy", shape="uniform")  # masks `model`, verifies
+        save_pruned(result.model, tokenizer, tmp_path / family)
+        config = json.loads((tmp_path / family / "config.json").read_text())
+        assert config["model_type"] == family and "auto_map" not in config
+        kept = {layer.mlp.experts.down_proj.shape[-1] for layer in decoder_layers(result.model)}
+        assert len(kept) == 1 and kept.pop() < EXPERT_WIDTH
+        written[family] = masked_logits(model)
+    torch.save(test_tokens(), tmp_path / "tokens.pt")
+    folders = [str(tmp_path / family) for family in written]
+    completed = run_python(_PLAIN_LOGITS, "tokens.pt", "logits.pt", *folders, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    records = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert records[-1] == {"casp_core_imported": False}
+    assert [record["class"] for record in records[:-1]] == list(UNIFORM_FAMILIES.values())
+    logits = torch.load(tmp_path / "logits.pt")
+    for family, expected in written.items():
+        difference = (logits[str(tmp_path / family)] - expected).abs().max().item()
+        assert difference <= 1e-9 * expected.abs().max().item()
 
 
 def test_gguf_export_is_refused_before_any_work() -> None:
