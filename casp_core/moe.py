@@ -19,7 +19,10 @@ y_e‖², the energy expert e adds to the layer's output (which grows with the r
 with what the expert computes), r_e = E' c_e / Σc x r with c_e = (1 - Ŝ_e)^alpha on min-max normalised log S_e
 (`allocate_ratios`), r = the layer's count / (E' x width), capped at r_max, over the E' experts that take part.
 An expert no calibration token reaches has S_e = 0 and no statistics: it is reported (a warning) and kept whole
-unless `moe.prune_unreached`.
+unless `moe.prune_unreached`. The uniform shape gives every expert the same count instead.
+
+A shared expert (Qwen2-MoE's, which every token goes through, scaled by σ(shared_expert_gate x)) is one more
+expert, numbered after the routed ones, whose weight for every token is that gate.
 """
 
 from collections.abc import Iterator

@@ -34,6 +34,7 @@ from tests.core.families.helpers import (
     written_and_loaded_back,
 )
 from tests.core.fresh_process import run_python
+from tests.core.test_generation import lowest_supported_transformers
 
 EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 48
 SHARED_WIDTH = 40  # Qwen2-MoE's shared expert: one more expert, of its own width, that every token goes through
@@ -204,6 +205,17 @@ def test_the_written_checkpoints_load_where_casp_core_is_not(pipeline_checkpoint
     classes = {record["checkpoint"]: record["class"] for record in records[:-1]}
     for family, (model, _, folder) in pipeline_checkpoints.items():
         assert classes[str(folder)] == FAMILIES[family][1]
+        expected = masked_logits(model)
+        assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+
+
+def test_the_written_checkpoints_load_under_the_lowest_transformers(pipeline_checkpoints: dict, tmp_path: Path) -> None:
+    """The pruned classes subclass transformers 5.4's MoE classes as well (the lowest the project supports)."""
+    logits, records = fresh_logits(
+        {folder: True for _, _, folder in pipeline_checkpoints.values()}, tmp_path, lowest=True
+    )
+    assert {record["transformers"] for record in records[:-1]} == {lowest_supported_transformers()}
+    for model, _, folder in pipeline_checkpoints.values():
         expected = masked_logits(model)
         assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
 
