@@ -29,6 +29,11 @@ from .modeling_casp_mixtral import CaspExpert, CaspExperts
 class CaspOlmoeConfig(OlmoeConfig):
     model_type = "casp_olmoe"
 
+    # transformers 5.4's OlmoeConfig declares this `int`, and huggingface_hub's strict dataclasses then refuse the
+    # `false` of the config.json (5.24 declares it `bool`): declared here as it is meant, so that pruned checkpoints
+    # load under every transformers the project supports (as casp_olmo2 does).
+    tie_word_embeddings: bool = False
+
     layer_expert_intermediate_sizes: list | None = None
     casp: dict | None = None  # provenance: the dense model, the pruning settings
 
