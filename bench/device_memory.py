@@ -1,6 +1,7 @@
 """The device memory model (casp_core.placement) evaluated at LLaMA2-7B's, Llama-3.2-1B's and the 70B models'
-shapes: what pruning would hold on the device with the whole model resident, and one decoder layer at a time;
-and what recovery after pruning by half would hold (casp_core.placement.estimate_recovery_memory).
+shapes, and at the mixtures of experts Mixtral-8x7B's and Qwen3-30B-A3B's: what pruning would hold on the device
+with the whole model resident, and one decoder layer at a time; and what recovery after pruning by half would
+hold (casp_core.placement.estimate_recovery_memory).
 
 These are estimates from the shapes alone (no model is built), upper bounds by construction, and not yet checked
 against a measurement: no GPU was lent to the session that wrote this bench. bench/gpu_llama7b.py records the
@@ -11,6 +12,8 @@ Writes bench/results/device_memory.json and .md.
 import argparse
 from pathlib import Path
 from typing import Any
+
+from transformers import MixtralConfig, Qwen3MoeConfig
 
 from bench.common import RESULTS_DIR, finish_machine_info, machine_info, machine_line, write_json
 from bench.shapes import llama2_7b_config, llama_config
@@ -29,6 +32,30 @@ def model_shapes() -> dict[str, ModelShape]:
         "LLaMA2-7B": llama2_7b_config(),
         "Llama-2-70B": llama_config(hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=32000),
         "Llama-3-70B": llama_config(hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, vocab=128256),
+        "Mixtral-8x7B": MixtralConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+        ),
+        "Qwen3-30B-A3B": Qwen3MoeConfig(
+            hidden_size=2048,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            max_position_embeddings=40960,
+        ),
     }
     return {
         name: ModelShape.from_config(config, dtype_bytes=2, eager_attention=False) for name, config in configs.items()
@@ -142,6 +169,14 @@ def render(payload: dict[str, Any]) -> str:
         "of 4096, compensation's C_kk and its factor in float64) and one batch's activations; the head stage by "
         "the head and allocation's float32 logits of one window (their log-softmax and gradient too), which grow "
         "with the vocabulary: a 70B model offloaded needs a fraction of an 80 GiB device, resident it does not fit.",
+        "",
+        "The mixtures of experts (docs/moe.md) hold every expert's weights in a layer (Mixtral-8x7B: 2.7 GiB a "
+        "layer, against LLaMA2-7B's 0.38), and their layer working set is led by verification's float64 copies of "
+        "one layer, masked and pruned (Mixtral: 19 GiB); their statistics are one expert's at a time (C_e and Q_e "
+        "at the expert's width: 14336 for Mixtral, in float32, 1.5 GiB; 768 for Qwen3-30B-A3B, in float64, 9 MiB) "
+        "and none for attention. All 128 of Qwen3-30B-A3B's experts' C and Q at once would be 1.1 GiB per layer, "
+        "and the blocks between experts 77 GB. Qwen3-30B-A3B (57 GiB of float16 weights) stays resident on an "
+        "80 GiB device; Mixtral-8x7B (87 GiB) offloads one layer at a time.",
         "",
         f"## Recovery after pruning by {RECOVERY_RATIO:.0%}",
         "",

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from casp_core.config import UNIFORM_SHAPE, PruneConfig
 from casp_core.errors import InvalidConfig
 from casp_core.export.gguf_types import quantizer_block
-from casp_core.families import family_of, projections
+from casp_core.families import family_of, family_of_layer, projections
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
@@ -19,7 +19,7 @@ from casp_core.model import (
     prunable_parameters,
     sublayer_parameters,
 )
-from casp_core.rounding import aligned_heads, channel_counts, head_multiple, round_to_for
+from casp_core.rounding import aligned_heads, head_multiple, round_to_for
 from casp_core.surgery import kept_kv_heads
 
 # The budget is planned from the ratios and the shapes alone, before any statistics: in sequential mode layer l
@@ -51,6 +51,12 @@ def attention_params_removed(layer: nn.Module, geometry: AttentionGeometry, head
 def channel_params(layer: nn.Module) -> int:
     parts = projections(layer)
     return parts.down.out_features + 2 * (parts.gate.in_features + (parts.gate.bias is not None))
+
+
+def layer_channel_counts(layer: nn.Module, config: PruneConfig, block: int | None) -> tuple[int, ...]:
+    """The FFN channel counts the layer may prune, as its family counts them (a mixture of experts: sums of its
+    experts' counts)."""
+    return family_of_layer(layer).channel_counts(layer, config.r_max, config.round_to, block)
 
 
 def heads_cap(model: PreTrainedModel, geometry: AttentionGeometry, r_max: float) -> int:
@@ -111,13 +117,14 @@ def layer_plan(
 
 def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
     """Refuse, before any work, a ratio that whole heads and channels within r_max cannot reach."""
+    family_of(model.config).check_settings(model.config, config)
     if config.shape == UNIFORM_SHAPE:
         plan_uniform_shape(model, config)  # refuses what the uniform shape cannot reach or save
         return
     most = 0
     block = quantizer_block(config)
     for layer in decoder_layers(model):
-        counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block)
+        counts = layer_channel_counts(layer, config, block)
         cap = heads_cap(model, attention_geometry(model, layer), config.r_max)
         most += layer_plan(model, layer, cap, counts, config.r_max).most_removed
     reachable = most / prunable_parameters(model)
@@ -141,7 +148,7 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
     layers = decoder_layers(model)
     geometries = [attention_geometry(model, layer) for layer in layers]
     block = quantizer_block(config)
-    counts = [channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block) for layer in layers]
+    counts = [layer_channel_counts(layer, config, block) for layer in layers]
     caps = [heads_cap(model, geometry, config.r_max) for geometry in geometries]
     multiples = [head_multiple(block, geometry.head_dim) for geometry in geometries]
     heads = [
@@ -153,7 +160,7 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
     # the fewest that leave whole blocks go, or its ffn_down would take a fallback type.
     spared_counts = [
         (count[0],)
-        if block and round_to_for(layer.mlp.down_proj.in_features, config.round_to, block) == block
+        if block and round_to_for(projections(layer).down.in_features, config.round_to, block) == block
         else (0,)
         for count, layer in zip(counts, layers, strict=True)
     ]
@@ -248,10 +255,10 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
         ),
         key=lambda choice: (abs(choice[0] * choice[1] - wanted_heads), -choice[0] * choice[1], -choice[1]),
     )
-    counts = channel_counts(layer.mlp.down_proj.in_features, config.r_max, config.round_to, block)
+    counts = family.uniform_channel_counts(layer, config.r_max, config.round_to, block)
     per_channel = channel_params(layer)
     share = config.ratio * prunable_parameters(model) / len(layers)
-    half_unit = round_to_for(layer.mlp.down_proj.in_features, config.round_to, block) * per_channel / 2
+    half_unit = round_to_for(projections(layer).down.in_features, config.round_to, block) * per_channel / 2
     for kv, per in choices:
         rest = share - attention_params_removed(layer, geometry, representative_heads(geometry, kv, per))
         # The nearest head count first; a further one only where the channels cannot close the gap with it.
@@ -272,7 +279,7 @@ def rounding_units(model: PreTrainedModel, config: PruneConfig) -> dict[str, Any
     the achieved ratio is from the target."""
     block = quantizer_block(config)
     layers = decoder_layers(model)
-    multiples = [round_to_for(layer.mlp.down_proj.in_features, config.round_to, block) for layer in layers]
+    multiples = [round_to_for(projections(layer).down.in_features, config.round_to, block) for layer in layers]
     largest = max(multiple * channel_params(layer) for multiple, layer in zip(multiples, layers, strict=True))
     return {
         "block": block,

@@ -63,9 +63,11 @@ class SecondMoment(_Averaged):
         self.total = torch.zeros(dim, dtype=self.dtype, device=device)
 
     @torch.no_grad()
-    def update(self, inputs: torch.Tensor) -> None:
+    def update(self, inputs: torch.Tensor, tokens: int | None = None) -> None:
+        """Add these rows; `tokens`: how many tokens they stand for, when the others count as zero rows (the
+        tokens the router sends to other experts)."""
         rows = inputs.reshape(-1, inputs.shape[-1]).to(self.dtype)
-        self._take(rows.shape[0])
+        self._take(rows.shape[0] if tokens is None else tokens)
         self.outer.addmm_(rows.T, rows)
         self.total += rows.sum(dim=0)
 

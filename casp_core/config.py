@@ -300,6 +300,16 @@ class RecoveryConfig(ConfigPart):
     save_every: int = Field(50, ge=1, le=10_000_000, description="optimizer steps between saves of training state")
 
 
+class MoeConfig(ConfigPart):
+    """Mixture-of-experts models only (Mixtral: docs/moe.md)."""
+
+    prune_unreached: bool = Field(
+        False,
+        description="prune experts that no calibration token reaches too (their statistics are zero, so which of "
+        "their channels go is arbitrary); by default they are reported and kept whole",
+    )
+
+
 class TargetConfig(ConfigPart):
     """A budget instead of a ratio: the job prunes at each of `ratios`, writes each in each candidate format
     (`gguf_types` or `quantizations`), measures them, and hands back the best within the budget. Exactly one
@@ -417,6 +427,7 @@ class PruneSettings(ConfigPart):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     efficiency: EfficiencyConfig = Field(default_factory=EfficiencyConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig)
     export: list[Literal[EXPORT_FORMATS]] = Field(  # type: ignore[valid-type]
         default_factory=list,
         max_length=len(EXPORT_FORMATS),

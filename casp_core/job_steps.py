@@ -21,7 +21,7 @@ from casp_core.eval.evaluate import EvaluationPlan, Figures
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
 from casp_core.export.gguf_types import check_gguf_type, quantizer_block
-from casp_core.families import check_export
+from casp_core.families import check_export, projections
 from casp_core.model import decoder_layers, load_model
 from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.quantization import QuantizedCheckpoint, check_quantization
@@ -116,7 +116,7 @@ def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> Non
         check_gguf_type(dense.config.hidden_size, config.gguf_type)
     check_reachable(dense, config)
     check_quantization(dense.config, config)
-    widths = [layer.mlp.down_proj.in_features for layer in decoder_layers(dense)]
+    widths = [projections(layer).down.in_features for layer in decoder_layers(dense)]
     for warning in (
         speed_warning(widths, config.round_to),
         fallback_warning(widths, config.round_to, config.gguf_type, quantizer_block(config)),

@@ -154,6 +154,7 @@ def load_model(
         raise ModelNotFound(f"cannot load the weights of model {name_or_path!r}: {_first_line(error)}") from error
     model.eval()
     check_supported(model)
+    family_of(config).prepare(model)
     return model, tokenizer
 
 

@@ -14,6 +14,11 @@ machine could never load (bench/device_memory.py: Llama-2-70B). It counts, for o
 - verification's float64 copies of the masked and the pruned layer (at most two dense layers' worth);
 - alpha "auto": the copies of o_proj and down_proj that each candidate restores.
 
+A mixture of experts (`ModelShape.experts` > 0, `intermediate` then one expert's width) holds all its experts'
+weights and the router's; one batch's activations through one expert at a time (the eager loop: at most every token
+of the batch in one expert) and the router's logits; and the statistics of one expert only (C_e, Q_e, C_kk and its
+factor, at the expert's width), never two experts' at once (casp_core.moe); no attention statistics (heads stay).
+
 The head's stage (final norm and head) holds the head and one window's logits in float32 with their log-softmax and
 gradient (the head's pass goes window by window); the embedding's holds the embedding and one batch's hidden states.
 Resident, the device holds the whole model plus the largest stage's working set; offloaded, the largest of one
@@ -44,6 +49,8 @@ from casp_core.config import (
     RecoveryConfig,
 )
 from casp_core.errors import DeviceMemoryTooSmall
+from casp_core.families import family_of
+from casp_core.families.moe import MixtureOfExperts
 from casp_core.run import CPU
 
 RESIDENT, OFFLOAD = "resident", "offload"
@@ -71,6 +78,8 @@ class ModelShape:
     tied_head: bool
     dtype_bytes: int
     eager_attention: bool  # the score matrix is materialised (sdpa and flash attention do not keep it)
+    experts: int = 0  # a mixture of experts: its experts per layer (`intermediate` is then one expert's width)
+    shared_expert: int = 0  # the width of a mixture of experts' shared expert (Qwen2-MoE), 0 where there is none
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> "ModelShape":
@@ -81,9 +90,12 @@ class ModelShape:
     def from_config(cls, config: PretrainedConfig, *, dtype_bytes: int, eager_attention: bool) -> "ModelShape":
         """A checkpoint's shapes without its weights (bench/device_memory.py: models this machine cannot load)."""
         heads = config.num_attention_heads
+        family = family_of(config)
+        moe = isinstance(family, MixtureOfExperts)
+        experts = family.num_experts(config) if moe else 0
         return cls(
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            intermediate=family.expert_width(config) if experts else config.intermediate_size,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
@@ -92,10 +104,15 @@ class ModelShape:
             tied_head=bool(config.tie_word_embeddings),
             dtype_bytes=dtype_bytes,
             eager_attention=eager_attention,
+            experts=experts,
+            shared_expert=family.shared_expert_width(config) if moe else 0,
         )
 
     def layer_parameters(self) -> int:
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        if self.experts:  # every expert's gate, up and down, and the router; a shared expert and its gate
+            shared = 3 * self.shared_expert + 1 if self.shared_expert else 0
+            return attention + (self.experts * (3 * self.intermediate + 1) + shared) * self.hidden + 2 * self.hidden
         return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
     def model_parameters(self) -> int:
@@ -146,6 +163,8 @@ def estimate_device_memory(shape: ModelShape, job: JobShape) -> DeviceMemoryEsti
     attn_width, ffn = shape.heads * shape.head_dim, shape.intermediate
     qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
     activations = tokens * (3 * shape.hidden + qkv + attn_width + 3 * ffn) * s
+    if shape.experts:  # the router's logits, and one expert's output beside the block's sum
+        activations += tokens * (shape.experts + shape.hidden) * s
     if shape.eager_attention:
         activations += job.batch_size * shape.heads * job.seq_len**2 * (FLOAT32 + s)
 
@@ -154,7 +173,10 @@ def estimate_device_memory(shape: ModelShape, job: JobShape) -> DeviceMemoryEsti
         matrices = 2 + (2 if job.dense_target else 0)  # C and Q; M and C_d towards the dense target
         return matrices * width * width * size + tokens * width * size * (2 if job.dense_target else 1)
 
-    statistics = sum(statistics_bytes(width) for width in (attn_width, ffn))
+    # A mixture of experts measures one expert at a time and no attention (its heads stay).
+    if shape.experts:
+        ffn = max(ffn, shape.shared_expert)  # the widest expert's statistics, one expert at a time
+    statistics = sum(statistics_bytes(width) for width in ((ffn,) if shape.experts else (attn_width, ffn)))
     compensation = 2 * ffn * ffn * FLOAT64  # C_kk and its factor, at most the whole width kept
     pruning_stage = activations + statistics + compensation
     if job.alpha_auto:

@@ -19,6 +19,7 @@ from casp_core.allocation import allocate_ratios, layer_sensitivities, uniform_r
 from casp_core.budget import (
     BudgetPlan,
     UniformShape,
+    channel_params,
     check_reachable,
     plan_budget,
     plan_uniform_shape,
@@ -38,6 +39,8 @@ from casp_core.calibration import (
 )
 from casp_core.compensation import compensate_layer
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
+from casp_core.families import family_of
+from casp_core.families.moe import MixtureOfExperts
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
@@ -47,8 +50,9 @@ from casp_core.model import (
     resolve_device,
     sublayer_parameters,
 )
+from casp_core.moe import prune_experts_channels, record_routing
 from casp_core.placement import RESIDENT, Placement, choose_placement
-from casp_core.results import LayerReport, PruneResult, TemperatureChoice
+from casp_core.results import LayerReport, PruneResult, SubLayerReport, TemperatureChoice
 from casp_core.run import CPU, Run, StageTimer
 from casp_core.selection import LayerQ, choose_units, layer_q, params_kept
 from casp_core.surgery import fill_pruned_layer, head_columns, kept_kv_heads, mask_layer, pruned_skeleton
@@ -86,6 +90,12 @@ def prune_layer(
     `sensitivity` are the allocation's, for the report."""
     layer = decoder_layers(model)[index]
     layer.to(stream.device)
+    if isinstance(family_of(model.config), MixtureOfExperts):
+        report = prune_moe_layer(
+            model, index, stream, plan, removed_before, config, run, ratio=ratio, sensitivity=sensitivity
+        )
+        layer.to(stream.home)
+        return report
     sublayers = {"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}
     cross_moments = None
     if stream.dense_inputs is None:
@@ -125,6 +135,49 @@ def prune_layer(
             stream.inputs.batches = dense_outputs
     layer.to(stream.home)
     return report
+
+
+def prune_moe_layer(
+    model: PreTrainedModel,
+    index: int,
+    stream: CalibrationStream,
+    plan: BudgetPlan | UniformShape,
+    removed_before: int,
+    config: PruneConfig,
+    run: Run,
+    *,
+    ratio: float,
+    sensitivity: float | None,
+) -> LayerReport:
+    """Layer `index` of a mixture of experts (on the device): attention and the router whole, the experts'
+    channels chosen, compensated and masked one expert at a time (casp_core.moe), and the stream moved on. Its
+    family refuses, before any work, the settings this does not take (dense calibration,
+    dense-target and mean-bias compensation)."""
+    assert stream.sequential and stream.dense_inputs is None
+    layer = decoder_layers(model)[index]
+    params_before = sum(sublayer_parameters(layer))
+    with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
+        run_layer(layer, stream.inputs, stream.device, stream.store)
+    mlp, experts = prune_experts_channels(layer, batches, plan, index, removed_before, config, run, stream.device)
+    del batches
+    with run.stage("calibration_forward"):
+        stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)
+    geometry = attention_geometry(model, layer)
+    return LayerReport(
+        index=index,
+        ratio=ratio,
+        sensitivity=sensitivity,
+        pruned_heads=[],
+        pruned_channels=list(mlp.pruned),
+        pruned_kv_heads=[],
+        attn=SubLayerReport(
+            units=geometry.num_heads, pruned=[], objective=0.0, diagonal_objective=0.0, offdiag_ratio=0.0
+        ),
+        mlp=mlp,
+        params_before=params_before,
+        params_after=params_before - len(mlp.pruned) * channel_params(layer),
+        experts=experts,
+    )
 
 
 def choose_and_mask(
@@ -335,6 +388,7 @@ def prune(
     """
     config.validate()
     check_reachable(model, config)
+    family_of(model.config).prepare(model)
     run = run or Run()
     placement = place(model, config, run, placement)
     if windows is None:
@@ -459,6 +513,7 @@ def prune_configs(
     for config in configs:
         config.validate()
         check_reachable(dense, config)
+    family_of(dense.config).prepare(dense)
     return _prune_configs(dense, tokenizer, list(configs), run or Run(), windows, placement, on_start)
 
 

@@ -25,6 +25,20 @@ class SubLayerReport:
 
 
 @dataclass
+class ExpertReport:
+    """One expert of a mixture-of-experts layer: what the calibration tokens brought it and what it lost."""
+
+    index: int
+    tokens: int  # calibration tokens the router sent to it
+    token_share: float  # of all calibration tokens
+    routed_mass: float  # the router's weights for it, summed over the tokens, per token
+    sensitivity: float  # S_e = E||w_e W_e y_e||^2: its share of the layer's output energy (docs/moe.md)
+    reached: bool  # False: no calibration token reached it (kept whole unless moe.prune_unreached)
+    pruned_channels: int
+    shared: bool = False  # Qwen2-MoE's shared expert (numbered after the routed ones), which every token goes through
+
+
+@dataclass
 class LayerReport:
     index: int
     ratio: float  # r_l from the allocation
@@ -36,6 +50,7 @@ class LayerReport:
     mlp: SubLayerReport
     params_before: int
     params_after: int
+    experts: list[ExpertReport] | None = None  # a mixture of experts' layer only
 
     @property
     def pruning(self) -> LayerPruning:
@@ -89,4 +104,4 @@ class PruneResult:
         return 1.0 - self.params_pruned / self.params_dense
 
 
-__all__ = ["LayerReport", "PruneResult", "SubLayerReport", "TemperatureChoice"]
+__all__ = ["ExpertReport", "LayerReport", "PruneResult", "SubLayerReport", "TemperatureChoice"]

@@ -151,7 +151,7 @@ def planned_shape(model: PreTrainedModel, config: PruneConfig | None) -> Planned
     geometry = attention_geometry(model, layers[0])  # the supported families' decoder layers are all alike
     heads, kv_heads = geometry.num_heads, geometry.num_kv_heads
     group = heads // kv_heads
-    width = layers[0].mlp.down_proj.in_features
+    width = projections(layers[0]).down.in_features
     if config is None:
         return PlannedShape((_layer_shape(heads, group, kv_heads, 0, width),) * len(layers), dense_params(model))
     if config.shape == UNIFORM_SHAPE:

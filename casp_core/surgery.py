@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.errors import VerificationFailed
-from casp_core.families import family_of
+from casp_core.families import family_of, family_of_layer
 from casp_core.model import attention_geometry, decoder_layers
 from casp_core.modeling_casp_llama import even_group_size
 from casp_core.units import AttentionGeometry, LayerPruning, kept, kept_kv_heads
@@ -25,7 +25,7 @@ def head_columns(geometry: AttentionGeometry, heads: list[int]) -> list[int]:
 @torch.no_grad()
 def mask_layer(layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning) -> None:
     layer.self_attn.o_proj.weight[:, head_columns(geometry, list(pruning.pruned_heads))] = 0
-    layer.mlp.down_proj.weight[:, list(pruning.pruned_channels)] = 0
+    family_of_layer(layer).mask_channels(layer, pruning.pruned_channels)
 
 
 def _plain_config(
@@ -50,12 +50,15 @@ def _plain_config(
     )
 
 
-def _layer_shape(model: PreTrainedModel, layer: nn.Module, pruning: LayerPruning) -> tuple[list[int], int]:
-    """What a pruned layer keeps, from the pruning alone: its query heads' key/value map and its FFN width."""
+def _layer_shape(
+    model: PreTrainedModel, layer: nn.Module, pruning: LayerPruning
+) -> tuple[list[int], int | tuple[int, ...]]:
+    """What a pruned layer keeps, from the pruning alone: its query heads' key/value map and its FFN width (a
+    mixture of experts: each expert's)."""
     geometry = attention_geometry(model, layer)
     kv_position = {kv: i for i, kv in enumerate(kept_kv_heads(geometry, pruning.pruned_heads))}
     heads = kept(geometry.num_heads, pruning.pruned_heads)
-    width = layer.mlp.down_proj.in_features - len(set(pruning.pruned_channels))
+    width = family_of(model.config).kept_width(layer, pruning)
     return [kv_position[geometry.kv_of_query[q]] for q in heads], width
 
 
@@ -80,6 +83,8 @@ def pruned_skeleton(model: PreTrainedModel, prunings: list[LayerPruning], *, pla
         config, model_class = family.pruned_config(model, kv_maps, widths, head_dim), family.pruned_model_class
     with torch.device("meta"):
         pruned = model_class(config)
+    if plain:  # the family's own class: what the masked model runs (a mixture of experts' eager experts)
+        family.prepare(pruned)
     state = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("model.layers.")}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -115,6 +120,7 @@ def fill_pruned_layer(pruned: PreTrainedModel, model: PreTrainedModel, index: in
     layer, target = decoder_layers(model)[index], decoder_layers(pruned)[index]
     state = family.pruned_layer_tensors(layer, attention_geometry(model, layer), pruning)
     if not isinstance(pruned, family.pruned_model_class):
+        state = family.plain_layer_tensors(state)
         dtype = layer.self_attn.o_proj.weight.dtype
         for name, parameter in target.named_parameters():
             if name.endswith(".bias") and name not in state:

@@ -77,12 +77,14 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
     if is_local_reference(model):
         try:
             # An unsupported family is refused now, not after the worker loads it; so are an export the family
-            # cannot take (unsupported_export, under `export`), a uniform shape its own class cannot hold, a
+            # cannot take (unsupported_export, under `export`), settings it is not pruned with (a mixture of
+            # experts: the uniform shape, alpha auto, ...), a uniform shape its own class cannot hold, a
             # quantization its widths cannot take, a GGUF type whose block its hidden size does not fit, recovery
             # windows longer than its context and a budget no candidate meets by the sizes estimated from the
             # config (a hub model's, when the job starts).
             model_config = load_config(model)
             check_export(model_config, body.export)
+            family_of(model_config).check_settings(model_config, body)
             family_of(model_config).check_plain_shape(model_config, body)
             check_quantization(model_config, body)
             if "gguf" in body.export:

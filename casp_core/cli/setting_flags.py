@@ -55,6 +55,7 @@ FLAGS = {
     "target.max_bytes": "--target-bytes",
     "target.format": "--target-format",
     "target.max_params": "--target-params",
+    "moe.prune_unreached": "--moe-prune-unreached",
 }
 # Earlier spellings (`casp prune` said --calibration-data / --eval-data, `casp submit` said --limit): still read,
 # no longer shown.

@@ -17,12 +17,17 @@ from casp_core.families.gemma import GEMMA2, GEMMA3_TEXT
 from casp_core.families.granite import GRANITE
 from casp_core.families.llama import LLAMA
 from casp_core.families.mistral import MISTRAL
+from casp_core.families.mixtral import MIXTRAL
 from casp_core.families.olmo2 import OLMO2
+from casp_core.families.olmoe import OLMOE
 from casp_core.families.phi3 import PHI3
 from casp_core.families.qwen2 import QWEN2
+from casp_core.families.qwen2_moe import QWEN2_MOE
 from casp_core.families.qwen3 import QWEN3
+from casp_core.families.qwen3_moe import QWEN3_MOE
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3_TEXT, PHI3, OLMO2, GRANITE)
+FAMILIES += (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)  # the mixtures of experts
 # The dense model types CASP prunes.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for family in FAMILIES for t in family.model_types)
 _BY_DENSE_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}

@@ -23,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from casp_core.config import LORA_TARGETS, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+from casp_core.rounding import channel_counts
 from casp_core.units import AttentionGeometry, LayerPruning, kept_kv_heads
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -47,7 +48,30 @@ class RowSlice:
         return self.weight.shape[0]
 
 
-Projection = nn.Linear | RowSlice
+@dataclass(frozen=True)
+class ExpertStack:
+    """One projection of every expert of a layer (gate, up or down), standing in for the one projection of the
+    layer's FFN written as a single FFN: the experts' rows (gate, up) or input columns (down) one after another.
+    `weights` are views of each expert's [out, in] weight; the counts are the stacked projection's."""
+
+    weights: tuple[torch.Tensor, ...]
+    stacked_rows: bool  # gate and up stack rows; down stacks input columns
+    bias: None = None
+
+    @property
+    def parameters(self) -> int:
+        return sum(weight.numel() for weight in self.weights)
+
+    @property
+    def in_features(self) -> int:
+        return self.weights[0].shape[1] if self.stacked_rows else sum(w.shape[1] for w in self.weights)
+
+    @property
+    def out_features(self) -> int:
+        return sum(w.shape[0] for w in self.weights) if self.stacked_rows else self.weights[0].shape[0]
+
+
+Projection = nn.Linear | RowSlice | ExpertStack
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,8 @@ class GgufScales:
 
 def projection_parameters(projection: Projection) -> int:
     """Its weights and bias."""
+    if isinstance(projection, ExpertStack):
+        return projection.parameters
     return projection.weight.numel() + (projection.bias.numel() if projection.bias is not None else 0)
 
 
@@ -78,7 +104,7 @@ class LayerProjections:
     o: nn.Linear
     gate: Projection
     up: Projection
-    down: nn.Linear
+    down: nn.Linear | ExpertStack  # a real module but in a mixture of experts
 
     @property
     def attention(self) -> tuple[Projection, ...]:
@@ -190,6 +216,13 @@ class Family:
                 f"model type {model_type!r}: attention layer types {sorted(unknown)} are not supported"
             )
 
+    def check_settings(self, config: PretrainedConfig, settings: PruneSettings) -> None:
+        """Refuse (InvalidConfig), from the config alone, pruning settings the family cannot be pruned with; the
+        LLaMA-layout families take them all."""
+
+    def prepare(self, model: PreTrainedModel) -> None:
+        """Set the loaded model up for pruning (a mixture of experts: the experts' eager implementation)."""
+
     def layer_types(self, config: PretrainedConfig) -> tuple[int | None, list[str]]:
         """The sliding window (None when no layer slides) and, per layer, "full_attention" or
         "sliding_attention", as the family's own modeling reads them. Llama has no `layer_types` and attends
@@ -204,6 +237,25 @@ class Family:
     def projections(self, layer: nn.Module) -> LayerProjections:
         """The seven projections of a decoder layer (dense or pruned); LLaMA layout: the modules themselves."""
         return LayerProjections(**{part: layer.get_submodule(path) for part, path in self.projection_paths.items()})
+
+    @torch.no_grad()
+    def mask_channels(self, layer: nn.Module, channels: tuple[int, ...]) -> None:
+        """Zero these FFN channels' input columns of down_proj, which removes their contribution exactly."""
+        layer.mlp.down_proj.weight[:, list(channels)] = 0
+
+    def channel_counts(self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None) -> tuple[int, ...]:
+        """The FFN channel counts the layer may prune (casp_core.rounding.channel_counts of its width)."""
+        return channel_counts(self.projections(layer).down.in_features, r_max, round_to, block)
+
+    def uniform_channel_counts(
+        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None
+    ) -> tuple[int, ...]:
+        """The FFN channel counts the uniform shape may prune in each layer: the layer's own."""
+        return self.channel_counts(layer, r_max, round_to, block)
+
+    def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> int | tuple[int, ...]:
+        """What the layer's FFN keeps: its width (a mixture of experts: each expert's)."""
+        return self.projections(layer).down.in_features - len(set(pruning.pruned_channels))
 
     def lora_modules(self, target_modules: list[str]) -> list[str]:
         """The module names peft adapts for recovery's `target_modules`, each once, in their order."""
@@ -310,6 +362,10 @@ class Family:
         return type(config)(**settings)
 
     # ------------------------------------------------------------ exports
+
+    def plain_layer_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`pruned_layer_tensors`' tensors as the family's own class names them (the same for LLaMA)."""
+        return tensors
 
     def check_gguf(self, config: PretrainedConfig) -> None:
         """Refuse (UnsupportedExport), from the config alone, a GGUF export of this family or of settings the

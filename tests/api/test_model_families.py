@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from transformers import Qwen2Config, Qwen2MoeConfig, Qwen3Config
+from transformers import MixtralConfig, PhimoeConfig, Qwen2Config, Qwen3Config
 
 from api.main import create_app
 from service.settings import Settings
@@ -18,13 +18,22 @@ pytestmark = pytest.mark.service
 def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Configs alone: the API reads nothing else, and the jobs below never reach a worker."""
     root = tmp_path_factory.mktemp("models")
-    Qwen2MoeConfig(num_hidden_layers=1).save_pretrained(root / "qwen2-moe")
+    PhimoeConfig(num_hidden_layers=1).save_pretrained(root / "phimoe")
     Qwen2Config(
         num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
     ).save_pretrained(root / "qwen2")
     Qwen3Config(
         num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
     ).save_pretrained(root / "qwen3")
+    MixtralConfig(
+        num_hidden_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        num_local_experts=4,
+        max_position_embeddings=256,
+    ).save_pretrained(root / "mixtral")
     (root / "empty").mkdir()
     return root
 
@@ -39,7 +48,7 @@ def api_with_root(distributed_settings: Settings, model_root: Path) -> Iterator[
 @pytest.mark.parametrize(
     ("folder", "expected"),
     [
-        ("qwen2-moe", "unsupported_model: model type 'qwen2_moe' is not supported"),
+        ("phimoe", "unsupported_model: model type 'phimoe' is not supported"),
         ("empty", "model_not_found: cannot read the config of model"),
     ],
 )
@@ -70,6 +79,18 @@ def test_a_uniform_shape_the_family_s_class_cannot_hold_is_422_at_submit(
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert error["param"] == "compensation" and "shape uniform cannot save it" in error["message"], error
+    assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
+
+
+def test_settings_a_mixture_of_experts_is_not_pruned_with_are_422_at_submit(
+    api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
+) -> None:
+    """Mixtral is pruned with a numeric alpha (docs/moe.md): alpha auto is refused on its field."""
+    body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "mixtral")}
+    response = api_with_root.post("/v1/jobs", json={**body, "alpha": "auto"}, headers=keys["alice"])
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == "alpha" and "Mixtral (a mixture of experts)" in error["message"], error
     assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
 
 

@@ -11,7 +11,6 @@ import torch
 
 from casp_core.budget import (
     BudgetPlan,
-    channel_counts,
     channel_params,
     channels_to_prune,
     heads_emptying_groups_last,
@@ -24,6 +23,7 @@ from casp_core.errors import InvalidConfig
 from casp_core.job import run_job
 from casp_core.model import attention_geometry, decoder_layers, load_model
 from casp_core.prune import prune
+from casp_core.rounding import channel_counts
 from casp_core.run import Run
 from casp_core.solvers import select_units
 from tests.conftest import DATASETS_DIR, STORIES, small_config

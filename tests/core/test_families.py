@@ -16,10 +16,9 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
-    MixtralConfig,
+    PhimoeConfig,
     PretrainedConfig,
     Qwen2Config,
-    Qwen2MoeConfig,
     Qwen3Config,
 )
 
@@ -213,8 +212,7 @@ def test_casp_prune_succeeds(
     ("config", "named"),
     [
         (GPT2Config(n_layer=1, n_embd=32, n_head=2), "model type 'gpt2' is not supported"),
-        (Qwen2MoeConfig(num_hidden_layers=1), "model type 'qwen2_moe' is not supported"),
-        (MixtralConfig(num_hidden_layers=1), "model type 'mixtral' is not supported"),
+        (PhimoeConfig(num_hidden_layers=1), "model type 'phimoe' is not supported"),
         (LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=4), "6 attention heads cannot share 4"),
     ],
 )
@@ -246,10 +244,10 @@ def test_cli_says_in_one_line_what_is_wrong_with_the_model_folder(
     unknown_type.mkdir()
     (unknown_type / "config.json").write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8}))
     moe = tmp_path / "moe"
-    Qwen2MoeConfig(num_hidden_layers=1).save_pretrained(moe)  # a config alone: refused without weights
+    PhimoeConfig(num_hidden_layers=1).save_pretrained(moe)  # a config alone: refused without weights
     cases = {
         unknown_type: "casp: error: unsupported_model: model type 'no_such_model' is not supported",
-        moe: "casp: error: unsupported_model: model type 'qwen2_moe' is not supported",
+        moe: "casp: error: unsupported_model: model type 'phimoe' is not supported",
         write_dense(FAMILIES["qwen2"](), tmp_path / "no-weights", weights=False): (
             "casp: error: model_not_found: cannot load the weights of model"
         ),

@@ -4,7 +4,7 @@ pipeline keeping auto's multiples on a real model (ptbwiki-7M: 8 layers of 704 F
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from casp_core.budget import channel_counts, plan_budget, plan_uniform_shape
+from casp_core.budget import plan_budget, plan_uniform_shape
 from casp_core.config import GGUF_TYPES
 from casp_core.errors import InvalidConfig
 from casp_core.export.gguf_types import BLOCK_32_TYPES, FLOAT_TYPES, K_QUANTS, block_of, check_gguf_type
@@ -13,6 +13,7 @@ from casp_core.prune import prune
 from casp_core.rounding import (
     aligned_heads,
     auto_round_to,
+    channel_counts,
     fallback_warning,
     head_multiple,
     round_to_for,

@@ -1,0 +1,336 @@
+"""The mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE) prune each expert's FFN
+channels exactly (casp_core/families/moe.py, casp_core/moe.py): chosen channels and the real pipeline give a
+checkpoint whose experts keep their own widths and that computes the masked model's logits, in this process and in
+a user's fresh one; an expert no calibration token reaches is reported and kept whole unless allowed; what MoE
+pruning does not take is refused before any work."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from casp_core.budget import channel_params, check_reachable
+from casp_core.checkpoint import save_pruned
+from casp_core.cli import main as cli
+from casp_core.config import PruneConfig
+from casp_core.errors import InvalidConfig, UnsupportedExport
+from casp_core.families import check_export
+from casp_core.families.moe import stacked_expert
+from casp_core.model import decoder_layers, load_model, sublayer_parameters
+from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment
+from casp_core.placement import JobShape, ModelShape, estimate_device_memory
+from casp_core.surgery import LayerPruning, remove_units
+from tests.core.families.checkpoints import fresh_logits, masked_logits, test_tokens
+from tests.core.families.helpers import (
+    COMMON,
+    assert_computes_the_same,
+    masked_copy,
+    prune_small,
+    small_run_arguments,
+    write_dense,
+    written_and_loaded_back,
+)
+from tests.core.fresh_process import run_python
+from tests.core.test_generation import lowest_supported_transformers
+
+EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 48
+SHARED_WIDTH = 40  # Qwen2-MoE's shared expert: one more expert, of its own width, that every token goes through
+TINY = {**COMMON, "num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH}
+# The stories260K tokenizer's <s> and </s>.
+TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
+
+
+ROUTING = {"num_experts_per_tok": TOP_K}
+
+
+def mixtral_config() -> MixtralConfig:
+    return MixtralConfig(**TINY, **TOKEN_IDS, **ROUTING, num_local_experts=EXPERTS)
+
+
+# Each family's tiny model, and the class and model type its per-layer checkpoint has. Qwen3-MoE's and OLMoE's
+# routers do not renormalise the top-k weights by default; Qwen3-MoE's experts are `moe_intermediate_size` wide.
+FAMILIES = {
+    "mixtral": (mixtral_config, "CaspMixtralForCausalLM"),
+    "qwen2_moe": (
+        lambda: Qwen2MoeConfig(
+            **TINY,
+            **TOKEN_IDS,
+            **ROUTING,
+            num_experts=EXPERTS,
+            moe_intermediate_size=EXPERT_WIDTH,
+            shared_expert_intermediate_size=SHARED_WIDTH,
+        ),
+        "CaspQwen2MoeForCausalLM",
+    ),
+    "qwen3_moe": (
+        lambda: Qwen3MoeConfig(
+            **TINY, **TOKEN_IDS, **ROUTING, num_experts=EXPERTS, moe_intermediate_size=EXPERT_WIDTH, head_dim=8
+        ),
+        "CaspQwen3MoeForCausalLM",
+    ),
+    "olmoe": (
+        lambda: OlmoeConfig(**TINY, **TOKEN_IDS, **ROUTING, pad_token_id=None, num_experts=EXPERTS),
+        "CaspOlmoeForCausalLM",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def dense_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dense")
+    return {name: write_dense(config(), root / name) for name, (config, _) in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def dense_folder(dense_folders: dict[str, Path]) -> Path:
+    """Mixtral's, for what all the families share."""
+    return dense_folders["mixtral"]
+
+
+@pytest.fixture(scope="module")
+def unreached_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """No token is ever sent to expert 3: its router row is zero, and experts 0 and 1 (2 and 4) have opposite rows,
+    so for every token one of each pair has a positive logit, above expert 3's zero, and top-2 never reaches it."""
+    folder = write_dense(mixtral_config(), tmp_path_factory.mktemp("unreached") / "mixtral")
+    model, _ = load_model(str(folder))
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            router = layer.mlp.gate.weight
+            router[1], router[4], router[3] = -router[0], -router[2], 0
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chosen_channels_prune_exactly(family: str, dense_folders: dict[str, Path], tmp_path: Path) -> None:
+    """Channels in the layer's numbering (expert e's channel c is e x width + c): some of expert 0's and 5's in layer
+    0, every other channel of experts 1 and 2 in layer 1; each expert keeps its own width."""
+    model, tokenizer = load_model(str(dense_folders[family]))
+    shared = (EXPERTS * EXPERT_WIDTH + 5,) if family == "qwen2_moe" else ()  # the shared expert's, numbered last
+    prunings = [
+        LayerPruning((), (0, 3, 7, 5 * EXPERT_WIDTH + 1, *shared)),
+        LayerPruning((), tuple(range(EXPERT_WIDTH, 3 * EXPERT_WIDTH, 2))),
+    ]
+    pruned = remove_units(model, prunings)
+    if shared:
+        assert pruned.config.layer_shared_expert_intermediate_sizes == [SHARED_WIDTH - 1, SHARED_WIDTH]
+    assert type(pruned).__name__ == FAMILIES[family][1]
+    half = EXPERT_WIDTH // 2
+    assert pruned.config.layer_expert_intermediate_sizes == [
+        [EXPERT_WIDTH - 3, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH - 1],
+        [EXPERT_WIDTH, half, half, EXPERT_WIDTH, EXPERT_WIDTH, EXPERT_WIDTH],
+    ]
+    assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+    modeling_files = {"modeling_casp_mixtral.py", f"modeling_casp_{family}.py"}
+    assert modeling_files <= {path.name for path in tmp_path.iterdir()}
+
+
+def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Path) -> None:
+    """C_e over all N tokens, each routed token's activation scaled by its router weight: N x C_e is the sum of
+    w² y yᵀ over the tokens routed to e, computed here token by token from the router's own top-k."""
+    model, _ = load_model(str(dense_folder))
+    layer = decoder_layers(model)[0]
+    hidden = torch.randn(10, TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
+    _, weights, experts = layer.mlp.gate(hidden)
+    gate_up, down = layer.mlp.experts.gate_up_proj[2], layer.mlp.experts.down_proj[2]
+    expected = torch.zeros(EXPERT_WIDTH, EXPERT_WIDTH, dtype=torch.float64)
+    for token in range(10):
+        for slot in range(TOP_K):
+            if experts[token, slot] == 2:
+                gate, up = (gate_up @ hidden[token]).chunk(2)
+                y = (torch.nn.functional.silu(gate) * up).double() * float(weights[token, slot])
+                expected += torch.outer(y, y)
+    assert (experts == 2).any()
+    batches = [RoutedBatch(hidden[part], experts[part], weights[part], EXPERTS) for part in (slice(4), slice(4, 10))]
+    expert = stacked_expert(gate_up, down, layer.mlp.experts.act_fn)
+    moment = expert_moment(expert, 2, batches, torch.device("cpu"))
+    torch.testing.assert_close(moment.second_moment, expected / 10, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("ratio", [0.3, 0.5])
+def test_casp_prune_succeeds(
+    family: str, ratio: float, dense_folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(dense_folders[family]), "--ratio", str(ratio), "--out", str(out)]
+    assert cli.main([*arguments, *small_run_arguments(tmp_path)]) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["verification"]["max_relative_diff"] <= 1e-10
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == f"casp_{family}"
+    widths = config["layer_expert_intermediate_sizes"]
+    shared_widths = config.get("layer_shared_expert_intermediate_sizes", [None] * len(widths))
+    for layer, layer_widths, shared_width in zip(report["layers"], widths, shared_widths, strict=True):
+        routed = [e for e in layer["experts"] if not e["shared"]]
+        assert [EXPERT_WIDTH - e["pruned_channels"] for e in routed] == layer_widths
+        assert [SHARED_WIDTH - e["pruned_channels"] for e in layer["experts"] if e["shared"]] == (
+            [shared_width] if shared_width is not None else []
+        )
+        assert len(layer["pruned_channels"]) == sum(e["pruned_channels"] for e in layer["experts"])
+        assert layer["pruned_heads"] == []
+
+
+@pytest.fixture(scope="module")
+def pipeline_checkpoints(dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per family, the masked dense model, the pipeline's result at 0.5 and its written checkpoint."""
+    root = tmp_path_factory.mktemp("moe-pruned")
+    written = {}
+    for family, folder in dense_folders.items():
+        model, tokenizer = load_model(str(folder))
+        result = prune_small(model, tokenizer, 0.5, "greedy")  # masks `model`, verifies
+        save_pruned(result.model, tokenizer, root / family)
+        written[family] = (model, result, root / family)
+    return written
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_pipeline_meets_the_ratio_from_the_experts_alone(family: str, pipeline_checkpoints: dict) -> None:
+    model, result, _ = pipeline_checkpoints[family]
+    for dense_layer, layer in zip(decoder_layers(model), decoder_layers(result.model), strict=True):
+        assert sublayer_parameters(layer)[0] == sublayer_parameters(dense_layer)[0]  # attention whole
+        assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight)  # the router whole
+    unit = channel_params(decoder_layers(model)[0])
+    assert abs(result.params_dense - result.params_pruned - 0.5 * result.params_dense) <= unit
+    assert all(0 <= r <= 0.9 for layer in result.layers for r in [layer.ratio])
+
+
+def test_the_written_checkpoints_load_where_casp_core_is_not(pipeline_checkpoints: dict, tmp_path: Path) -> None:
+    """Every family's checkpoint in one fresh process, with its own modeling file (trust_remote_code=True)."""
+    logits, records = fresh_logits({folder: True for _, _, folder in pipeline_checkpoints.values()}, tmp_path)
+    assert records[-1] == {"casp_core_imported": False}
+    classes = {record["checkpoint"]: record["class"] for record in records[:-1]}
+    for family, (model, _, folder) in pipeline_checkpoints.items():
+        assert classes[str(folder)] == FAMILIES[family][1]
+        expected = masked_logits(model)
+        assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+
+
+def test_the_written_checkpoints_load_under_the_lowest_transformers(pipeline_checkpoints: dict, tmp_path: Path) -> None:
+    """The pruned classes subclass transformers 5.4's MoE classes as well (the lowest the project supports)."""
+    logits, records = fresh_logits(
+        {folder: True for _, _, folder in pipeline_checkpoints.values()}, tmp_path, lowest=True
+    )
+    assert {record["transformers"] for record in records[:-1]} == {lowest_supported_transformers()}
+    for model, _, folder in pipeline_checkpoints.values():
+        expected = masked_logits(model)
+        assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+
+
+def test_an_unreached_expert_is_reported_and_kept_whole_unless_allowed(unreached_folder: Path) -> None:
+    model, tokenizer = load_model(str(unreached_folder))
+    result = prune_small(model, tokenizer, 0.5, "greedy")
+    pruned_layers = [layer for layer in result.layers if layer.mlp.pruned]
+    assert pruned_layers
+    for layer in result.layers:
+        unreached = [expert for expert in layer.experts if not expert.reached]
+        assert [expert.index for expert in unreached] == [3]
+        assert unreached[0].tokens == 0 and unreached[0].pruned_channels == 0
+    assert all(w[3] == EXPERT_WIDTH for w in result.model.config.layer_expert_intermediate_sizes)
+
+    model, tokenizer = load_model(str(unreached_folder))
+    allowed = prune_small(model, tokenizer, 0.5, "greedy", moe={"prune_unreached": True})
+    assert any(w[3] < EXPERT_WIDTH for w in allowed.model.config.layer_expert_intermediate_sizes)
+
+
+def test_the_warning_names_the_unreached_experts(unreached_folder: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(unreached_folder), "--ratio", "0.3", "--out", str(out)]
+    assert cli.main([*arguments, *small_run_arguments(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "no calibration token reached experts [3]: kept whole" in err
+    report = json.loads((out / "report.json").read_text())
+    assert any("reached experts [3]" in warning for warning in report["warnings"])
+
+
+def test_the_experts_share_follows_their_sensitivity() -> None:
+    """The paper's layer rule over the experts: the most sensitive expert keeps every channel (c_e = 0 at alpha 1),
+    the others share the layer's count, summing to it."""
+    traffic = [ExpertTraffic(10, 0.1, s) for s in (1.0, 4.0, 16.0, 2.0)]
+    counts, unreached = expert_counts(60, traffic, [EXPERT_WIDTH] * 4, PruneConfig(ratio=0.3, device="cpu"))
+    assert unreached == [] and sum(counts) == 60
+    assert counts[2] == 0 and counts[0] > counts[3] > counts[1]
+
+
+@pytest.mark.parametrize(
+    ("family", "settings", "name"),
+    [
+        ("qwen2_moe", {"shape": "uniform"}, "shape"),  # its shared expert has a width of its own
+        ("mixtral", {"alpha": "auto"}, "alpha"),
+        ("mixtral", {"compensation": "bias"}, "compensation"),
+        ("mixtral", {"calibration": {"mode": "dense", "n_samples": 4, "seq_len": 32}}, "calibration.mode"),
+    ],
+)
+def test_settings_moe_pruning_does_not_take_are_refused(
+    family: str, settings: dict, name: str, dense_folders: dict[str, Path]
+) -> None:
+    model, _ = load_model(str(dense_folders[family]))
+    with pytest.raises(InvalidConfig, match=rf"^{name}: [\w-]+ \(a mixture of experts\)"):
+        check_reachable(model, PruneConfig(ratio=0.3, device="cpu", **settings))
+
+
+# A user's process: the family's own class from config.json alone (no remote code), its experts run by the eager
+# loop, since transformers' default grouped product takes no float64.
+_PLAIN_LOGITS = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+tokens, out = torch.load(sys.argv[1]), {}
+for path in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, experts_implementation="eager")
+    with torch.no_grad():
+        out[path] = model.eval().double()(tokens, use_cache=False).logits
+    print(json.dumps({"checkpoint": path, "class": type(model).__name__}))
+torch.save(out, sys.argv[2])
+print(json.dumps({"casp_core_imported": "casp_core" in sys.modules}))
+"""
+UNIFORM_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
+def test_the_uniform_shape_is_the_family_s_own_class(dense_folders: dict[str, Path], tmp_path: Path) -> None:
+    """shape uniform at 0.5: the same kept width in every expert of every layer, the family's own config and class,
+    no auto_map; in a fresh process that never imports casp_core it loads without remote code and computes the
+    masked model's logits."""
+    written = {}
+    for family in UNIFORM_FAMILIES:
+        model, tokenizer = load_model(str(dense_folders[family]))
+        result = prune_small(model, tokenizer, 0.5, "greedy", shape="uniform")  # masks `model`, verifies
+        save_pruned(result.model, tokenizer, tmp_path / family)
+        config = json.loads((tmp_path / family / "config.json").read_text())
+        assert config["model_type"] == family and "auto_map" not in config
+        kept = {layer.mlp.experts.down_proj.shape[-1] for layer in decoder_layers(result.model)}
+        assert len(kept) == 1 and kept.pop() < EXPERT_WIDTH
+        written[family] = masked_logits(model)
+    torch.save(test_tokens(), tmp_path / "tokens.pt")
+    folders = [str(tmp_path / family) for family in written]
+    completed = run_python(_PLAIN_LOGITS, "tokens.pt", "logits.pt", *folders, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    records = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    assert records[-1] == {"casp_core_imported": False}
+    assert [record["class"] for record in records[:-1]] == list(UNIFORM_FAMILIES.values())
+    logits = torch.load(tmp_path / "logits.pt")
+    for family, expected in written.items():
+        difference = (logits[str(tmp_path / family)] - expected).abs().max().item()
+        assert difference <= 1e-9 * expected.abs().max().item()
+
+
+def test_gguf_export_is_refused_before_any_work() -> None:
+    with pytest.raises(UnsupportedExport, match=r"GGUF export: Mixtral .*one width"):
+        check_export(mixtral_config(), ["gguf"])
+
+
+def test_the_memory_model_counts_every_expert_and_one_expert_s_statistics(dense_folder: Path) -> None:
+    """casp_core.placement: the shape has every expert's weights and the router (the model's own parameter count);
+    the statistics are one expert's: at a width of 4096 (C, Q, C_kk and its factor: 4 x 128 MiB in float64) a layer
+    of 128 narrow experts needs well under five such matrices, where all experts' C and Q would need 256."""
+    model, _ = load_model(str(dense_folder))
+    shape = ModelShape.of(model)
+    assert (shape.experts, shape.intermediate) == (EXPERTS, EXPERT_WIDTH)
+    assert shape.model_parameters() == sum(parameter.numel() for parameter in model.parameters())
+    wide = replace(shape, hidden=8, heads=1, kv_heads=1, head_dim=8, intermediate=4096, experts=128)
+    job = JobShape(batch_size=1, seq_len=16, gradient_allocation=False, alpha_auto=False, dense_target=False)
+    one_matrix = 4096 * 4096 * 8
+    assert 4 * one_matrix < estimate_device_memory(wide, job).layer_working_set < 5 * one_matrix
