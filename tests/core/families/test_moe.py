@@ -90,11 +90,11 @@ def dense_folder(dense_folders: dict[str, Path]) -> Path:
     return dense_folders["mixtral"]
 
 
-@pytest.fixture(scope="module")
-def unreached_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """No token is ever sent to expert 3: its router row is zero, and experts 0 and 1 (2 and 4) have opposite rows,
-    so for every token one of each pair has a positive logit, above expert 3's zero, and top-2 never reaches it."""
-    folder = write_dense(mixtral_config(), tmp_path_factory.mktemp("unreached") / "mixtral")
+def write_unreached_mixtral(folder: Path) -> Path:
+    """A tiny Mixtral that never sends a token to expert 3: its router row is zero, and experts 0 and 1 (2 and 4)
+    have opposite rows, so for every token one of each pair has a positive logit, above expert 3's zero, and top-2
+    never reaches it."""
+    write_dense(mixtral_config(), folder)
     model, _ = load_model(str(folder))
     with torch.no_grad():
         for layer in decoder_layers(model):
@@ -102,6 +102,11 @@ def unreached_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
             router[1], router[4], router[3] = -router[0], -router[2], 0
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def unreached_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_unreached_mixtral(tmp_path_factory.mktemp("unreached") / "mixtral")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
