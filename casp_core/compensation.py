@@ -133,9 +133,11 @@ def _damped_cholesky(
     raise torch.linalg.LinAlgError(f"C_kk stays singular up to damping {used:.3g}")
 
 
-# Columns of the product with the triangular factor per step: each step reads only the factor's rows at or below
-# its columns, so the product costs about half a dense one.
-TRIANGULAR_PRODUCT_COLUMNS = 512
+# Columns per step of the products with the triangular factor and of the solves through its leading blocks: a
+# product reads only the factor's rows at or below its columns (about half a dense product), and a solve goes one
+# band at a time through views of the factor (a leading block of it is no contiguous matrix: a solver would copy it,
+# up to the size of the factor).
+TRIANGULAR_BAND = 512
 
 
 @dataclass
@@ -164,7 +166,7 @@ class NestedRefit:
     factor: torch.Tensor  # L
     product: torch.Tensor  # G = A L
     tail_energy: torch.Tensor  # tail_energy[j] = ||G_:,j:||², j = 0 .. width
-    removed_interactions: torch.Tensor  # (A_tᵀ A_t) ⊙ C_tt over the last `len(t)` positions, t the largest set
+    errors_before: dict[int, float]  # by the number of kept columns
     damping: float  # relative, as asked
     ridge: float  # λ
 
@@ -196,36 +198,52 @@ class NestedRefit:
         product = _times_lower_triangular(ordered, factor)
         energy = product.pow(2).sum(dim=0)
         tail_energy = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
-        largest = order[width - max(len(pruned) for pruned in pruned_sets) :]
-        removed = ordered[:, width - len(largest) :]
-        removed_interactions = (removed.T @ removed).mul_(second_moment[largest][:, largest].double())
-        return cls(order, ordered, factor, product, tail_energy, removed_interactions, damping, damping * scale)
+        first = width - max(len(pruned) for pruned in refitted)
+        removed = ordered[:, first:]
+        interactions = (removed.T @ removed).mul_(second_moment[order[first:]][:, order[first:]].double())
+        errors_before = {
+            width - len(pruned): float(interactions[width - len(pruned) - first :, width - len(pruned) - first :].sum())
+            for pruned in refitted
+        }
+        return cls(order, ordered, factor, product, tail_energy, errors_before, damping, damping * scale)
 
     def fit(self, pruned: list[int]) -> LeastSquaresFit:
         """`fit_kept_columns`' fit for `pruned` (one of the sets this was made for), its update in the order of
         the kept column numbers."""
         width = len(self.order)
         kept = width - len(pruned)
-        assert set(self.order[kept:].tolist()) == set(pruned), "a set the factor was not made for"
-        refitted = torch.linalg.solve_triangular(
-            self.factor[:kept, :kept], self.product[:, :kept], upper=False, left=False
-        )
+        assert kept in self.errors_before and set(self.order[kept:].tolist()) == set(pruned), "not one of its sets"
+        refitted = _solve_times_lower_triangular(self.product[:, :kept], self.factor[:kept, :kept])
         update = refitted.sub_(self.weight[:, :kept])[:, torch.argsort(self.order[:kept])]
         removed_weight = float(self.weight[:, kept:].pow(2).sum())
         error_after = float(self.tail_energy[kept]) - self.ridge * (removed_weight + float(update.pow(2).sum()))
-        start = kept - (width - len(self.removed_interactions))
-        error_before = float(self.removed_interactions[start:, start:].sum())
-        return LeastSquaresFit(update=update, damping=self.damping, error_before=error_before, error_after=error_after)
+        return LeastSquaresFit(
+            update=update, damping=self.damping, error_before=self.errors_before[kept], error_after=error_after
+        )
 
 
 def _times_lower_triangular(matrix: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
     """matrix @ lower for a lower-triangular `lower`, a band of columns at a time over the rows that are not zero."""
     width = lower.shape[1]
     product = matrix.new_empty(matrix.shape[0], width)
-    for start in range(0, width, TRIANGULAR_PRODUCT_COLUMNS):
-        stop = min(start + TRIANGULAR_PRODUCT_COLUMNS, width)
+    for start in range(0, width, TRIANGULAR_BAND):
+        stop = min(start + TRIANGULAR_BAND, width)
         product[:, start:stop] = matrix[:, start:] @ lower[start:, start:stop]
     return product
+
+
+def _solve_times_lower_triangular(rhs: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    """X with X @ lower = rhs for a lower-triangular `lower` (a view), by bands from the last: band j of X solves
+    X_j L_jj = rhs_j - sum over later bands i of X_i L_ij, and each band solved is taken off the earlier ones."""
+    solution = rhs.clone()
+    for start in reversed(range(0, lower.shape[1], TRIANGULAR_BAND)):
+        stop = min(start + TRIANGULAR_BAND, lower.shape[1])
+        band = torch.linalg.solve_triangular(
+            lower[start:stop, start:stop], solution[:, start:stop], upper=False, left=False
+        )
+        solution[:, start:stop] = band
+        solution[:, :start].addmm_(band, lower[start:stop, :start], alpha=-1)
+    return solution
 
 
 def damping_scale(second_moment: torch.Tensor) -> float:
