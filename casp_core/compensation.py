@@ -7,8 +7,14 @@ calibration tokens, is W_p y_p ≈ D y_k with
     D = W_p C_pk C_kk^-1,   C = E[y yᵀ] (the statistics CASP already has),
 
 so the kept columns become W_k + D (SparseGPT, ZipLM and SlimGPT make updates of this kind; the CASP paper
-leaves the kept weights as they were). C_kk is damped by `damping` x its mean diagonal and solved by Cholesky
-in float64; when it is still not positive definite the damping grows tenfold (with a warning) until it is.
+leaves the kept weights as they were). C_kk is damped by λ = `damping` x the mean diagonal of the whole C (of
+the sub-layer, whatever is kept: the same λ for every pruned set of it) and solved by Cholesky in float64; when
+it is still not positive definite the damping grows tenfold (with a warning) until it is.
+
+Several pruned sets of one sub-layer that nest (a dense-mode sweep's ratios, when the solver's choices at the
+larger ratios contain those at the smaller, as greedy's do) share one factor (`NestedRefit`): with the columns
+ordered so that every kept set is a leading block, the Cholesky factor of C_kk + λI is the leading block of the
+factor of the whole C + λI, and the refit needs one triangular solve per set.
 
 With sequential calibration the layer's inputs y come from the already pruned layers (the pruned stream), and
 the fit above makes the kept units reproduce what this layer, unpruned, would output on them. The dense-target
@@ -27,6 +33,7 @@ E||W_p y_p - b||² = E||W_p y_p||² - ||b||², the removed part's variance aroun
 """
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +60,7 @@ class CompensationReport:
 
     error_before: float
     error_after: float
-    damping: float  # relative to the mean diagonal of C_kk, as finally used (0.0 when nothing was refitted)
+    damping: float  # relative to the mean diagonal of C, as finally used (0.0 when nothing was refitted)
     reference: str = SAME_INPUTS  # SAME_INPUTS or DENSE_MODEL
 
 
@@ -73,7 +80,7 @@ def fit_kept_columns(
     damping: float,
     dense: StreamCrossMoment | None = None,
 ) -> LeastSquaresFit:
-    """D = N (C_kk + λI)^-1 with λ = damping x mean diag(C_kk), in float64 by Cholesky, and the errors before
+    """D = N (C_kk + λI)^-1 with λ = damping x mean diag(C), in float64 by Cholesky, and the errors before
     and after (`removal_error`'s, with the undamped moments).
 
     The numerator N is W_p C_pk against the same layer on the same inputs, and W M_:k - W_k C_kk against the dense
@@ -108,14 +115,14 @@ def fit_kept_columns(
 def _damped_cholesky(
     second_moment: torch.Tensor, kept_columns: list[int], damping: float
 ) -> tuple[torch.Tensor, float, float]:
-    """The Cholesky factor of C_kk + λI, λ = `damping` x mean diag(C_kk), the damping grown tenfold (with a
+    """The Cholesky factor of C_kk + λI, λ = `damping` x mean diag(C), the damping grown tenfold (with a
     warning) until C_kk + λI is positive definite; with the relative damping used and λ itself."""
     # Cut from C before it is widened to float64: a float64 copy of the whole C (and an identity beside C_kk)
     # would be the largest thing this layer allocates, the size of a layer's weights at 7B. Damped on its own
     # diagonal: no second |k| x |k| matrix.
     c_kk = second_moment[kept_columns][:, kept_columns].double()
     diagonal = c_kk.diagonal().clone()
-    scale = float(diagonal.mean().clamp(min=torch.finfo(torch.float64).tiny))
+    scale = damping_scale(second_moment)
     for growth in range(MAX_DAMPING_GROWTH + 1):
         used = damping * 10**growth
         c_kk.diagonal().copy_(diagonal + used * scale)
@@ -124,6 +131,127 @@ def _damped_cholesky(
             return factor, used, used * scale
         logger.warning("C_kk is not positive definite with damping %.3g; retrying with %.3g", used, used * 10)
     raise torch.linalg.LinAlgError(f"C_kk stays singular up to damping {used:.3g}")
+
+
+# Columns per step of the products with the triangular factor and of the solves through its leading blocks: a
+# product reads only the factor's rows at or below its columns (about half a dense product), and a solve goes one
+# band at a time through views of the factor (a leading block of it is no contiguous matrix: a solver would copy it,
+# up to the size of the factor).
+TRIANGULAR_BAND = 512
+
+
+@dataclass
+class NestedRefit:
+    """The least-squares refits of one sub-layer for several pruned sets that nest (each contains the smaller
+    ones), from one Cholesky factor: what `fit_kept_columns` gives for each, to float rounding.
+
+    The columns are put in an order (P) where every set's kept columns come first: the columns kept in every set,
+    then those pruned in fewer sets before those pruned in more. With M = P (C + λI) Pᵀ = L Lᵀ (λ the same for
+    every set: `damping_scale`) and A = W Pᵀ, a set keeping the first k columns has M_kk = L_kk L_kkᵀ, L_kk the
+    leading block of L. The refitted kept columns W' = W_k + D satisfy the normal equations
+    W' M_kk = W_k M_kk + W_p C_pk = (A M)_:k, and (A M)_:k = (A L)_:k L_kkᵀ since L is lower triangular, so
+
+        W' = (A L)_:k L_kk^-1,   D = W' - W_k,
+
+    one product A L for all the sets and one triangular solve per set. The errors, with G = A L:
+
+        after  = E||W_p y_p - D y_k||² = ||G_:,k:||² - λ (||W_p||² + ||D||²)
+        before = E||W_p y_p||² = sum of (A_pᵀ A_p) ⊙ C_pp,
+
+    the first from expanding E||W y - W' y_k||² with C = M - λI and W' L_kk = G_:k; the second is z'Qz over the
+    pruned columns, read for every set off one float64 block over the largest set's columns (the last ones)."""
+
+    order: torch.Tensor  # P as column numbers: position i holds column order[i]
+    weight: torch.Tensor  # A = W Pᵀ, float64
+    factor: torch.Tensor  # L
+    product: torch.Tensor  # G = A L
+    tail_energy: torch.Tensor  # tail_energy[j] = ||G_:,j:||², j = 0 .. width
+    errors_before: dict[int, float]  # by the number of kept columns
+    damping: float  # relative, as asked
+    ridge: float  # λ
+
+    @classmethod
+    def of(
+        cls, weight: torch.Tensor, second_moment: torch.Tensor, pruned_sets: Sequence[list[int]], damping: float
+    ) -> "NestedRefit | None":
+        """The shared factor for `pruned_sets`, or None where it does not apply and each set is fitted on its own:
+        fewer than two sets to refit (one that prunes something and keeps something), sets that do not nest, or
+        C + λI not positive definite at the damping asked (each C_kk + λI then grows its damping as it needs)."""
+        width = second_moment.shape[0]
+        refitted = {frozenset(pruned) for pruned in pruned_sets if 0 < len(pruned) < width}
+        if len(refitted) < 2:
+            return None
+        times_pruned = torch.zeros(width, dtype=torch.int64)
+        for pruned in pruned_sets:
+            times_pruned[pruned] += 1
+        order = torch.sort(times_pruned, stable=True).indices
+        if any(set(order[width - len(pruned) :].tolist()) != set(pruned) for pruned in pruned_sets):
+            return None  # some set is not the last columns of the order: the sets do not nest
+        scale = damping_scale(second_moment)
+        moment = second_moment[order][:, order].double()
+        moment.diagonal().add_(damping * scale)
+        factor, info = torch.linalg.cholesky_ex(moment)
+        del moment
+        if int(info) != 0:
+            return None
+        ordered = weight.detach()[:, order].double()
+        product = _times_lower_triangular(ordered, factor)
+        energy = product.pow(2).sum(dim=0)
+        tail_energy = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
+        first = width - max(len(pruned) for pruned in refitted)
+        removed = ordered[:, first:]
+        interactions = (removed.T @ removed).mul_(second_moment[order[first:]][:, order[first:]].double())
+        errors_before = {
+            width - len(pruned): float(interactions[width - len(pruned) - first :, width - len(pruned) - first :].sum())
+            for pruned in refitted
+        }
+        return cls(order, ordered, factor, product, tail_energy, errors_before, damping, damping * scale)
+
+    def fit(self, pruned: list[int]) -> LeastSquaresFit:
+        """`fit_kept_columns`' fit for `pruned` (one of the sets this was made for), its update in the order of
+        the kept column numbers."""
+        width = len(self.order)
+        kept = width - len(pruned)
+        assert kept in self.errors_before and set(self.order[kept:].tolist()) == set(pruned), "not one of its sets"
+        refitted = _solve_times_lower_triangular(self.product[:, :kept], self.factor[:kept, :kept])
+        update = refitted.sub_(self.weight[:, :kept])[:, torch.argsort(self.order[:kept])]
+        removed_weight = float(self.weight[:, kept:].pow(2).sum())
+        error_after = float(self.tail_energy[kept]) - self.ridge * (removed_weight + float(update.pow(2).sum()))
+        return LeastSquaresFit(
+            update=update, damping=self.damping, error_before=self.errors_before[kept], error_after=error_after
+        )
+
+
+def _times_lower_triangular(matrix: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    """matrix @ lower for a lower-triangular `lower`, a band of columns at a time over the rows that are not zero."""
+    width = lower.shape[1]
+    product = matrix.new_empty(matrix.shape[0], width)
+    for start in range(0, width, TRIANGULAR_BAND):
+        stop = min(start + TRIANGULAR_BAND, width)
+        product[:, start:stop] = matrix[:, start:] @ lower[start:, start:stop]
+    return product
+
+
+def _solve_times_lower_triangular(rhs: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    """X with X @ lower = rhs for a lower-triangular `lower` (a view), by bands from the last: band j of X solves
+    X_j L_jj = rhs_j - sum over later bands i of X_i L_ij, and each band solved is taken off the earlier ones."""
+    solution = rhs.clone()
+    for start in reversed(range(0, lower.shape[1], TRIANGULAR_BAND)):
+        stop = min(start + TRIANGULAR_BAND, lower.shape[1])
+        band = torch.linalg.solve_triangular(
+            lower[start:stop, start:stop], solution[:, start:stop], upper=False, left=False
+        )
+        solution[:, start:stop] = band
+        solution[:, :start].addmm_(band, lower[start:stop, :start], alpha=-1)
+    return solution
+
+
+def damping_scale(second_moment: torch.Tensor) -> float:
+    """What the relative damping multiplies: the mean diagonal of the sub-layer's whole C, in float64.
+
+    Not C_kk's: a λ that depended on the kept set would differ between the pruned sets of one sub-layer, and
+    `NestedRefit` serves them all from one factor of C + λI."""
+    return float(second_moment.diagonal().double().mean().clamp(min=torch.finfo(torch.float64).tiny))
 
 
 def removal_error(
@@ -166,10 +294,12 @@ def compensate_linear(
     pruned: list[int],
     damping: float,
     dense: StreamCrossMoment | None = None,
+    refit: NestedRefit | None = None,
 ) -> CompensationReport:
     """Add D to the kept columns of `linear` in place; the pruned columns are left for masking to zero.
 
     With `dense` (the dense stream's statistics) the target is the dense model's output, otherwise this layer's.
+    `refit`, made for `pruned` among other sets of this sub-layer's, gives the fit from its shared factor.
     """
     pruned_set = set(pruned)
     kept_columns = [i for i in range(linear.in_features) if i not in pruned_set]
@@ -180,7 +310,11 @@ def compensate_linear(
     if (not pruned and dense is None) or not kept_columns:
         before = removal_error(linear.weight, second_moment, pruned, kept_columns, dense)
         return CompensationReport(error_before=before, error_after=before, damping=0.0, reference=reference)
-    fit = fit_kept_columns(linear.weight, second_moment, pruned, kept_columns, damping, dense)
+    if refit is not None:
+        assert dense is None, "the shared factor refits towards the layer's own output"
+        fit = refit.fit(pruned)
+    else:
+        fit = fit_kept_columns(linear.weight, second_moment, pruned, kept_columns, damping, dense)
     linear.weight[:, kept_columns] += fit.update.to(linear.weight.dtype)
     return CompensationReport(
         error_before=fit.error_before, error_after=fit.error_after, damping=fit.damping, reference=reference
@@ -212,6 +346,14 @@ def add_mean_bias(linear: nn.Linear, moment: SecondMoment, pruned: list[int]) ->
     return CompensationReport(error_before=before, error_after=after, damping=0.0)
 
 
+@dataclass(frozen=True)
+class SharedRefits:
+    """One layer's `NestedRefit` per sub-layer, None where its sets are fitted one by one."""
+
+    attn: NestedRefit | None
+    mlp: NestedRefit | None
+
+
 def compensate_layer(
     layer: nn.Module,
     geometry: AttentionGeometry,
@@ -220,18 +362,37 @@ def compensate_layer(
     compensation: str,
     damping: float,
     dense: dict[str, StreamCrossMoment] | None = None,
+    refits: SharedRefits | None = None,
 ) -> tuple[CompensationReport, CompensationReport]:
     """Compensate o_proj over the kept heads' columns and down_proj over the kept channels, before masking.
 
     `compensation` is MEAN_BIAS_COMPENSATION (FLAP's bias) or a least-squares refit; `dense` holds the dense
-    stream's statistics per sub-layer when the refit's target is the dense model's output.
+    stream's statistics per sub-layer when the refit's target is the dense model's output; `refits`, the
+    factors this pruning shares with others of the layer (`shared_refits`).
     """
     heads = head_columns(geometry, list(pruning.pruned_heads))
     channels = list(pruning.pruned_channels)
     o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
     if compensation == MEAN_BIAS_COMPENSATION:
         return add_mean_bias(o_proj, moments["attn"], heads), add_mean_bias(down_proj, moments["mlp"], channels)
-    dense = dense or {}
-    attn = compensate_linear(o_proj, moments["attn"], heads, damping, dense.get("attn"))
-    mlp = compensate_linear(down_proj, moments["mlp"], channels, damping, dense.get("mlp"))
+    dense, refits = dense or {}, refits or SharedRefits(None, None)
+    attn = compensate_linear(o_proj, moments["attn"], heads, damping, dense.get("attn"), refits.attn)
+    mlp = compensate_linear(down_proj, moments["mlp"], channels, damping, dense.get("mlp"), refits.mlp)
     return attn, mlp
+
+
+def shared_refits(
+    layer: nn.Module,
+    geometry: AttentionGeometry,
+    prunings: Sequence[LayerPruning],
+    moments: dict[str, SecondMoment],
+    damping: float,
+) -> SharedRefits:
+    """The least-squares refits of o_proj and down_proj that several prunings of one layer, on the same
+    statistics, can share (a dense-mode sweep's ratios): `NestedRefit.of` for each sub-layer's pruned sets."""
+    heads = [head_columns(geometry, list(pruning.pruned_heads)) for pruning in prunings]
+    channels = [list(pruning.pruned_channels) for pruning in prunings]
+    return SharedRefits(
+        NestedRefit.of(layer.self_attn.o_proj.weight, moments["attn"].second_moment, heads, damping),
+        NestedRefit.of(layer.mlp.down_proj.weight, moments["mlp"].second_moment, channels, damping),
+    )

@@ -421,7 +421,9 @@ class PruneSettings(ConfigPart):
         "least_squares_dense_target: towards the dense model's output (sequential calibration); "
         "bias: FLAP's, the removed units' mean output added to the o_proj/down_proj bias",
     )
-    compensation_damping: float = Field(0.01, gt=0, le=1, description="x the mean diagonal of C over the kept units")
+    compensation_damping: float = Field(
+        0.01, gt=0, le=1, description="x the mean diagonal of C (the sub-layer's, all its units)"
+    )
     dtype: Literal[DTYPES] = Field("auto", description="auto: the checkpoint's own dtype")  # type: ignore[valid-type]
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)

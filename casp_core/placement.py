@@ -9,7 +9,9 @@ machine could never load (bench/device_memory.py: Llama-2-70B). It counts, for o
   where attention is eager, the score matrix in float32 and again in the dtype;
 - the statistics C of the o_proj and down_proj inputs (float64 up to a width of 4096, float32 above), the
   float64/float32 copy of one batch's rows they are accumulated from, and Q beside C; compensation's C_kk and its
-  Cholesky factor in float64; towards the dense target, the cross-moments M and C_d too;
+  Cholesky factor in float64 (a dense-mode sweep's shared refit holds the factor of the whole C and two float64
+  out x width matrices instead, about as much: not counted apart); towards the dense target, the cross-moments M
+  and C_d too;
 - allocation's gradient: the layer's forward recomputed with grad (its activations again) and dJ/dX, dJ/dZ;
 - verification's float64 copies of the masked and the pruned layer (at most two dense layers' worth);
 - alpha "auto": the copies of o_proj and down_proj that each candidate restores.

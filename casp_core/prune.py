@@ -37,8 +37,8 @@ from casp_core.calibration import (
     run_layer,
     run_layer_on_stream_pair,
 )
-from casp_core.compensation import compensate_layer
-from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
+from casp_core.compensation import SharedRefits, compensate_layer, shared_refits
+from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.families import family_of
 from casp_core.families.moe import MixtureOfExperts
 from casp_core.model import (
@@ -54,7 +54,7 @@ from casp_core.moe import prune_experts_channels, record_routing
 from casp_core.placement import RESIDENT, Placement, choose_placement
 from casp_core.results import LayerReport, PruneResult, SubLayerReport, TemperatureChoice
 from casp_core.run import CPU, Run, StageTimer
-from casp_core.selection import LayerQ, choose_units, layer_q, params_kept
+from casp_core.selection import LayerChoice, LayerQ, choose_units, layer_q, params_kept
 from casp_core.surgery import fill_pruned_layer, head_columns, kept_kv_heads, mask_layer, pruned_skeleton
 from casp_core.temperature import choose_alpha, restored
 from casp_core.verification import verify
@@ -113,19 +113,10 @@ def prune_layer(
     geometry = attention_geometry(model, layer)
     with run.stage("statistics"):
         q = layer_q(layer, geometry, moments)
-    report = choose_and_mask(
-        layer,
-        geometry,
-        q,
-        moments,
-        cross_moments,
-        plan,
-        removed_before,
-        config,
-        run,
-        index=index,
-        ratio=ratio,
-        sensitivity=sensitivity,
+    with run.stage("solver"):
+        choice = choose_units(layer, geometry, q, moments, plan, index, removed_before, config.solver)
+    report = compensate_and_mask(
+        layer, geometry, choice, moments, cross_moments, config, run, index=index, ratio=ratio, sensitivity=sensitivity
     )
     del moments, cross_moments, q
     with run.stage("calibration_forward"):
@@ -180,31 +171,35 @@ def prune_moe_layer(
     )
 
 
-def choose_and_mask(
+def compensate_and_mask(
     layer: nn.Module,
     geometry: AttentionGeometry,
-    q: LayerQ,
+    choice: LayerChoice,
     moments: dict[str, SecondMoment],
     cross_moments: dict[str, StreamCrossMoment] | None,
-    plan: BudgetPlan | UniformShape,
-    removed_before: int,
     config: PruneConfig,
     run: Run,
     *,
     index: int,
     ratio: float,
     sensitivity: float | None,
+    refits: SharedRefits | None = None,
 ) -> LayerReport:
-    """The layer's units for its budget in `plan`, chosen on Q; the kept ones compensated and the chosen ones
-    masked, in place."""
+    """The layer's chosen units: the kept ones compensated (from `refits` where the layer's refits are shared)
+    and the chosen ones masked, in place."""
     params_before = sum(sublayer_parameters(layer))
-    with run.stage("solver"):
-        choice = choose_units(layer, geometry, q, moments, plan, index, removed_before, config.solver)
     attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
     if config.compensation != "none":
         with run.stage("compensation"):
             attn.compensation, mlp.compensation = compensate_layer(
-                layer, geometry, pruning, moments, config.compensation, config.compensation_damping, cross_moments
+                layer,
+                geometry,
+                pruning,
+                moments,
+                config.compensation,
+                config.compensation_damping,
+                cross_moments,
+                refits,
             )
     params_after = params_kept(layer, choice)
     kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
@@ -608,30 +603,40 @@ class RatioPass:
     masked: list[tuple[MaskedLinear, MaskedLinear]] = field(default_factory=list)
     removed: int = 0  # parameters the layers so far lost
 
+    def choose(
+        self, layer: nn.Module, geometry: AttentionGeometry, q: LayerQ, moments: dict[str, SecondMoment], index: int
+    ) -> LayerChoice:
+        """This ratio's units of layer `index`, chosen on its Q."""
+        with self.run.stage("solver"):
+            return choose_units(
+                layer, geometry, q, moments, self.allocation.plan, index, self.removed, self.config.solver
+            )
+
     def prune_layer(
         self,
         layer: nn.Module,
         geometry: AttentionGeometry,
-        q: LayerQ,
+        choice: LayerChoice,
         moments: dict[str, SecondMoment],
         index: int,
+        refits: SharedRefits | None,
     ) -> None:
-        """This ratio's units of the layer, chosen, compensated and masked on a copy of its o_proj and down_proj."""
+        """This ratio's `choice` of layer `index`'s units, compensated and masked on a copy of its o_proj and
+        down_proj."""
         o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
         with restored(o_proj, down_proj):
-            report = choose_and_mask(
+            report = compensate_and_mask(
                 layer,
                 geometry,
-                q,
+                choice,
                 moments,
                 None,
-                self.allocation.plan,
-                self.removed,
                 self.config,
                 self.run,
                 index=index,
                 ratio=self.allocation.ratios[index],
                 sensitivity=self.allocation.sensitivities[index],
+                refits=refits,
             )
             heads = head_columns(geometry, report.pruned_heads)
             self.masked.append((MaskedLinear.of(o_proj, heads), MaskedLinear.of(down_proj, report.pruned_channels)))
@@ -673,6 +678,7 @@ def prune_layers_for_ratios(
     then each ratio's units chosen on them. `dense` is left as it was."""
     inputs = replace(first_layer_inputs, batches=list(first_layer_inputs.batches))
     layers = decoder_layers(dense)
+    shared = passes[0].config  # the ratios differ in nothing the compensation reads
     for index, layer in enumerate(layers):
         run.check_cancelled()
         run.report("pruning", index / len(layers), f"layer {index + 1} of {len(layers)}, {len(passes)} ratios")
@@ -684,8 +690,15 @@ def prune_layers_for_ratios(
             geometry = attention_geometry(dense, layer)
             with run.stage("statistics"):
                 q = layer_q(layer, geometry, moments)
-            for ratio_pass in passes:
-                ratio_pass.prune_layer(layer, geometry, q, moments, index)
-            del moments, q
+            choices = [ratio_pass.choose(layer, geometry, q, moments, index) for ratio_pass in passes]
+            refits = None
+            if shared.compensation not in ("none", MEAN_BIAS_COMPENSATION):
+                # One factor of each sub-layer's C serves every ratio whose pruned set nests in the others'.
+                with run.stage("compensation"):
+                    pruned = [choice.pruning for choice in choices]
+                    refits = shared_refits(layer, geometry, pruned, moments, shared.compensation_damping)
+            for ratio_pass, choice in zip(passes, choices, strict=True):
+                ratio_pass.prune_layer(layer, geometry, choice, moments, index, refits)
+            del moments, q, choices, refits
         inputs.batches = outputs
     run.report("pruning", 1.0, "all layers pruned")

@@ -6,18 +6,34 @@ import pytest
 import torch
 from torch import nn
 
-from casp_core.calibration import SecondMoment, StreamCrossMoment
-from casp_core.compensation import DENSE_MODEL, SAME_INPUTS, compensate_linear, fit_kept_columns, removal_error
+from casp_core.calibration import (
+    SecondMoment,
+    StreamCrossMoment,
+    calibration_windows,
+    capture_first_layer_inputs,
+    record_inputs,
+    run_layer,
+)
+from casp_core.compensation import (
+    DENSE_MODEL,
+    SAME_INPUTS,
+    NestedRefit,
+    compensate_linear,
+    fit_kept_columns,
+    removal_error,
+)
 from casp_core.config import CalibrationConfig, PruneConfig
 from casp_core.errors import InvalidConfig
 from casp_core.eval.perplexity import evaluation_text, windows_perplexity
 from casp_core.interaction import interaction_matrix, objective
-from casp_core.model import load_model
+from casp_core.model import attention_geometry, decoder_layers, load_model
 from casp_core.prune import prune
 from casp_core.report.build import build_report, pruning_section, render_markdown
 from casp_core.results import PruneResult
+from casp_core.selection import layer_q
 from casp_core.solvers import COMPENSATED_DAMPING, greedy, greedy_compensated, select_units
-from tests.conftest import STORIES, small_config
+from casp_core.surgery import head_columns
+from tests.conftest import PTBWIKI, STORIES, small_config
 
 
 def correlated_inputs(tokens: int, width: int, seed: int = 0) -> torch.Tensor:
@@ -103,8 +119,8 @@ def test_damping_is_ridge_regression_scaled_by_the_mean_diagonal():
     pruned, damping = [0, 7], 0.05
     kept = split(10, pruned)
     c = inputs.T @ inputs / inputs.shape[0]
-    c_kk = c[kept][:, kept]
-    ridge = c_kk + damping * c_kk.diagonal().mean() * torch.eye(len(kept), dtype=torch.float64)
+    # λ scales with the mean diagonal of the whole C, not of C_kk: the same for every pruned set of the sub-layer.
+    ridge = c[kept][:, kept] + damping * c.diagonal().mean() * torch.eye(len(kept), dtype=torch.float64)
     expected = weight[:, pruned] @ c[pruned][:, kept] @ torch.linalg.inv(ridge)
     fit = fit_kept_columns(weight, c, pruned, kept, damping)
     torch.testing.assert_close(fit.update, expected, rtol=1e-9, atol=1e-12)
@@ -156,7 +172,7 @@ def test_error_after_the_refit_follows_from_the_error_before(reference, shape):
     cross = None if reference == SAME_INPUTS else cross_moment_of(dense, inputs)
     fit = fit_kept_columns(weight, c, pruned, kept, damping, cross)
     # The ridge solution written out: D (C_kk + λI) = N.
-    ridge = c[kept][:, kept] + damping * c[kept][:, kept].diagonal().mean() * torch.eye(len(kept), dtype=c.dtype)
+    ridge = c[kept][:, kept] + damping * c.diagonal().mean() * torch.eye(len(kept), dtype=c.dtype)
     if cross is None:
         numerator = weight[:, pruned] @ c[pruned][:, kept]
     else:
@@ -190,8 +206,67 @@ def test_an_indefinite_block_gets_stronger_damping_with_a_warning(caplog):
     weight = torch.ones(2, 3, dtype=torch.float64)
     with caplog.at_level(logging.WARNING, logger="casp_core.compensation"):
         fit = fit_kept_columns(weight, c, [2], [0, 1], damping=1e-6)
-    assert fit.damping == pytest.approx(1e-2)  # 1e-6 x 10^4 x mean diag (0.4995) > 1e-3
+    assert fit.damping == pytest.approx(1e-2)  # 1e-6 x 10^3 x mean diag (0.9997) < 1e-3 < 1e-6 x 10^4 x 0.9997
     assert "not positive definite" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def ptbwiki_layer():
+    """Layer 1 of ptbwiki-7M on 8 windows of 128 tokens of WikiText-2 (valid): the layer, its geometry, its
+    statistics and Q, as a dense-mode prune takes them."""
+    model, tokenizer = load_model(str(PTBWIKI))
+    config = small_config(0.3)
+    config.calibration.n_samples = 8
+    cpu = torch.device("cpu")
+    inputs = capture_first_layer_inputs(model, calibration_windows(model, tokenizer, config), 8, cpu, cpu)
+    first, layer = decoder_layers(model)[:2]
+    inputs.batches = run_layer(first, inputs, cpu, cpu)
+    with record_inputs({"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}) as moments:
+        run_layer(layer, inputs, cpu, cpu)
+    geometry = attention_geometry(model, layer)
+    return layer, geometry, moments, layer_q(layer, geometry, moments)
+
+
+# A dense-mode sweep's ratios prune nested sets of one sub-layer: greedy's first k units are its first k' < k.
+NESTED_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75)
+
+
+@pytest.mark.parametrize("sublayer", ["attn", "mlp"])
+def test_one_factor_refits_nested_sets_as_each_sets_own_fit_on_real_statistics(ptbwiki_layer, sublayer):
+    """`NestedRefit` against `fit_kept_columns` on ptbwiki-7M's statistics, for greedy's heads (their columns)
+    and channels at several counts: both solve orders of the per-set fit (few and many pruned columns), the same
+    update and errors to 1e-10."""
+    layer, geometry, moments, q = ptbwiki_layer
+    if sublayer == "attn":
+        weight, units = layer.self_attn.o_proj.weight, q.heads
+        counts = sorted({max(1, round(share * len(units))) for share in NESTED_SHARES})
+        sets = [head_columns(geometry, sorted(greedy(units, count).tolist())) for count in counts]
+    else:
+        weight, units = layer.mlp.down_proj.weight, q.channels
+        sets = [sorted(greedy(units, round(share * len(units))).tolist()) for share in NESTED_SHARES]
+    c = moments[sublayer].second_moment
+    refit = NestedRefit.of(weight, c, sets, 0.01)
+    assert refit is not None and len(sets) >= 5
+    for pruned in sets:
+        own = fit_kept_columns(weight, c, pruned, split(weight.shape[1], pruned), 0.01)
+        shared = refit.fit(pruned)
+        scale = float(own.update.abs().max())
+        assert float((shared.update - own.update).abs().max()) <= 1e-10 * scale
+        assert shared.error_before == pytest.approx(own.error_before, rel=1e-10)
+        assert shared.error_after == pytest.approx(own.error_after, rel=1e-10)
+        assert shared.damping == own.damping
+        assert shared.error_after < shared.error_before
+
+
+def test_no_shared_factor_where_the_sets_do_not_nest_or_are_too_few_or_the_damped_c_is_indefinite():
+    c = moment_of(correlated_inputs(200, 8, seed=20)).second_moment
+    weight = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(21))
+    assert NestedRefit.of(weight, c, [[1, 4], [1, 4, 6], [0, 1, 4, 6]], 0.01) is not None
+    assert NestedRefit.of(weight, c, [[1, 4], [1, 6]], 0.01) is None  # neither contains the other
+    # One set to refit: nothing pruned and nothing kept have no fit, and a set met twice is one fit.
+    assert NestedRefit.of(weight, c, [[], [2, 3], [3, 2], list(range(8))], 0.01) is None
+    indefinite = torch.tensor([[1.0, 0.0, 0.3], [0.0, -1e-3, 0.1], [0.3, 0.1, 2.0]], dtype=torch.float64)
+    assert NestedRefit.of(torch.ones(2, 3, dtype=torch.float64), indefinite, [[2], [1, 2]], 1e-6) is None
 
 
 def test_configuration_is_checked():

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+import casp_core.compensation
 import casp_core.prune
 import casp_core.selection
 from casp_core.calibration import calibration_windows
@@ -77,8 +78,10 @@ def test_sequential_sweep_equals_single_prunes_bit_for_bit(ptbwiki, monkeypatch)
 
 
 # Dense mode serves every ratio from one layer pass: the same operations on the same numbers as a single prune, so
-# the same units and, to float rounding (none seen), the same weights.
+# the same units and, to float rounding (none seen), the same weights. The least-squares refits come from one
+# factor per sub-layer (`NestedRefit`) rather than one per ratio: the same updates and errors to float64 rounding.
 RELATIVE_TOLERANCE = 1e-5
+REFIT_TOLERANCE = 1e-10
 
 
 @pytest.mark.parametrize("compensation", ["least_squares", "bias"])
@@ -90,17 +93,36 @@ def test_dense_mode_takes_each_layers_statistics_once_for_every_ratio(ptbwiki, m
     statistics = counted(monkeypatch, casp_core.prune, "record_inputs")
     interactions = counted(monkeypatch, casp_core.prune, "layer_q")
     offdiag_ratios = counted(monkeypatch, casp_core.selection, "offdiag_ratio")
+    own_fits = counted(monkeypatch, casp_core.compensation, "fit_kept_columns")
+    shared_fits = counted(monkeypatch, casp_core.compensation.NestedRefit, "fit")
     results = list(prune_ratios(dense, tokenizer, config, RATIOS))
     n_layers = dense.config.num_hidden_layers
     assert (len(statistics), len(interactions)) == (n_layers, n_layers)
     assert len(offdiag_ratios) == 2 * n_layers  # read off each Q once (heads, channels), not once per ratio
+    if compensation == "least_squares":
+        # Greedy's choices nest: a sub-layer whose ratios refit two different sets (each pruning some units and
+        # keeping some) refits them all from one factor; one with a single such set fits it on its own.
+        expected = {"shared": 0, "own": 0}
+        for layers in zip(*(result.layers for _, result in results), strict=True):
+            heads = [layer.pruned_heads for layer in layers], layers[0].attn.units
+            channels = [layer.pruned_channels for layer in layers], layers[0].mlp.units
+            for sets, units in (heads, channels):
+                refitted = [pruned for pruned in sets if 0 < len(pruned) < units]
+                expected["shared" if len({tuple(p) for p in refitted}) >= 2 else "own"] += len(refitted)
+        assert (len(shared_fits), len(own_fits)) == (expected["shared"], expected["own"])
+        assert expected["shared"] >= n_layers  # most of the refits
     windows = calibration_windows(dense, tokenizer, config)
     for ratio, swept in results:
         single = prune(copy.deepcopy(dense), tokenizer, config.model_copy(update={"ratio": ratio}), windows=windows)
         assert_same_pruning(swept, single)
         for swept_layer, single_layer in zip(swept.layers, single.layers, strict=True):
             assert swept_layer.mlp.objective == pytest.approx(single_layer.mlp.objective, rel=RELATIVE_TOLERANCE)
-            assert swept_layer.attn.compensation == single_layer.attn.compensation
+            for swept_sub, single_sub in ((swept_layer.attn, single_layer.attn), (swept_layer.mlp, single_layer.mlp)):
+                swept_report, single_report = swept_sub.compensation, single_sub.compensation
+                assert swept_report.damping == single_report.damping
+                for error in ("error_before", "error_after"):
+                    expected = getattr(single_report, error)
+                    assert getattr(swept_report, error) == pytest.approx(expected, rel=REFIT_TOLERANCE, abs=0), error
         expected = single.model.state_dict()
         for name, tensor in swept.model.state_dict().items():
             scale = float(expected[name].abs().max())
