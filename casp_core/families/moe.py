@@ -233,6 +233,11 @@ class MixtureOfExperts(Family):
             if index not in pruning.removed_experts
         )
 
+    def stored_count_key(self, config: PretrainedConfig) -> str:
+        """The key `to_dict` writes the experts' count under (Qwen3MoeConfig maps `num_experts` to
+        `num_local_experts`), which the pruned config's settings must set."""
+        return config.attribute_map.get(self.expert_count_key, self.expert_count_key)
+
     def routed_count(self, config: PretrainedConfig, widths: list) -> int:
         """The routed experts each layer of `widths` (kept_width's) keeps: the same in every layer."""
         shared = self.shared_expert_width(config) > 0
@@ -254,7 +259,7 @@ class MixtureOfExperts(Family):
             casp=settings.get("casp"),
             architectures=[self.pruned_model_class.__name__],
         )
-        settings[self.expert_count_key] = self.routed_count(model.config, widths)
+        settings[self.stored_count_key(model.config)] = self.routed_count(model.config, widths)
         return self.pruned_model_class.config_class(**settings)
 
     def plain_config(
@@ -274,7 +279,7 @@ class MixtureOfExperts(Family):
             raise VerificationFailed("the uniform shape left experts of different widths or removed heads")
         settings = {k: v for k, v in config.to_dict().items() if k not in SOURCE_ONLY_KEYS}
         settings[self.expert_width_key] = widths.pop()
-        settings[self.expert_count_key] = self.routed_count(config, [ffn_width])
+        settings[self.stored_count_key(config)] = self.routed_count(config, [ffn_width])
         return type(config)(**settings)
 
     def plain_layer_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
