@@ -131,6 +131,28 @@ def test_chosen_channels_prune_exactly(family: str, dense_folders: dict[str, Pat
     assert modeling_files <= {path.name for path in tmp_path.iterdir()}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chosen_experts_are_removed_exactly(family: str, dense_folders: dict[str, Path], tmp_path: Path) -> None:
+    """Experts 1 and 4 of layer 0 and 0 and 5 of layer 1 removed (every channel of theirs among the pruned), a few
+    channels of a kept one too: the checkpoint keeps 4 experts per layer, the router's kept rows, and computes what
+    the masked model (its routers' removed logits at -inf) computes, greedy generation included."""
+    model, tokenizer = load_model(str(dense_folders[family]))
+    removed = [(1, 4), (0, 5)]
+    prunings = [
+        LayerPruning(
+            (), tuple(c for e in experts for c in range(e * EXPERT_WIDTH, (e + 1) * EXPERT_WIDTH)) + extra, experts
+        )
+        for experts, extra in zip(removed, [(0, 3), (2 * EXPERT_WIDTH + 7,)], strict=True)
+    ]
+    pruned = remove_units(model, prunings)
+    assert [len(widths) for widths in pruned.config.layer_expert_intermediate_sizes] == [EXPERTS - 2] * 2
+    assert pruned.config.layer_expert_intermediate_sizes[0][0] == EXPERT_WIDTH - 2
+    for layer, dense_layer, experts in zip(decoder_layers(pruned), decoder_layers(model), removed, strict=True):
+        kept = [e for e in range(EXPERTS) if e not in experts]
+        assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight[kept])
+    assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+
+
 def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Path) -> None:
     """C_e over all N tokens, each routed token's activation scaled by its router weight: N x C_e is the sum of
     w² y yᵀ over the tokens routed to e, computed here token by token from the router's own top-k."""
@@ -258,6 +280,9 @@ def test_removed_experts_lose_their_router_rows_and_count_in_the_ratio(family: s
     for dense_layer, layer, report in layers:
         removed = [expert.index for expert in report.experts if expert.removed]
         assert len(removed) == REMOVED and not any(expert.shared for expert in report.experts if expert.removed)
+        # The kept experts' statistics are of the tokens re-routed among them: each token goes to top_k of them.
+        routed = sum(expert.tokens for expert in report.experts if not expert.removed and not expert.shared)
+        assert routed == 4 * 32 * TOP_K  # prune_small's 4 windows of 32 tokens
         assert all(expert.pruned_channels == EXPERT_WIDTH for expert in report.experts if expert.removed)
         kept = [e for e in range(EXPERTS) if e not in removed]
         assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight[kept])
