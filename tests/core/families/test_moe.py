@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from casp_core.budget import channel_params, check_reachable
+from casp_core.budget import channel_params, check_reachable, plan_budget
 from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
 from casp_core.config import PruneConfig
@@ -329,6 +329,19 @@ def test_casp_prune_removes_whole_experts(
         gone = [expert for expert in layer["experts"] if expert["removed"]]
         assert len(gone) == removed and not any(expert["shared"] for expert in gone)
         assert len(layer["pruned_channels"]) == sum(expert["pruned_channels"] for expert in layer["experts"])
+
+
+def test_removed_experts_count_first_in_the_budget(dense_folder: Path) -> None:
+    """Each layer's channel counts start at the removed experts' channels, so a ratio that r_max = 0.5 of every
+    expert's channels cannot reach (144 of 288 channels a layer: 0.42 of its parameters) is reached with 2 of 6
+    experts removed (96 + 96 channels: 0.56)."""
+    model, _ = load_model(str(dense_folder))
+    config = PruneConfig(ratio=0.5, r_max=0.5, device="cpu", moe={"prune_experts": REMOVED})
+    check_reachable(model, config)
+    plan = plan_budget(model, [0.5, 0.5], config)
+    assert [layer.channel_counts[0] for layer in plan.layers] == [REMOVED * EXPERT_WIDTH] * 2
+    with pytest.raises(InvalidConfig, match=r"^ratio: 0.5 cannot be reached .* at most 0.4218"):
+        check_reachable(model, PruneConfig(ratio=0.5, r_max=0.5, device="cpu"))
 
 
 def test_the_lowest_energy_experts_go_unreached_first_never_the_shared_one() -> None:
