@@ -22,6 +22,7 @@ from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.families import check_export, family_of
 from casp_core.families.moe import route_to_kept_experts, stacked_expert
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
+from casp_core.modeling_casp_mixtral import CaspMixtralConfig, CaspMixtralForCausalLM
 from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment, lowest_energy_experts
 from casp_core.placement import JobShape, ModelShape, estimate_device_memory
 from casp_core.surgery import LayerPruning, remove_units
@@ -151,6 +152,18 @@ def test_chosen_experts_are_removed_exactly(family: str, dense_folders: dict[str
         kept = [e for e in range(EXPERTS) if e not in experts]
         assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight[kept])
     assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+
+
+def test_the_per_layer_class_takes_each_layer_s_expert_count() -> None:
+    """Layers of 6 and 4 experts in one config: each layer's router and experts are its own count."""
+    settings = {k: v for k, v in mixtral_config().to_dict().items() if k != "model_type"}
+    sizes = [[EXPERT_WIDTH] * EXPERTS, [EXPERT_WIDTH - 8] * (EXPERTS - REMOVED)]
+    model = CaspMixtralForCausalLM(CaspMixtralConfig(**settings, layer_expert_intermediate_sizes=sizes))
+    routers = [(layer.mlp.gate.weight.shape[0], layer.mlp.gate.num_experts) for layer in decoder_layers(model)]
+    assert routers == [(EXPERTS, EXPERTS), (EXPERTS - REMOVED, EXPERTS - REMOVED)]
+    assert [layer.mlp.experts.num_experts for layer in decoder_layers(model)] == [EXPERTS, EXPERTS - REMOVED]
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 8))
+    assert model(tokens).logits.shape == (1, 8, TINY["vocab_size"])
 
 
 def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Path) -> None:
@@ -494,6 +507,9 @@ def test_the_uniform_shape_is_the_family_s_own_class(dense_folders: dict[str, Pa
         kept = {layer.mlp.experts.down_proj.shape[-1] for layer in decoder_layers(result.model)}
         assert len(kept) == 1 and kept.pop() < EXPERT_WIDTH
         assert {layer.mlp.gate.weight.shape[0] for layer in decoder_layers(result.model)} == {EXPERTS - removed}
+        # Within one channel of every kept expert of every layer of the target, the removed experts counted.
+        unit = channel_params(decoder_layers(model)[0]) * (EXPERTS - removed) * len(decoder_layers(model))
+        assert abs(result.params_dense - result.params_pruned - 0.5 * result.params_dense) <= unit
         written[str(folder)] = masked_logits(model)
     torch.save(test_tokens(), tmp_path / "tokens.pt")
     completed = run_python(_PLAIN_LOGITS, "tokens.pt", "logits.pt", *written, cwd=tmp_path)
