@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from casp_core.budget import channel_params, check_reachable, plan_budget
 from casp_core.checkpoint import save_pruned
@@ -398,6 +400,31 @@ def test_the_masked_router_is_the_dense_one_with_the_removed_logits_at_minus_inf
     assert torch.equal(experts, expected_experts) and not torch.isin(experts, torch.tensor([1, 4])).any()
     torch.testing.assert_close(weights.double(), expected_weights.double(), rtol=1e-6, atol=0)
     assert torch.isinf(masked_logits_out[:, [1, 4]]).all()
+
+
+@pytest.mark.parametrize(
+    ("router_class", "config"),
+    [
+        (MixtralTopKRouter, MixtralConfig(hidden_size=64, num_local_experts=32, num_experts_per_tok=4)),
+        (Qwen3MoeTopKRouter, Qwen3MoeConfig(hidden_size=64, num_experts=32, num_experts_per_tok=4)),
+    ],
+)
+def test_the_masked_router_computes_what_the_router_without_the_rows_computes(
+    router_class: type, config: PretrainedConfig
+) -> None:
+    """Bit for bit, at 32 experts (a softmax with the removed logits at -inf among the others differs in the last
+    bit of float32 from 16 experts up), so that verification's 1e-10 holds for Qwen3-30B-A3B's 128 experts too."""
+    many = 32
+    kept = [e for e in range(many) if e % 4 != 1]
+    dense, without = router_class(config), router_class(config)
+    generator = torch.Generator().manual_seed(4)
+    dense.weight.data = torch.randn(many, 64, dtype=torch.float64, generator=generator)
+    without.weight.data = dense.weight.data[kept].clone()
+    hidden = torch.randn(64, 64, dtype=torch.float64, generator=generator)
+    route_to_kept_experts(dense, kept)
+    _, weights, experts = dense(hidden)
+    _, expected_weights, expected_experts = without(hidden)
+    assert torch.equal(weights, expected_weights) and torch.equal(experts, torch.tensor(kept)[expected_experts])
 
 
 def test_fewer_experts_than_top_k_left_are_refused(dense_folder: Path, tmp_path: Path, capsys) -> None:
