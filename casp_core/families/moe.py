@@ -9,7 +9,8 @@ selection and compensation are taken one expert at a time (casp_core.moe): no st
 ever held.
 
 Why heads stay whole (`prunes_heads = False`): the experts hold nearly all of an MoE layer's parameters (Mixtral
-8x7B: 1.4 B of a layer's 1.45 B), so the ratio is met by the experts' channels; the router is never pruned.
+8x7B: 1.4 B of a layer's 1.45 B), so the ratio is met by the experts' channels; the router loses only the rows of
+whole experts removed (`moe.prune_experts`: `route_to_kept_experts`).
 """
 
 import copy
