@@ -55,8 +55,8 @@ def channel_params(layer: nn.Module) -> int:
 
 def layer_channel_counts(layer: nn.Module, config: PruneConfig, block: int | None) -> tuple[int, ...]:
     """The FFN channel counts the layer may prune, as its family counts them (a mixture of experts: sums of its
-    experts' counts)."""
-    return family_of_layer(layer).channel_counts(layer, config.r_max, config.round_to, block)
+    experts' counts, after its removed experts' channels)."""
+    return family_of_layer(layer).channel_counts(layer, config.r_max, config.round_to, block, config.moe.prune_experts)
 
 
 def heads_cap(model: PreTrainedModel, geometry: AttentionGeometry, r_max: float) -> int:
@@ -255,7 +255,7 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
         ),
         key=lambda choice: (abs(choice[0] * choice[1] - wanted_heads), -choice[0] * choice[1], -choice[1]),
     )
-    counts = family.uniform_channel_counts(layer, config.r_max, config.round_to, block)
+    counts = family.uniform_channel_counts(layer, config.r_max, config.round_to, block, config.moe.prune_experts)
     per_channel = channel_params(layer)
     share = config.ratio * prunable_parameters(model) / len(layers)
     half_unit = round_to_for(projections(layer).down.in_features, config.round_to, block) * per_channel / 2

@@ -308,6 +308,14 @@ class MoeConfig(ConfigPart):
         description="prune experts that no calibration token reaches too (their statistics are zero, so which of "
         "their channels go is arbitrary); by default they are reported and kept whole",
     )
+    prune_experts: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="whole experts removed from every layer (the same count in each), their router rows with them: "
+        "those with the least output energy S_e on the calibration tokens, never a shared expert; at least top_k "
+        "must remain",
+    )
 
 
 class TargetConfig(ConfigPart):

@@ -7,7 +7,9 @@ What differs from Mixtral's own classes, and nothing else: the experts. Mixtral 
 (`gate_up_proj` [experts, 2 x width, hidden], `down_proj` [experts, hidden, width]), which need one width for all;
 here each expert is a module of its own with its own width (`mlp.experts.{e}.gate_up_proj` [2 x width_e, hidden],
 `mlp.experts.{e}.down_proj` [hidden, width_e]) and the forward is upstream's eager loop over the experts the router
-picked: the same products, in the same order, on the kept channels. The router and its top-k are upstream's.
+picked: the same products, in the same order, on the kept channels. The router and its top-k are upstream's, with
+one row per expert the layer keeps (whole experts may have been removed: `len(layer_expert_intermediate_sizes[l])`
+experts in layer `l`).
 """
 
 import torch
@@ -53,6 +55,13 @@ class CaspExpert(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden_size, width))
 
 
+def layer_router(router: nn.Module, experts: int) -> nn.Module:
+    """Upstream's `router` (built for the config's expert count) with one row for each of the layer's `experts`."""
+    router.num_experts = experts
+    router.weight = nn.Parameter(torch.empty(experts, router.hidden_dim))
+    return router
+
+
 class CaspExperts(nn.Module):
     """The experts of one layer, each its own width, as submodules "0", "1", ...; `forward` is upstream's eager
     `MixtralExperts.forward` (which Qwen3-MoE's and OLMoE's share) with expert e's weights read from module e instead
@@ -92,8 +101,9 @@ class CaspMixtralSparseMoeBlock(MixtralSparseMoeBlock):
         nn.Module.__init__(self)
         self.top_k = config.num_experts_per_tok
         self.jitter_noise = config.router_jitter_noise
-        self.gate = MixtralTopKRouter(config)
-        self.experts = CaspExperts(config, config.layer_expert_intermediate_sizes[layer_idx])
+        widths = config.layer_expert_intermediate_sizes[layer_idx]
+        self.gate = layer_router(MixtralTopKRouter(config), len(widths))
+        self.experts = CaspExperts(config, widths)
 
 
 class CaspMixtralDecoderLayer(MixtralDecoderLayer):

@@ -22,7 +22,7 @@ from transformers.models.olmoe.modeling_olmoe import (
     OlmoeTopKRouter,
 )
 
-from .modeling_casp_mixtral import CaspExpert, CaspExperts
+from .modeling_casp_mixtral import CaspExpert, CaspExperts, layer_router
 
 
 @strict
@@ -50,8 +50,9 @@ class CaspOlmoeSparseMoeBlock(OlmoeSparseMoeBlock):
 
     def __init__(self, config: CaspOlmoeConfig, layer_idx: int) -> None:
         nn.Module.__init__(self)
-        self.experts = CaspExperts(config, config.layer_expert_intermediate_sizes[layer_idx])
-        self.gate = OlmoeTopKRouter(config)
+        widths = config.layer_expert_intermediate_sizes[layer_idx]
+        self.experts = CaspExperts(config, widths)
+        self.gate = layer_router(OlmoeTopKRouter(config), len(widths))
 
 
 class CaspOlmoeDecoderLayer(OlmoeDecoderLayer):

@@ -26,7 +26,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import (
     Qwen2MoeTopKRouter,
 )
 
-from .modeling_casp_mixtral import CaspExpert, CaspExperts
+from .modeling_casp_mixtral import CaspExpert, CaspExperts, layer_router
 
 
 @strict
@@ -53,8 +53,9 @@ class CaspQwen2MoeSparseMoeBlock(Qwen2MoeSparseMoeBlock):
 
     def __init__(self, config: CaspQwen2MoeConfig, layer_idx: int) -> None:
         nn.Module.__init__(self)
-        self.gate = Qwen2MoeTopKRouter(config)
-        self.experts = CaspExperts(config, config.layer_expert_intermediate_sizes[layer_idx])
+        widths = config.layer_expert_intermediate_sizes[layer_idx]
+        self.gate = layer_router(Qwen2MoeTopKRouter(config), len(widths))
+        self.experts = CaspExperts(config, widths)
         shared_width = config.layer_shared_expert_intermediate_sizes[layer_idx]
         self.shared_expert = Qwen2MoeMLP(config, intermediate_size=shared_width)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)

@@ -23,7 +23,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeTopKRouter,
 )
 
-from .modeling_casp_mixtral import CaspExpert, CaspExperts
+from .modeling_casp_mixtral import CaspExpert, CaspExperts, layer_router
 
 
 @strict
@@ -46,8 +46,9 @@ class CaspQwen3MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
 
     def __init__(self, config: CaspQwen3MoeConfig, layer_idx: int) -> None:
         nn.Module.__init__(self)
-        self.experts = CaspExperts(config, config.layer_expert_intermediate_sizes[layer_idx])
-        self.gate = Qwen3MoeTopKRouter(config)
+        widths = config.layer_expert_intermediate_sizes[layer_idx]
+        self.experts = CaspExperts(config, widths)
+        self.gate = layer_router(Qwen3MoeTopKRouter(config), len(widths))
 
 
 class CaspQwen3MoeDecoderLayer(Qwen3MoeDecoderLayer):

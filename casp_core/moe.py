@@ -23,6 +23,11 @@ unless `moe.prune_unreached`. The uniform shape gives every expert the same coun
 
 A shared expert (Qwen2-MoE's, which every token goes through, scaled by σ(shared_expert_gate x)) is one more
 expert, numbered after the routed ones, whose weight for every token is that gate.
+
+With `moe.prune_experts`, before the channels, the routed experts with the lowest S_e (measured on the layer's
+routing as it was) are removed whole: the router routes as if their rows were gone (casp_core.families.moe
+`route_to_kept_experts`), the layer runs again so that the channels' statistics are those of the tokens re-routed
+among the kept experts, and the removed experts' channels count first in the layer's budget.
 """
 
 from collections.abc import Iterator
@@ -40,7 +45,7 @@ from casp_core.compensation import CompensationReport, compensate_linear
 from casp_core.config import PruneConfig
 from casp_core.families import family_of_layer
 from casp_core.families.base import RowSlice
-from casp_core.families.moe import ExpertWeights, expert_weights
+from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights
 from casp_core.interaction import interaction_matrix, offdiag_ratio
 from casp_core.numerics import check_finite
 from casp_core.results import ExpertReport, SubLayerReport
@@ -137,13 +142,39 @@ def expert_traffic(
     return traffic
 
 
+def lowest_energy_experts(traffic: list[ExpertTraffic], count: int, routed: int) -> list[int]:
+    """The `count` routed experts (the first `routed` of `traffic`; a shared expert never) with the lowest S_e, an
+    expert no token reached (S_e = 0) first; on a tie the lower number."""
+    return sorted(sorted(range(routed), key=lambda e: (traffic[e].sensitivity, e))[:count])
+
+
+@torch.no_grad()
+def remove_experts(
+    layer: nn.Module, batches: list[RoutedBatch], count: int, device: torch.device
+) -> dict[int, ExpertTraffic]:
+    """The layer's `count` routed experts of lowest S_e on `batches`, taken out of its routing (masked); each with
+    the traffic that chose it."""
+    if count == 0:
+        return {}
+    traffic = expert_traffic(expert_weights(layer), batches, device)
+    removed = lowest_energy_experts(traffic, count, layer.get_submodule(EXPERTS_PATH).num_experts)
+    family_of_layer(layer).mask_experts(layer, tuple(removed))
+    return {expert: traffic[expert] for expert in removed}
+
+
 def expert_counts(
-    n_channels: int, traffic: list[ExpertTraffic], widths: list[int], config: PruneConfig
+    n_channels: int,
+    traffic: list[ExpertTraffic],
+    widths: list[int],
+    config: PruneConfig,
+    removed: tuple[int, ...] = (),
 ) -> tuple[list[int], list[int]]:
-    """How many channels each expert (of `widths`) prunes, summing to within one rounding step of `n_channels`, and
-    the experts no token reached."""
-    unreached = [e for e, t in enumerate(traffic) if t.tokens == 0]
-    taking_part = [e for e in range(len(traffic)) if e not in unreached or config.moe.prune_unreached]
+    """How many channels each expert (of `widths`) but the `removed` ones prunes, summing to within one rounding
+    step of `n_channels`, and the experts (not removed) no token reached."""
+    unreached = [e for e, t in enumerate(traffic) if t.tokens == 0 and e not in removed]
+    taking_part = [
+        e for e in range(len(traffic)) if e not in removed and (e not in unreached or config.moe.prune_unreached)
+    ]
     counts = [0] * len(traffic)
     if n_channels == 0 or not taking_part:
         return counts, unreached
@@ -181,20 +212,26 @@ def prune_experts_channels(
     config: PruneConfig,
     run: Run,
     device: torch.device,
+    removed: dict[int, ExpertTraffic],
 ) -> tuple[SubLayerReport, list[ExpertReport]]:
     """The layer's experts' channels for its budget: chosen, compensated and masked one expert at a time, its
-    statistics freed before the next one's are taken. Returns the layer's MLP report (in the layer's channel
-    numbering) and each expert's."""
+    statistics freed before the next one's are taken; the `removed` experts (already out of the routing, with the
+    traffic that chose them) lose every channel, which counts first in the budget. Returns the layer's MLP report
+    (in the layer's channel numbering) and each expert's."""
     experts = expert_weights(layer)
     widths = [expert.width for expert in experts]
     with run.stage("statistics"):
         traffic = expert_traffic(experts, batches, device)
-    if isinstance(plan, UniformShape):  # the same count in every expert, reached or not
-        counts = [plan.pruned_channels // len(experts)] * len(experts)
-        unreached = [e for e, t in enumerate(traffic) if t.tokens == 0]
+    removed_channels = sum(widths[e] for e in removed)
+    if isinstance(plan, UniformShape):  # the same count in every kept expert, reached or not
+        each = (plan.pruned_channels - removed_channels) // (len(experts) - len(removed))
+        counts = [widths[e] if e in removed else each for e in range(len(experts))]
+        unreached = [e for e, t in enumerate(traffic) if t.tokens == 0 and e not in removed]
     else:
-        n_channels = channels_to_prune(plan, index, removed_before, 0)
-        counts, unreached = expert_counts(n_channels, traffic, widths, config)
+        n_channels = channels_to_prune(plan, index, removed_before, 0) - removed_channels
+        counts, unreached = expert_counts(n_channels, traffic, widths, config, tuple(removed))
+        for expert in removed:
+            counts[expert] = widths[expert]
     if unreached:
         if isinstance(plan, UniformShape):
             kept = "pruned all the same (shape uniform)"
@@ -210,8 +247,8 @@ def prune_experts_channels(
     reports = []
     for number, (expert, count) in enumerate(zip(experts, counts, strict=True)):
         run.check_cancelled()
-        own: list[int] = []
-        if count:
+        own: list[int] = list(range(expert.width)) if number in removed else []
+        if count and number not in removed:
             with run.stage("statistics"):
                 moment = expert_moment(expert, number, batches, device)
                 q = interaction_matrix(expert.down, moment.second_moment)
@@ -232,16 +269,18 @@ def prune_experts_channels(
                 damping = max(damping, refit.damping)
             del moment, q
         pruned += [sum(widths[:number]) + channel for channel in own]
+        brought = removed.get(number, traffic[number])
         reports.append(
             ExpertReport(
                 index=number,
-                tokens=traffic[number].tokens,
-                token_share=traffic[number].tokens / total_tokens if total_tokens else 0.0,
-                routed_mass=traffic[number].routed_mass,
-                sensitivity=traffic[number].sensitivity,
-                reached=traffic[number].tokens > 0,
+                tokens=brought.tokens,
+                token_share=brought.tokens / total_tokens if total_tokens else 0.0,
+                routed_mass=brought.routed_mass,
+                sensitivity=brought.sensitivity,
+                reached=brought.tokens > 0,
                 pruned_channels=len(own),
                 shared=number >= batches[0].routed_experts if batches else False,
+                removed=number in removed,
             )
         )
     family_of_layer(layer).mask_channels(layer, tuple(pruned))

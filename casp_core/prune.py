@@ -50,7 +50,7 @@ from casp_core.model import (
     resolve_device,
     sublayer_parameters,
 )
-from casp_core.moe import prune_experts_channels, record_routing
+from casp_core.moe import prune_experts_channels, record_routing, remove_experts
 from casp_core.placement import RESIDENT, Placement, choose_placement
 from casp_core.results import LayerReport, PruneResult, SubLayerReport, TemperatureChoice
 from casp_core.run import CPU, Run, StageTimer
@@ -149,7 +149,14 @@ def prune_moe_layer(
     params_before = sum(sublayer_parameters(layer))
     with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
         run_layer(layer, stream.inputs, stream.device, stream.store)
-    mlp, experts = prune_experts_channels(layer, batches, plan, index, removed_before, config, run, stream.device)
+    with run.stage("statistics"):
+        removed = remove_experts(layer, batches, config.moe.prune_experts, stream.device)
+    if removed:  # the channels' statistics from the tokens as the kept experts now take them
+        with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
+            run_layer(layer, stream.inputs, stream.device, stream.store)
+    mlp, experts = prune_experts_channels(
+        layer, batches, plan, index, removed_before, config, run, stream.device, removed
+    )
     del batches
     with run.stage("calibration_forward"):
         stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)

@@ -36,6 +36,9 @@ class ExpertReport:
     reached: bool  # False: no calibration token reached it (kept whole unless moe.prune_unreached)
     pruned_channels: int
     shared: bool = False  # Qwen2-MoE's shared expert (numbered after the routed ones), which every token goes through
+    # Removed whole (moe.prune_experts; its router row too): then what the calibration tokens brought it is the dense
+    # routing's, which chose it, and pruned_channels its width.
+    removed: bool = False
 
 
 @dataclass
@@ -54,7 +57,8 @@ class LayerReport:
 
     @property
     def pruning(self) -> LayerPruning:
-        return LayerPruning(tuple(self.pruned_heads), tuple(self.pruned_channels))
+        removed = tuple(expert.index for expert in self.experts or () if expert.removed)
+        return LayerPruning(tuple(self.pruned_heads), tuple(self.pruned_channels), removed)
 
 
 @dataclass

@@ -25,7 +25,10 @@ def head_columns(geometry: AttentionGeometry, heads: list[int]) -> list[int]:
 @torch.no_grad()
 def mask_layer(layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning) -> None:
     layer.self_attn.o_proj.weight[:, head_columns(geometry, list(pruning.pruned_heads))] = 0
-    family_of_layer(layer).mask_channels(layer, pruning.pruned_channels)
+    family = family_of_layer(layer)
+    family.mask_channels(layer, pruning.pruned_channels)
+    if pruning.removed_experts:
+        family.mask_experts(layer, pruning.removed_experts)
 
 
 def _plain_config(

@@ -22,7 +22,8 @@ class LayerPruning:
     """The units removed from one decoder layer, in the dense layer's numbering."""
 
     pruned_heads: tuple[int, ...]
-    pruned_channels: tuple[int, ...]
+    pruned_channels: tuple[int, ...]  # a removed expert's channels among them, every one
+    removed_experts: tuple[int, ...] = ()  # a mixture of experts' whole experts (moe.prune_experts), router rows too
 
 
 def kept(total: int, pruned: tuple[int, ...]) -> list[int]:

@@ -56,6 +56,7 @@ FLAGS = {
     "target.format": "--target-format",
     "target.max_params": "--target-params",
     "moe.prune_unreached": "--moe-prune-unreached",
+    "moe.prune_experts": "--moe-prune-experts",
 }
 # Earlier spellings (`casp prune` said --calibration-data / --eval-data, `casp submit` said --limit): still read,
 # no longer shown.

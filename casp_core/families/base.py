@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from casp_core.config import LORA_TARGETS, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
-from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
+from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel, VerificationFailed
 from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
 from casp_core.rounding import channel_counts
 from casp_core.units import AttentionGeometry, LayerPruning, kept_kv_heads
@@ -218,7 +218,9 @@ class Family:
 
     def check_settings(self, config: PretrainedConfig, settings: PruneSettings) -> None:
         """Refuse (InvalidConfig), from the config alone, pruning settings the family cannot be pruned with; the
-        LLaMA-layout families take them all."""
+        LLaMA-layout families take them all but whole-expert removal, having no experts."""
+        if settings.moe.prune_experts:
+            raise InvalidConfig(f"moe.prune_experts: {self.name} has no experts to remove (a dense model)")
 
     def prepare(self, model: PreTrainedModel) -> None:
         """Set the loaded model up for pruning (a mixture of experts: the experts' eager implementation)."""
@@ -243,15 +245,22 @@ class Family:
         """Zero these FFN channels' input columns of down_proj, which removes their contribution exactly."""
         layer.mlp.down_proj.weight[:, list(channels)] = 0
 
-    def channel_counts(self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None) -> tuple[int, ...]:
-        """The FFN channel counts the layer may prune (casp_core.rounding.channel_counts of its width)."""
+    def channel_counts(
+        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None, removed_experts: int = 0
+    ) -> tuple[int, ...]:
+        """The FFN channel counts the layer may prune (casp_core.rounding.channel_counts of its width);
+        `removed_experts` is a mixture of experts' (a dense family's is always 0)."""
         return channel_counts(self.projections(layer).down.in_features, r_max, round_to, block)
 
     def uniform_channel_counts(
-        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None
+        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None, removed_experts: int = 0
     ) -> tuple[int, ...]:
         """The FFN channel counts the uniform shape may prune in each layer: the layer's own."""
-        return self.channel_counts(layer, r_max, round_to, block)
+        return self.channel_counts(layer, r_max, round_to, block, removed_experts)
+
+    def mask_experts(self, layer: nn.Module, experts: tuple[int, ...]) -> None:
+        """Take whole experts out of the layer's routing (a mixture of experts' `moe.prune_experts`)."""
+        raise VerificationFailed(f"{self.name} has no experts to remove")
 
     def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> int | tuple[int, ...]:
         """What the layer's FFN keeps: its width (a mixture of experts: each expert's)."""

@@ -12,6 +12,7 @@ class Mixtral(MixtureOfExperts):
     model_types = ("mixtral",)
     pruned_model_type = CaspMixtralConfig.model_type
     pruned_model_class = CaspMixtralForCausalLM
+    expert_count_key = "num_local_experts"
 
 
 MIXTRAL = Mixtral()

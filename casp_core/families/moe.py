@@ -9,9 +9,11 @@ selection and compensation are taken one expert at a time (casp_core.moe): no st
 ever held.
 
 Why heads stay whole (`prunes_heads = False`): the experts hold nearly all of an MoE layer's parameters (Mixtral
-8x7B: 1.4 B of a layer's 1.45 B), so the ratio is met by the experts' channels; the router is never pruned.
+8x7B: 1.4 B of a layer's 1.45 B), so the ratio is met by the experts' channels; the router loses only the rows of
+whole experts removed (`moe.prune_experts`: `route_to_kept_experts`).
 """
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -24,12 +26,13 @@ from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, 
 from casp_core.errors import InvalidConfig, VerificationFailed
 from casp_core.families.base import SOURCE_ONLY_KEYS, ExpertStack, Family, LayerProjections, kept_index
 from casp_core.rounding import channel_counts
-from casp_core.units import AttentionGeometry, LayerPruning
+from casp_core.units import AttentionGeometry, LayerPruning, kept
 
 # The prefix of the experts' parameters in a decoder layer; everything else in it (attention, router, norms) is kept
 # whole.
 EXPERTS_PATH = "mlp.experts"
 SHARED_EXPERT_PATH = "mlp.shared_expert"  # Qwen2-MoE's expert that every token goes through
+ROUTER_PATH = "mlp.gate"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,31 @@ def expert_channels(channels: tuple[int, ...] | list[int], widths: list[int]) ->
     return per_expert
 
 
+def route_to_kept_experts(router: nn.Module, kept_experts: list[int]) -> None:
+    """From now on `router` routes as the dense router with the other experts' logits at -inf: every family's router
+    (transformers' own forward) takes the softmax over all logits, then the top-k, then (Mixtral always; Qwen2-MoE,
+    Qwen3-MoE and OLMoE when `norm_topk_prob`) renormalises the top-k weights, so a logit at -inf has probability 0,
+    is never picked while top_k experts remain, and leaves the others' softmax the one over the kept experts alone.
+    Which is what the router without the other experts' rows computes, and is computed here as such: the router's
+    own forward over its kept rows, its picks numbered back to the dense experts. (Not with -inf in the full
+    softmax: float32's vectorised sum groups the terms otherwise once -inf columns sit among them, and from 16
+    experts up its result differs in the last bit from the sum over the kept ones.)
+
+    A forward hook, so that the masked model's other layers and its state dict are the dense model's; it survives
+    `copy.deepcopy`, `.to()` and `.double()`, which verification and the tests use."""
+    kept_rows = torch.tensor(kept_experts)
+
+    def masked_routing(module: nn.Module, args: tuple, output: tuple) -> tuple:
+        rows = kept_rows.to(module.weight.device)
+        without = copy.copy(module)  # the same settings (top_k, norm_topk_prob, ...), the kept rows for weight
+        without.__dict__["_parameters"] = {**module._parameters, "weight": module.weight.index_select(0, rows)}
+        logits, weights, experts = without.forward(*args)
+        every = logits.new_full((logits.shape[0], module.weight.shape[0]), float("-inf"))
+        return every.index_copy(1, rows, logits), weights, rows[experts]
+
+    router.register_forward_hook(masked_routing, prepend=True)
+
+
 class MixtureOfExperts(Family):
     """What every MoE family shares: experts as 3-D parameters under `mlp.experts` (`gate_up_proj` [E, 2 x width,
     hidden], `down_proj` [E, hidden, width]), a router `mlp.gate` whose forward returns (logits, top-k weights,
@@ -88,6 +116,8 @@ class MixtureOfExperts(Family):
     prunes_heads = False
     # The dense config's setting for one expert's width, which the uniform shape sets to the kept width.
     expert_width_key: ClassVar[str] = "intermediate_size"
+    # The dense config's setting for the routed experts' count, which whole-expert removal lowers.
+    expert_count_key: ClassVar[str] = "num_experts"
     # The uniform shape keeps the dense attention; no mean-bias compensation (refused), so no bias switches.
     plain_bias_switches = False
     plain_heads_divide_hidden = False
@@ -111,7 +141,8 @@ class MixtureOfExperts(Family):
             raise InvalidConfig(f"model type {config.model_type!r}: top-{top_k} routing over {experts} experts")
 
     def num_experts(self, config: PretrainedConfig) -> int:
-        return config.num_local_experts
+        """The routed experts of each layer (a shared expert apart)."""
+        return getattr(config, self.expert_count_key)
 
     def expert_width(self, config: PretrainedConfig) -> int:
         """One expert's FFN width in the dense config."""
@@ -141,6 +172,12 @@ class MixtureOfExperts(Family):
                     "compensation, sequential calibration and a ratio; the uniform shape only without a shared "
                     "expert (docs/moe.md)"
                 )
+        removed, experts, top_k = settings.moe.prune_experts, self.num_experts(config), config.num_experts_per_tok
+        if experts - removed < top_k:
+            raise InvalidConfig(
+                f"moe.prune_experts: removing {removed} of the {experts} experts of every layer leaves fewer than the "
+                f"{top_k} the router picks for each token (num_experts_per_tok); remove at most {experts - top_k}"
+            )
 
     def projections(self, layer: nn.Module) -> LayerProjections:
         attention = {part: layer.get_submodule(path) for part, path in self.projection_paths.items()}
@@ -152,31 +189,63 @@ class MixtureOfExperts(Family):
             down=ExpertStack(tuple(e.down for e in experts), stacked_rows=False),
         )
 
+    def mask_experts(self, layer: nn.Module, experts: tuple[int, ...]) -> None:
+        """The router routes as if `experts` had no rows (`route_to_kept_experts`); their channels are masked with
+        the others (`mask_channels`: a removed expert's are all among the pruned)."""
+        router = layer.get_submodule(ROUTER_PATH)
+        route_to_kept_experts(router, kept(router.weight.shape[0], experts))
+
     @torch.no_grad()
     def mask_channels(self, layer: nn.Module, channels: tuple[int, ...]) -> None:
         experts = expert_weights(layer)
         for expert, own in zip(experts, expert_channels(channels, [e.width for e in experts]), strict=True):
             expert.down[:, own] = 0
 
-    def channel_counts(self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None) -> tuple[int, ...]:
+    def channel_counts(
+        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None, removed_experts: int = 0
+    ) -> tuple[int, ...]:
         """Every sum of one count per expert (each expert prunes as a layer of its width would), so that the layer's
         count can be spread over its experts (exactly where they are alike; a shared expert of another width may
-        leave some sums out, which the later layers then make up)."""
-        own = [channel_counts(expert.width, r_max, round_to, block) for expert in expert_weights(layer)]
+        leave some sums out, which the later layers then make up). `removed_experts` whole routed experts count
+        first, every channel of theirs: the routed experts are alike, so which ones go changes nothing here."""
+        experts = expert_weights(layer)
+        removed = sum(expert.width for expert in experts[:removed_experts])
+        own = [channel_counts(expert.width, r_max, round_to, block) for expert in experts[removed_experts:]]
         step = math.gcd(*(counts[1] - counts[0] for counts in own if len(counts) > 1)) or 1
-        return tuple(range(sum(c[0] for c in own), sum(c[-1] for c in own) + 1, step))
+        return tuple(range(removed + sum(c[0] for c in own), removed + sum(c[-1] for c in own) + 1, step))
 
     def uniform_channel_counts(
-        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None
+        self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None, removed_experts: int = 0
     ) -> tuple[int, ...]:
-        """The same count in every expert (all alike in a family the uniform shape takes)."""
+        """The same count in every expert kept (all alike in a family the uniform shape takes), after the removed
+        experts' channels."""
         experts = expert_weights(layer)
-        return tuple(len(experts) * count for count in channel_counts(experts[0].width, r_max, round_to, block))
+        width, kept_experts = experts[0].width, len(experts) - removed_experts
+        counts = channel_counts(width, r_max, round_to, block)
+        return tuple(removed_experts * width + kept_experts * count for count in counts)
 
     def kept_width(self, layer: nn.Module, pruning: LayerPruning) -> tuple[int, ...]:
+        """Each kept expert's width, in their order (the removed experts have none)."""
         experts = expert_weights(layer)
         per_expert = expert_channels(pruning.pruned_channels, [e.width for e in experts])
-        return tuple(e.width - len(own) for e, own in zip(experts, per_expert, strict=True))
+        return tuple(
+            e.width - len(own)
+            for index, (e, own) in enumerate(zip(experts, per_expert, strict=True))
+            if index not in pruning.removed_experts
+        )
+
+    def stored_count_key(self, config: PretrainedConfig) -> str:
+        """The key `to_dict` writes the experts' count under (Qwen3MoeConfig maps `num_experts` to
+        `num_local_experts`), which the pruned config's settings must set."""
+        return config.attribute_map.get(self.expert_count_key, self.expert_count_key)
+
+    def routed_count(self, config: PretrainedConfig, widths: list) -> int:
+        """The routed experts each layer of `widths` (kept_width's) keeps: the same in every layer."""
+        shared = self.shared_expert_width(config) > 0
+        counts = {len(layer_widths) - shared for layer_widths in widths}
+        if len(counts) != 1:
+            raise VerificationFailed(f"the pruning left layers with different numbers of experts: {sorted(counts)}")
+        return counts.pop()
 
     def pruned_config(
         self, model: PreTrainedModel, kv_maps: list[list[int]], widths: list, head_dim: int
@@ -191,6 +260,7 @@ class MixtureOfExperts(Family):
             casp=settings.get("casp"),
             architectures=[self.pruned_model_class.__name__],
         )
+        settings[self.stored_count_key(model.config)] = self.routed_count(model.config, widths)
         return self.pruned_model_class.config_class(**settings)
 
     def plain_config(
@@ -210,6 +280,7 @@ class MixtureOfExperts(Family):
             raise VerificationFailed("the uniform shape left experts of different widths or removed heads")
         settings = {k: v for k, v in config.to_dict().items() if k not in SOURCE_ONLY_KEYS}
         settings[self.expert_width_key] = widths.pop()
+        settings[self.stored_count_key(config)] = self.routed_count(config, [ffn_width])
         return type(config)(**settings)
 
     def plain_layer_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -229,21 +300,28 @@ class MixtureOfExperts(Family):
     def pruned_layer_tensors(
         self, layer: nn.Module, geometry: AttentionGeometry, pruning: LayerPruning
     ) -> dict[str, torch.Tensor]:
-        """Each expert's kept gate and up rows and down columns, as `mlp.experts.{e}.*` (a shared expert's as
-        `mlp.shared_expert.*_proj.weight`); every other parameter of the layer (attention, router, norms, the shared
-        expert's gate) whole."""
+        """Each kept expert's kept gate and up rows and down columns, as `mlp.experts.{e}.*` numbered in their order
+        (a shared expert's as `mlp.shared_expert.*_proj.weight`), the router's kept experts' rows; every other
+        parameter of the layer (attention, norms, the shared expert's gate) whole."""
         experts = expert_weights(layer)
         cut = (f"{EXPERTS_PATH}.", f"{SHARED_EXPERT_PATH}.")
         tensors = {name: p.detach().clone() for name, p in layer.named_parameters() if not name.startswith(cut)}
         routed = layer.get_submodule(EXPERTS_PATH).num_experts
+        kept_experts = kept(routed, pruning.removed_experts)
+        router = f"{ROUTER_PATH}.weight"
+        tensors[router] = tensors[router].index_select(0, torch.tensor(kept_experts, device=tensors[router].device))
         for index, (expert, own) in enumerate(
             zip(experts, expert_channels(pruning.pruned_channels, [e.width for e in experts]), strict=True)
         ):
-            kept = kept_index(expert.width, tuple(own), expert.down.device)
-            gate, up, down = expert.gate.index_select(0, kept), expert.up.index_select(0, kept), expert.down[:, kept]
+            if index in pruning.removed_experts:
+                continue
+            kept_channels = kept_index(expert.width, tuple(own), expert.down.device)
+            gate, up = expert.gate.index_select(0, kept_channels), expert.up.index_select(0, kept_channels)
+            down = expert.down[:, kept_channels]
             if index < routed:
-                tensors[f"{EXPERTS_PATH}.{index}.gate_up_proj"] = torch.cat([gate, up])
-                tensors[f"{EXPERTS_PATH}.{index}.down_proj"] = down
+                number = kept_experts.index(index)
+                tensors[f"{EXPERTS_PATH}.{number}.gate_up_proj"] = torch.cat([gate, up])
+                tensors[f"{EXPERTS_PATH}.{number}.down_proj"] = down
             else:
                 for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
                     tensors[f"{SHARED_EXPERT_PATH}.{name}.weight"] = weight

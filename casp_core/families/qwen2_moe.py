@@ -20,9 +20,6 @@ class Qwen2Moe(MixtureOfExperts):
     pruned_model_type = CaspQwen2MoeConfig.model_type
     pruned_model_class = CaspQwen2MoeForCausalLM
 
-    def num_experts(self, config: PretrainedConfig) -> int:
-        return config.num_experts
-
     expert_width_key = "moe_intermediate_size"
 
     def shared_expert_width(self, config: PretrainedConfig) -> int:

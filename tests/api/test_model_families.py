@@ -94,6 +94,20 @@ def test_settings_a_mixture_of_experts_is_not_pruned_with_are_422_at_submit(
     assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
 
 
+def test_removing_experts_below_top_k_or_from_a_dense_model_is_422_at_submit(
+    api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
+) -> None:
+    """The Mixtral has 4 experts and top-2 routing: 2 may go, not 3; a dense model has none to remove."""
+    for model, removed, reason in (("mixtral", 3, "remove at most 2"), ("qwen2", 1, "has no experts to remove")):
+        body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / model), "moe": {"prune_experts": removed}}
+        response = api_with_root.post("/v1/jobs", json=body, headers=keys["alice"])
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["param"] == "moe.prune_experts" and reason in error["message"], error
+    body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "mixtral"), "moe": {"prune_experts": 2}}
+    assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
+
+
 def test_recovery_windows_longer_than_the_model_s_context_are_422_at_submit(
     api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
 ) -> None:

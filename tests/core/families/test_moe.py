@@ -2,7 +2,9 @@
 channels exactly (casp_core/families/moe.py, casp_core/moe.py): chosen channels and the real pipeline give a
 checkpoint whose experts keep their own widths and that computes the masked model's logits, in this process and in
 a user's fresh one; an expert no calibration token reaches is reported and kept whole unless allowed; what MoE
-pruning does not take is refused before any work."""
+pruning does not take is refused before any work. With `moe.prune_experts` whole experts go too (the lowest S_e,
+their router rows with them) and the checkpoint computes the masked model's logits, the masked model routing as if
+the removed experts' logits were -inf."""
 
 import json
 from dataclasses import replace
@@ -10,17 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from casp_core.budget import channel_params, check_reachable
+from casp_core.budget import channel_params, check_reachable, plan_budget
 from casp_core.checkpoint import save_pruned
 from casp_core.cli import main as cli
 from casp_core.config import PruneConfig
 from casp_core.errors import InvalidConfig, UnsupportedExport
-from casp_core.families import check_export
-from casp_core.families.moe import stacked_expert
+from casp_core.families import check_export, family_of
+from casp_core.families.moe import route_to_kept_experts, stacked_expert
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
-from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment
+from casp_core.modeling_casp_mixtral import CaspMixtralConfig, CaspMixtralForCausalLM
+from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment, lowest_energy_experts
 from casp_core.placement import JobShape, ModelShape, estimate_device_memory
 from casp_core.surgery import LayerPruning, remove_units
 from tests.core.families.checkpoints import fresh_logits, masked_logits, test_tokens
@@ -38,6 +43,7 @@ from tests.core.test_generation import lowest_supported_transformers
 
 EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 48
 SHARED_WIDTH = 40  # Qwen2-MoE's shared expert: one more expert, of its own width, that every token goes through
+REMOVED = 2  # whole experts removed from every layer by moe.prune_experts where a test removes some
 TINY = {**COMMON, "num_hidden_layers": 2, "intermediate_size": EXPERT_WIDTH}
 # The stories260K tokenizer's <s> and </s>.
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2}
@@ -133,6 +139,40 @@ def test_chosen_channels_prune_exactly(family: str, dense_folders: dict[str, Pat
     assert modeling_files <= {path.name for path in tmp_path.iterdir()}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chosen_experts_are_removed_exactly(family: str, dense_folders: dict[str, Path], tmp_path: Path) -> None:
+    """Experts 1 and 4 of layer 0 and 0 and 5 of layer 1 removed (every channel of theirs among the pruned), a few
+    channels of a kept one too: the checkpoint keeps 4 experts per layer, the router's kept rows, and computes what
+    the masked model (its routers' removed logits at -inf) computes, greedy generation included."""
+    model, tokenizer = load_model(str(dense_folders[family]))
+    removed = [(1, 4), (0, 5)]
+    prunings = [
+        LayerPruning(
+            (), tuple(c for e in experts for c in range(e * EXPERT_WIDTH, (e + 1) * EXPERT_WIDTH)) + extra, experts
+        )
+        for experts, extra in zip(removed, [(0, 3), (2 * EXPERT_WIDTH + 7,)], strict=True)
+    ]
+    pruned = remove_units(model, prunings)
+    assert [len(widths) for widths in pruned.config.layer_expert_intermediate_sizes] == [EXPERTS - 2] * 2
+    assert pruned.config.layer_expert_intermediate_sizes[0][0] == EXPERT_WIDTH - 2
+    for layer, dense_layer, experts in zip(decoder_layers(pruned), decoder_layers(model), removed, strict=True):
+        kept = [e for e in range(EXPERTS) if e not in experts]
+        assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight[kept])
+    assert_computes_the_same(masked_copy(model, prunings), written_and_loaded_back(pruned, tokenizer, tmp_path))
+
+
+def test_the_per_layer_class_takes_each_layer_s_expert_count() -> None:
+    """Layers of 6 and 4 experts in one config: each layer's router and experts are its own count."""
+    settings = {k: v for k, v in mixtral_config().to_dict().items() if k != "model_type"}
+    sizes = [[EXPERT_WIDTH] * EXPERTS, [EXPERT_WIDTH - 8] * (EXPERTS - REMOVED)]
+    model = CaspMixtralForCausalLM(CaspMixtralConfig(**settings, layer_expert_intermediate_sizes=sizes))
+    routers = [(layer.mlp.gate.weight.shape[0], layer.mlp.gate.num_experts) for layer in decoder_layers(model)]
+    assert routers == [(EXPERTS, EXPERTS), (EXPERTS - REMOVED, EXPERTS - REMOVED)]
+    assert [layer.mlp.experts.num_experts for layer in decoder_layers(model)] == [EXPERTS, EXPERTS - REMOVED]
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 8))
+    assert model(tokens).logits.shape == (1, 8, TINY["vocab_size"])
+
+
 def test_an_expert_s_statistics_weigh_its_tokens_by_the_router(dense_folder: Path) -> None:
     """C_e over all N tokens, each routed token's activation scaled by its router weight: N x C_e is the sum of
     w² y yᵀ over the tokens routed to e, computed here token by token from the router's own top-k."""
@@ -203,26 +243,209 @@ def test_the_pipeline_meets_the_ratio_from_the_experts_alone(family: str, pipeli
     assert all(0 <= r <= 0.9 for layer in result.layers for r in [layer.ratio])
 
 
-def test_the_written_checkpoints_load_where_casp_core_is_not(pipeline_checkpoints: dict, tmp_path: Path) -> None:
-    """Every family's checkpoint in one fresh process, with its own modeling file (trust_remote_code=True)."""
-    logits, records = fresh_logits({folder: True for _, _, folder in pipeline_checkpoints.values()}, tmp_path)
+@pytest.fixture(scope="module")
+def removal_checkpoints(dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per family, as `pipeline_checkpoints` with REMOVED whole experts removed from every layer too."""
+    root = tmp_path_factory.mktemp("moe-experts-removed")
+    written = {}
+    for family, folder in dense_folders.items():
+        model, tokenizer = load_model(str(folder))
+        result = prune_small(model, tokenizer, 0.5, "greedy", moe={"prune_experts": REMOVED})  # masks, verifies
+        save_pruned(result.model, tokenizer, root / family)
+        written[family] = (model, result, root / family)
+    return written
+
+
+@pytest.fixture(scope="module")
+def written_checkpoints(pipeline_checkpoints: dict, removal_checkpoints: dict) -> list[tuple[str, object, Path]]:
+    """Every family's checkpoint with and without whole experts removed: (family, masked model, folder)."""
+    return [
+        (family, model, folder)
+        for fixture in (pipeline_checkpoints, removal_checkpoints)
+        for family, (model, _, folder) in fixture.items()
+    ]
+
+
+def test_the_written_checkpoints_load_where_casp_core_is_not(written_checkpoints: list, tmp_path: Path) -> None:
+    """Every family's checkpoint, with and without whole experts removed, in one fresh process, with its own
+    modeling file (trust_remote_code=True): the masked model's logits (with removed experts, its routers' removed
+    logits at -inf)."""
+    logits, records = fresh_logits({folder: True for _, _, folder in written_checkpoints}, tmp_path)
     assert records[-1] == {"casp_core_imported": False}
     classes = {record["checkpoint"]: record["class"] for record in records[:-1]}
-    for family, (model, _, folder) in pipeline_checkpoints.items():
+    for family, model, folder in written_checkpoints:
         assert classes[str(folder)] == FAMILIES[family][1]
         expected = masked_logits(model)
         assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
 
 
-def test_the_written_checkpoints_load_under_the_lowest_transformers(pipeline_checkpoints: dict, tmp_path: Path) -> None:
+def test_the_written_checkpoints_load_under_the_lowest_transformers(written_checkpoints: list, tmp_path: Path) -> None:
     """The pruned classes subclass transformers 5.4's MoE classes as well (the lowest the project supports)."""
-    logits, records = fresh_logits(
-        {folder: True for _, _, folder in pipeline_checkpoints.values()}, tmp_path, lowest=True
-    )
+    logits, records = fresh_logits({folder: True for _, _, folder in written_checkpoints}, tmp_path, lowest=True)
     assert {record["transformers"] for record in records[:-1]} == {lowest_supported_transformers()}
-    for model, _, folder in pipeline_checkpoints.values():
+    for _, model, folder in written_checkpoints:
         expected = masked_logits(model)
         assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_removed_experts_lose_their_router_rows_and_count_in_the_ratio(family: str, removal_checkpoints: dict) -> None:
+    """REMOVED routed experts of every layer, never a shared one: gone from the config, the experts and the router
+    (the kept rows the dense router's, in order), and their parameters within the achieved ratio."""
+    model, result, _ = removal_checkpoints[family]
+    config = result.model.config
+    count_key = "num_local_experts" if family == "mixtral" else "num_experts"
+    assert getattr(config, count_key) == EXPERTS - REMOVED
+    layers = zip(decoder_layers(model), decoder_layers(result.model), result.layers, strict=True)
+    for dense_layer, layer, report in layers:
+        removed = [expert.index for expert in report.experts if expert.removed]
+        assert len(removed) == REMOVED and not any(expert.shared for expert in report.experts if expert.removed)
+        # The kept experts' statistics are of the tokens re-routed among them: each token goes to top_k of them.
+        routed = sum(expert.tokens for expert in report.experts if not expert.removed and not expert.shared)
+        assert routed == 4 * 32 * TOP_K  # prune_small's 4 windows of 32 tokens
+        assert all(expert.pruned_channels == EXPERT_WIDTH for expert in report.experts if expert.removed)
+        kept = [e for e in range(EXPERTS) if e not in removed]
+        assert torch.equal(layer.mlp.gate.weight, dense_layer.mlp.gate.weight[kept])
+        assert layer.mlp.experts.num_experts == len(kept) == layer.mlp.gate.num_experts
+        for number, expert in enumerate(kept):  # each kept expert's gate and up rows its own dense ones, renumbered
+            own = layer.mlp.experts.get_submodule(str(number)).gate_up_proj
+            dense_rows = dense_layer.mlp.experts.gate_up_proj[expert]
+            assert all(any(torch.equal(row, dense) for dense in dense_rows) for row in own)
+    unit = channel_params(decoder_layers(model)[0])
+    assert abs(result.params_dense - result.params_pruned - 0.5 * result.params_dense) <= unit
+
+
+@pytest.mark.parametrize(
+    ("family", "ratio", "removed"),
+    [
+        ("mixtral", 0.3, 1),
+        ("mixtral", 0.5, 2),
+        ("qwen2_moe", 0.3, 1),
+        ("qwen2_moe", 0.5, 2),
+        ("qwen3_moe", 0.3, 1),
+        ("qwen3_moe", 0.5, 2),
+    ],
+)
+def test_casp_prune_removes_whole_experts(
+    family: str,
+    ratio: float,
+    removed: int,
+    dense_folders: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """`--moe-prune-experts` on the command line: the job verifies, every layer keeps EXPERTS - removed routed
+    experts (Qwen2-MoE's shared expert always), and the achieved ratio is the target's."""
+    out = tmp_path / "pruned"
+    arguments = ["prune", "--model", str(dense_folders[family]), "--ratio", str(ratio), "--out", str(out)]
+    arguments += ["--moe-prune-experts", str(removed), *small_run_arguments(tmp_path)]
+    assert cli.main(arguments) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["verification"]["max_relative_diff"] <= 1e-10
+    assert abs(report["achieved_ratio"] - ratio) <= report["rounding"]["one_unit"]
+    config = json.loads((out / "config.json").read_text())
+    assert [len(widths) for widths in config["layer_expert_intermediate_sizes"]] == [EXPERTS - removed] * 2
+    for layer in report["layers"]:
+        gone = [expert for expert in layer["experts"] if expert["removed"]]
+        assert len(gone) == removed and not any(expert["shared"] for expert in gone)
+        assert len(layer["pruned_channels"]) == sum(expert["pruned_channels"] for expert in layer["experts"])
+
+
+def test_removed_experts_count_first_in_the_budget(dense_folder: Path) -> None:
+    """Each layer's channel counts start at the removed experts' channels, so a ratio that r_max = 0.5 of every
+    expert's channels cannot reach (144 of 288 channels a layer: 0.42 of its parameters) is reached with 2 of 6
+    experts removed (96 + 96 channels: 0.56)."""
+    model, _ = load_model(str(dense_folder))
+    config = PruneConfig(ratio=0.5, r_max=0.5, device="cpu", moe={"prune_experts": REMOVED})
+    check_reachable(model, config)
+    plan = plan_budget(model, [0.5, 0.5], config)
+    assert [layer.channel_counts[0] for layer in plan.layers] == [REMOVED * EXPERT_WIDTH] * 2
+    with pytest.raises(InvalidConfig, match=r"^ratio: 0.5 cannot be reached .* at most 0.4218"):
+        check_reachable(model, PruneConfig(ratio=0.5, r_max=0.5, device="cpu"))
+
+
+def test_the_lowest_energy_experts_go_unreached_first_never_the_shared_one() -> None:
+    """S_e = E||w_e W_e y_e||^2 orders the routed experts; an unreached one (S_e = 0) goes first; the shared expert
+    (numbered after the 4 routed ones) has the lowest S_e here and stays."""
+    traffic = [ExpertTraffic(t, 0.1, s) for t, s in ((10, 5.0), (0, 0.0), (10, 0.5), (10, 2.0), (40, 0.1))]
+    assert lowest_energy_experts(traffic, 1, routed=4) == [1]
+    assert lowest_energy_experts(traffic, 2, routed=4) == [1, 2]
+    assert lowest_energy_experts(traffic, 3, routed=4) == [1, 2, 3]
+
+
+def test_an_unreached_expert_is_the_first_removed(unreached_folder: Path) -> None:
+    """The pipeline's criterion on a constructed model: expert 3, which no token reaches, is removed in every layer,
+    and with it out of the routing no kept expert is left unreached (no warning)."""
+    model, tokenizer = load_model(str(unreached_folder))
+    result = prune_small(model, tokenizer, 0.3, "greedy", moe={"prune_experts": 1})
+    for layer in result.layers:
+        assert [expert.index for expert in layer.experts if expert.removed] == [3]
+        assert all(expert.reached for expert in layer.experts if not expert.removed)
+    assert all(len(widths) == EXPERTS - 1 for widths in result.model.config.layer_expert_intermediate_sizes)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_masked_router_is_the_dense_one_with_the_removed_logits_at_minus_infinity(
+    family: str, dense_folders: dict[str, Path]
+) -> None:
+    """Softmax over all experts with experts 1 and 4 at -inf, top-2, renormalised (Mixtral) or not (Qwen3-MoE by
+    default), written out here: the masked router's picks (in the dense numbering) and weights."""
+    model, _ = load_model(str(dense_folders[family]))
+    router = decoder_layers(model)[1].mlp.gate
+    hidden = torch.randn(40, TINY["hidden_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    router.double()
+    logits = hidden @ router.weight.T
+    logits[:, [1, 4]] = float("-inf")
+    probabilities = torch.softmax(logits.float(), dim=-1)
+    expected_weights, expected_experts = torch.topk(probabilities, TOP_K, dim=-1)
+    if family == "mixtral":
+        expected_weights /= expected_weights.sum(dim=-1, keepdim=True)
+    route_to_kept_experts(router, [0, 2, 3, 5])
+    masked_logits_out, weights, experts = router(hidden)
+    assert torch.equal(experts, expected_experts) and not torch.isin(experts, torch.tensor([1, 4])).any()
+    torch.testing.assert_close(weights.double(), expected_weights.double(), rtol=1e-6, atol=0)
+    assert torch.isinf(masked_logits_out[:, [1, 4]]).all()
+
+
+@pytest.mark.parametrize(
+    ("router_class", "config"),
+    [
+        (MixtralTopKRouter, MixtralConfig(hidden_size=64, num_local_experts=32, num_experts_per_tok=4)),
+        (Qwen3MoeTopKRouter, Qwen3MoeConfig(hidden_size=64, num_experts=32, num_experts_per_tok=4)),
+    ],
+)
+def test_the_masked_router_computes_what_the_router_without_the_rows_computes(
+    router_class: type, config: PretrainedConfig
+) -> None:
+    """Bit for bit, at 32 experts (a softmax with the removed logits at -inf among the others differs in the last
+    bit of float32 from 16 experts up), so that verification's 1e-10 holds for Qwen3-30B-A3B's 128 experts too."""
+    many = 32
+    kept = [e for e in range(many) if e % 4 != 1]
+    dense, without = router_class(config), router_class(config)
+    generator = torch.Generator().manual_seed(4)
+    dense.weight.data = torch.randn(many, 64, dtype=torch.float64, generator=generator)
+    without.weight.data = dense.weight.data[kept].clone()
+    hidden = torch.randn(64, 64, dtype=torch.float64, generator=generator)
+    route_to_kept_experts(dense, kept)
+    _, weights, experts = dense(hidden)
+    _, expected_weights, expected_experts = without(hidden)
+    assert torch.equal(weights, expected_weights) and torch.equal(experts, torch.tensor(kept)[expected_experts])
+
+
+def test_fewer_experts_than_top_k_left_are_refused(dense_folder: Path, tmp_path: Path, capsys) -> None:
+    model, _ = load_model(str(dense_folder))
+    check_reachable(model, PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K}))
+    with pytest.raises(
+        InvalidConfig, match=r"^moe.prune_experts: removing 5 of the 6 experts .* remove at most 4$"
+    ) as message:
+        check_reachable(model, PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K + 1}))
+    arguments = ["prune", "--model", str(dense_folder), "--ratio", "0.3", "--out", str(tmp_path / "out")]
+    assert cli.main([*arguments, "--moe-prune-experts", "5", "--device", "cpu"]) != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("casp: error")]
+    assert errors == [f"casp: error: invalid_config: {message.value.message}"]
+    dense = LlamaConfig(**COMMON)
+    with pytest.raises(InvalidConfig, match=r"^moe.prune_experts: Llama has no experts to remove"):
+        family_of(dense).check_settings(dense, PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": 1}))
 
 
 def test_an_unreached_expert_is_reported_and_kept_whole_unless_allowed(unreached_folder: Path) -> None:
@@ -293,32 +516,42 @@ torch.save(out, sys.argv[2])
 print(json.dumps({"casp_core_imported": "casp_core" in sys.modules}))
 """
 UNIFORM_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+# The uniform shape's cases: each family, and two with whole experts removed (the same count in every layer).
+# Where config.json keeps the experts' count (Qwen3MoeConfig maps num_experts to num_local_experts).
+STORED_EXPERT_COUNT = {"mixtral": "num_local_experts", "qwen3_moe": "num_local_experts", "olmoe": "num_experts"}
+UNIFORM_CASES = [(family, 0) for family in UNIFORM_FAMILIES] + [("mixtral", 1), ("qwen3_moe", REMOVED)]
 
 
 def test_the_uniform_shape_is_the_family_s_own_class(dense_folders: dict[str, Path], tmp_path: Path) -> None:
-    """shape uniform at 0.5: the same kept width in every expert of every layer, the family's own config and class,
-    no auto_map; in a fresh process that never imports casp_core it loads without remote code and computes the
-    masked model's logits."""
+    """shape uniform at 0.5: the same kept width in every expert of every layer, the same expert count (whole
+    experts removed or not), the family's own config and class, no auto_map; in a fresh process that never imports
+    casp_core it loads without remote code and computes the masked model's logits."""
     written = {}
-    for family in UNIFORM_FAMILIES:
+    for family, removed in UNIFORM_CASES:
         model, tokenizer = load_model(str(dense_folders[family]))
-        result = prune_small(model, tokenizer, 0.5, "greedy", shape="uniform")  # masks `model`, verifies
-        save_pruned(result.model, tokenizer, tmp_path / family)
-        config = json.loads((tmp_path / family / "config.json").read_text())
+        moe = {"prune_experts": removed}
+        result = prune_small(model, tokenizer, 0.5, "greedy", shape="uniform", moe=moe)  # masks `model`, verifies
+        folder = tmp_path / f"{family}-{removed}"
+        save_pruned(result.model, tokenizer, folder)
+        config = json.loads((folder / "config.json").read_text())
         assert config["model_type"] == family and "auto_map" not in config
+        assert config[STORED_EXPERT_COUNT[family]] == EXPERTS - removed
         kept = {layer.mlp.experts.down_proj.shape[-1] for layer in decoder_layers(result.model)}
         assert len(kept) == 1 and kept.pop() < EXPERT_WIDTH
-        written[family] = masked_logits(model)
+        assert {layer.mlp.gate.weight.shape[0] for layer in decoder_layers(result.model)} == {EXPERTS - removed}
+        # Within one channel of every kept expert of every layer of the target, the removed experts counted.
+        unit = channel_params(decoder_layers(model)[0]) * (EXPERTS - removed) * len(decoder_layers(model))
+        assert abs(result.params_dense - result.params_pruned - 0.5 * result.params_dense) <= unit
+        written[str(folder)] = masked_logits(model)
     torch.save(test_tokens(), tmp_path / "tokens.pt")
-    folders = [str(tmp_path / family) for family in written]
-    completed = run_python(_PLAIN_LOGITS, "tokens.pt", "logits.pt", *folders, cwd=tmp_path)
+    completed = run_python(_PLAIN_LOGITS, "tokens.pt", "logits.pt", *written, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     records = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
     assert records[-1] == {"casp_core_imported": False}
-    assert [record["class"] for record in records[:-1]] == list(UNIFORM_FAMILIES.values())
+    assert [record["class"] for record in records[:-1]] == [UNIFORM_FAMILIES[family] for family, _ in UNIFORM_CASES]
     logits = torch.load(tmp_path / "logits.pt")
-    for family, expected in written.items():
-        difference = (logits[str(tmp_path / family)] - expected).abs().max().item()
+    for folder, expected in written.items():
+        difference = (logits[folder] - expected).abs().max().item()
         assert difference <= 1e-9 * expected.abs().max().item()
 
 
