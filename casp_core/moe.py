@@ -45,7 +45,7 @@ from casp_core.compensation import CompensationReport, compensate_linear
 from casp_core.config import PruneConfig
 from casp_core.families import family_of_layer
 from casp_core.families.base import RowSlice
-from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights
+from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights, routed_experts
 from casp_core.interaction import interaction_matrix, offdiag_ratio
 from casp_core.numerics import check_finite
 from casp_core.results import ExpertReport, SubLayerReport
@@ -223,9 +223,10 @@ def prune_experts_channels(
     with run.stage("statistics"):
         traffic = expert_traffic(experts, batches, device)
     removed_channels = sum(widths[e] for e in removed)
-    if isinstance(plan, UniformShape):  # the same count in every kept expert, reached or not
-        each = (plan.pruned_channels - removed_channels) // (len(experts) - len(removed))
-        counts = [widths[e] if e in removed else each for e in range(len(experts))]
+    if isinstance(plan, UniformShape):  # the same count in every kept routed expert, reached or not
+        routed = len(routed_experts(layer))  # a shared expert, numbered last, is kept whole
+        each = (plan.pruned_channels - removed_channels) // (routed - len(removed))
+        counts = [widths[e] if e in removed else each if e < routed else 0 for e in range(len(experts))]
         unreached = [e for e, t in enumerate(traffic) if t.tokens == 0 and e not in removed]
     else:
         n_channels = channels_to_prune(plan, index, removed_before, 0) - removed_channels

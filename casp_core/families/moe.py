@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
+from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, PruneSettings
 from casp_core.errors import InvalidConfig, VerificationFailed
 from casp_core.families.base import SOURCE_ONLY_KEYS, ExpertStack, Family, LayerProjections, kept_index
 from casp_core.rounding import channel_counts
@@ -70,6 +70,11 @@ def expert_weights(layer: nn.Module) -> list[ExpertWeights]:
             ExpertWeights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, shared.act_fn)
         )
     return weights
+
+
+def routed_experts(layer: nn.Module) -> list[ExpertWeights]:
+    """The experts the router picks from: `expert_weights` but a shared expert."""
+    return expert_weights(layer)[: layer.get_submodule(EXPERTS_PATH).num_experts]
 
 
 def expert_channels(channels: tuple[int, ...] | list[int], widths: list[int]) -> list[list[int]]:
@@ -159,7 +164,6 @@ class MixtureOfExperts(Family):
 
     def check_settings(self, config: PretrainedConfig, settings: PruneSettings) -> None:
         refused = {
-            "shape": settings.shape == UNIFORM_SHAPE and self.shared_expert_width(config) > 0,
             "alpha": settings.alpha == "auto",
             "compensation": settings.compensation in (MEAN_BIAS_COMPENSATION, DENSE_TARGET_COMPENSATION),
             "calibration.mode": settings.calibration.mode == "dense",
@@ -169,8 +173,7 @@ class MixtureOfExperts(Family):
             if is_refused:
                 raise InvalidConfig(
                     f"{name}: {self.name} (a mixture of experts) is pruned with a numeric alpha, least-squares or no "
-                    "compensation, sequential calibration and a ratio; the uniform shape only without a shared "
-                    "expert (docs/moe.md)"
+                    "compensation, sequential calibration and a ratio (docs/moe.md)"
                 )
         removed, experts, top_k = settings.moe.prune_experts, self.num_experts(config), config.num_experts_per_tok
         if experts - removed < top_k:
@@ -217,9 +220,9 @@ class MixtureOfExperts(Family):
     def uniform_channel_counts(
         self, layer: nn.Module, r_max: float, round_to: int | str, block: int | None, removed_experts: int = 0
     ) -> tuple[int, ...]:
-        """The same count in every expert kept (all alike in a family the uniform shape takes), after the removed
-        experts' channels."""
-        experts = expert_weights(layer)
+        """The same count in every routed expert kept (they are alike), after the removed experts' channels; a
+        shared expert (Qwen2-MoE's) is kept whole, so that its width stays the one setting its config has."""
+        experts = routed_experts(layer)
         width, kept_experts = experts[0].width, len(experts) - removed_experts
         counts = channel_counts(width, r_max, round_to, block)
         return tuple(removed_experts * width + kept_experts * count for count in counts)
@@ -274,8 +277,15 @@ class MixtureOfExperts(Family):
         attention_bias: bool,
         mlp_bias: bool,
     ) -> PretrainedConfig:
-        """The dense config with the experts' kept width; attention and the router as they were."""
-        widths = set(ffn_width) if isinstance(ffn_width, tuple) else {ffn_width}
+        """The dense config with the routed experts' kept width; attention, the router and a shared expert as they
+        were."""
+        layer_widths = ffn_width if isinstance(ffn_width, tuple) else (ffn_width,)
+        shared = self.shared_expert_width(config)
+        if shared:
+            layer_widths, shared_kept = layer_widths[:-1], layer_widths[-1]
+            if shared_kept != shared:
+                raise VerificationFailed("the uniform shape pruned the shared expert, which it keeps whole")
+        widths = set(layer_widths)
         if len(widths) != 1 or heads != config.num_attention_heads:
             raise VerificationFailed("the uniform shape left experts of different widths or removed heads")
         settings = {k: v for k, v in config.to_dict().items() if k not in SOURCE_ONLY_KEYS}

@@ -486,7 +486,6 @@ def test_the_experts_share_follows_their_sensitivity() -> None:
 @pytest.mark.parametrize(
     ("family", "settings", "name"),
     [
-        ("qwen2_moe", {"shape": "uniform"}, "shape"),  # its shared expert has a width of its own
         ("mixtral", {"alpha": "auto"}, "alpha"),
         ("mixtral", {"compensation": "bias"}, "compensation"),
         ("mixtral", {"calibration": {"mode": "dense", "n_samples": 4, "seq_len": 32}}, "calibration.mode"),
@@ -515,10 +514,20 @@ for path in sys.argv[3:]:
 torch.save(out, sys.argv[2])
 print(json.dumps({"casp_core_imported": "casp_core" in sys.modules}))
 """
-UNIFORM_FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+UNIFORM_FAMILIES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",  # its shared expert kept whole
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 # The uniform shape's cases: each family, and two with whole experts removed (the same count in every layer).
 # Where config.json keeps the experts' count (Qwen3MoeConfig maps num_experts to num_local_experts).
-STORED_EXPERT_COUNT = {"mixtral": "num_local_experts", "qwen3_moe": "num_local_experts", "olmoe": "num_experts"}
+STORED_EXPERT_COUNT = {
+    "mixtral": "num_local_experts",
+    "qwen2_moe": "num_experts",
+    "qwen3_moe": "num_local_experts",
+    "olmoe": "num_experts",
+}
 UNIFORM_CASES = [(family, 0) for family in UNIFORM_FAMILIES] + [("mixtral", 1), ("qwen3_moe", REMOVED)]
 
 
@@ -536,6 +545,11 @@ def test_the_uniform_shape_is_the_family_s_own_class(dense_folders: dict[str, Pa
         config = json.loads((folder / "config.json").read_text())
         assert config["model_type"] == family and "auto_map" not in config
         assert config[STORED_EXPERT_COUNT[family]] == EXPERTS - removed
+        if family == "qwen2_moe":
+            assert config["shared_expert_intermediate_size"] == SHARED_WIDTH
+            assert {layer.mlp.shared_expert.down_proj.in_features for layer in decoder_layers(result.model)} == {
+                SHARED_WIDTH
+            }
         kept = {layer.mlp.experts.down_proj.shape[-1] for layer in decoder_layers(result.model)}
         assert len(kept) == 1 and kept.pop() < EXPERT_WIDTH
         assert {layer.mlp.gate.weight.shape[0] for layer in decoder_layers(result.model)} == {EXPERTS - removed}
