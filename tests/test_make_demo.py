@@ -28,7 +28,11 @@ def test_make_demo_installs_the_runtime_alone(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     # -n: the commands a fresh clone would run (-B: as if nothing were built yet), none of them run.
     completed = subprocess.run(
-        ["make", "-n", "-B", "demo", f"VENV={venv}"], cwd=REPO, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", "-B", "demo", f"VENV={venv}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     commands = completed.stdout.splitlines()
     installs = [command for command in commands if " pip install " in command]

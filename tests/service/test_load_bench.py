@@ -24,6 +24,7 @@ def own_redis(tmp_path: Path) -> Iterator[str]:
         server.stop()
 
 
+@pytest.mark.slow
 def test_load_bench_distributed_tiny(local_services: None, own_redis: str, tmp_path: Path) -> None:
     load.main(
         ["--modes", "distributed", "--jobs", "6", "--polls", "10", "--concurrency", "2", "--out", str(tmp_path),

@@ -204,7 +204,7 @@ def test_job_stage_posts_each_stage_started_and_the_events_a_job_names_are_all_i
         assert len(stages) >= 4 and stages[0] == "load", stages
         # It succeeded, which its events leave out: nothing is posted for its end.
         wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["webhook_state"] == "skipped", 30, "the end skipped")
-        wait_for(lambda: len(receiver.received) == len(stages) + 1, 30, "a delivery per stage")
+        wait_for(lambda: len(receiver.received) == len(stages) + 1, 90, "a delivery per stage")
         messages = webhook_events(api, job["id"])
         # The defaults: the three final events, for a job that names none.
         plain = api.post("/v1/jobs", json={**PARKED, "webhook_url": receiver.url}).json()
