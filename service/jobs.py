@@ -486,10 +486,10 @@ def claim_webhook(session: Session, job_id: str, now: datetime, lease: timedelta
     return JOB_ENDS.claim(session, job_id, now, lease)
 
 
-def pending_stage_deliveries(session: Session, now: datetime, limit: int = 100) -> Sequence[int]:
-    """`job.stage` deliveries still to be made that no notifier holds, oldest first."""
-    query = select(StageDelivery.id).where(STAGES.open(now))
-    return session.scalars(query.order_by(StageDelivery.id).limit(limit)).all()
+def pending_stage_deliveries(session: Session, now: datetime, limit: int = 100) -> list[tuple[int, str]]:
+    """`job.stage` deliveries still to be made that no notifier holds, oldest first: (delivery id, job id)."""
+    query = select(StageDelivery.id, StageDelivery.job_id).where(STAGES.open(now))
+    return [(row.id, row.job_id) for row in session.execute(query.order_by(StageDelivery.id).limit(limit))]
 
 
 def claim_stage_delivery(session: Session, delivery_id: int, now: datetime, lease: timedelta) -> StageDelivery | None:

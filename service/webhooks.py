@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -205,8 +206,15 @@ def deliver_stage(settings: Settings, delivery_id: int, stopped: threading.Event
     return post_until_taken(settings, (url, body, jobs.STAGE_EVENT, message_id), done_before, record, stopped)
 
 
+# Jobs whose deliveries are sent at once: a receiver that hangs until the timeout, or fails and is waited for,
+# holds back its own job's deliveries and no other job's.
+DELIVERY_THREADS = 8
+
+
 class Notifier(threading.Thread):
-    """Delivers the webhooks of finished jobs; runs beside the API (casp_cli.app), where webhooks are on."""
+    """Delivers the webhooks of jobs (stages started, ends); runs beside the API (casp_cli.app), where webhooks are
+    on. A job's deliveries go one after another, oldest stage first and its end last, on one of DELIVERY_THREADS
+    threads; each round hands out the jobs with deliveries due that are not already being sent."""
 
     def __init__(self, settings: Settings, job_body: JobBody) -> None:
         super().__init__(name="casp-notifier", daemon=True)
@@ -215,19 +223,34 @@ class Notifier(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        while not self.stopped.wait(self.settings.webhook_poll_seconds):
-            try:
-                with session_scope(self.settings.database) as session:
-                    stages = jobs.pending_stage_deliveries(session, utcnow())
-                    pending = jobs.pending_webhooks(session, utcnow())
-                # The stages first: a job's start is older than its end.
-                for delivery_id in stages:
-                    if self.stopped.is_set():
-                        return
-                    deliver_stage(self.settings, delivery_id, self.stopped)
-                for job_id in pending:
-                    if self.stopped.is_set():
-                        return
-                    deliver(self.settings, self.job_body, job_id, self.stopped)
-            except Exception as exc:  # the database may be briefly away; try again next round
-                log.warning("webhook round failed: %s: %s", type(exc).__name__, exc)
+        sending: dict[str, Future[None]] = {}
+        with ThreadPoolExecutor(DELIVERY_THREADS, thread_name_prefix="casp-webhook") as pool:
+            while not self.stopped.wait(self.settings.webhook_poll_seconds):
+                sending = {job_id: future for job_id, future in sending.items() if not future.done()}
+                try:
+                    with session_scope(self.settings.database) as session:
+                        stages = jobs.pending_stage_deliveries(session, utcnow())
+                        ends = jobs.pending_webhooks(session, utcnow())
+                except Exception as exc:  # the database may be briefly away; try again next round
+                    log.warning("webhook round failed: %s: %s", type(exc).__name__, exc)
+                    continue
+                due: dict[str, list[int]] = {}
+                for delivery_id, job_id in stages:
+                    due.setdefault(job_id, []).append(delivery_id)
+                ended = set(ends)
+                for job_id in ends:
+                    due.setdefault(job_id, [])
+                for job_id, stage_ids in due.items():
+                    if job_id not in sending:
+                        sending[job_id] = pool.submit(self.deliver_job, job_id, stage_ids, job_id in ended)
+
+    def deliver_job(self, job_id: str, stage_ids: list[int], end: bool) -> None:
+        try:
+            for delivery_id in stage_ids:
+                if self.stopped.is_set():
+                    return
+                deliver_stage(self.settings, delivery_id, self.stopped)
+            if end and not self.stopped.is_set():
+                deliver(self.settings, self.job_body, job_id, self.stopped)
+        except Exception as exc:  # as a round: the next one tries again once the lease has run out
+            log.warning("webhook delivery of job %s failed: %s: %s", job_id, type(exc).__name__, exc)

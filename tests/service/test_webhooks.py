@@ -1,6 +1,7 @@
 """A job's end posted to its webhook: a local HTTP receiver checks the signature, and fails the first attempts to
 see the retries, each an event; against PostgreSQL and Redis with the API's notifier thread."""
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -32,21 +33,25 @@ SECRET = "whsec-test"
 
 @dataclass
 class Receiver:
-    """Answers 500 to the first `failures` requests, then 200; keeps what it received and when."""
+    """Answers 500 to the first `failures` requests, then 200, each after `delay` seconds; keeps what it received
+    and when."""
 
     failures: int = 0
+    delay: float = 0.0
     received: list[tuple[float, dict[str, str], bytes]] = field(default_factory=list)
     url: str = ""
 
 
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
+@contextlib.contextmanager
+def serving() -> Iterator[Receiver]:
+    """A Receiver on a free local port, in a thread of its own."""
     state = Receiver()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             state.received.append((time.monotonic(), dict(self.headers), body))
+            time.sleep(state.delay)
             self.send_response(500 if len(state.received) <= state.failures else 200)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -60,6 +65,18 @@ def receiver() -> Iterator[Receiver]:
     thread.start()
     yield state
     server.shutdown()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with serving() as state:
+        yield state
+
+
+@pytest.fixture
+def slow_receiver() -> Iterator[Receiver]:
+    with serving() as state:
+        yield state
 
 
 @pytest.fixture
@@ -155,6 +172,27 @@ def test_a_webhook_that_keeps_failing_ends_failed_after_the_last_attempt(hooked:
         # Each failed attempt counts in the metric operators alert on (docs/operations.md).
         assert webhook_failures_metric(api) == failures_before + 2
     assert len(receiver.received) == 2
+
+
+def test_a_receiver_that_hangs_holds_back_its_own_jobs_deliveries_and_no_other_jobs(
+    hooked: Settings, receiver: Receiver, slow_receiver: Receiver
+) -> None:
+    slow_receiver.delay = 5.0  # longer than the timeout: every attempt times out
+    timing_out = hooked.model_copy(update={"webhook_timeout_seconds": 2.0, "webhook_max_attempts": 2})
+    with TestClient(service_app(timing_out)) as api:
+        stuck = api.post("/v1/jobs", json={**PARKED, "webhook_url": slow_receiver.url}).json()
+        api.post(f"/v1/jobs/{stuck['id']}/cancel")
+        wait_for(lambda: slow_receiver.received, 30, "the stuck job's first attempt")
+        fine = api.post("/v1/jobs", json={**PARKED, "webhook_url": receiver.url}).json()
+        api.post(f"/v1/jobs/{fine['id']}/cancel")
+        wait_for(lambda: api.get(f"/v1/jobs/{fine['id']}").json()["webhook_state"] == "delivered", 30, "delivered")
+        # Delivered while the other job's attempts still time out, one after another.
+        assert api.get(f"/v1/jobs/{stuck['id']}").json()["webhook_state"] == "pending"
+        wait_for(lambda: api.get(f"/v1/jobs/{stuck['id']}").json()["webhook_state"] == "failed", 30, "it to fail")
+        assert webhook_events(api, stuck["id"]) == [
+            "failed: ReadTimeout: timed out (attempt 1)",
+            "failed: ReadTimeout: timed out (attempt 2)",
+        ]
 
 
 def test_webhook_urls_are_checked_at_submit(hooked: Settings, receiver: Receiver) -> None:
