@@ -211,12 +211,16 @@ def test_webhook_urls_are_checked_at_submit(hooked: Settings, receiver: Receiver
 
 
 def stages_started(api: TestClient, job_id: str) -> list[str]:
-    """The stages the job's first attempt started, in order, as its events show them."""
+    """The stages the job's first attempt started, in order, as its progress events show them: the worker writes
+    those with the stage it starts. Another kind of event names the stage its writer read, which the worker may
+    have left by the time it is written (a webhook event written as the next stage starts)."""
     stages: list[str] = []
     events = api.get(f"/v1/jobs/{job_id}/events").json()
     assert not events["has_more"]
     for event in events["data"]:
-        if event["attempt"] == 1 and event["stage"] and (not stages or stages[-1] != event["stage"]):
+        if event["kind"] != "progress" or event["attempt"] != 1:
+            continue
+        if not stages or stages[-1] != event["stage"]:
             stages.append(event["stage"])
     return stages
 
@@ -242,7 +246,7 @@ def test_job_stage_posts_each_stage_started_and_the_events_a_job_names_are_all_i
         assert len(stages) >= 4 and stages[0] == "load", stages
         # It succeeded, which its events leave out: nothing is posted for its end.
         wait_for(lambda: api.get(f"/v1/jobs/{job['id']}").json()["webhook_state"] == "skipped", 30, "the end skipped")
-        wait_for(lambda: len(receiver.received) == len(stages) + 1, 90, "a delivery per stage")
+        wait_for(lambda: len(receiver.received) >= len(stages) + 1, 90, "a delivery per stage")
         messages = webhook_events(api, job["id"])
         # The defaults: the three final events, for a job that names none.
         plain = api.post("/v1/jobs", json={**PARKED, "webhook_url": receiver.url}).json()
