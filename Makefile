@@ -14,6 +14,13 @@ LOWEST := $(VENV)/transformers-lowest
 # The CPU wheel on local disk in dev and CI; any other torch pulls a multi-GB CUDA build.
 TORCH_VERSION := 2.13.0
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# llama-cpp-python compiles llama.cpp. Left to itself it tunes for the building CPU (GGML_NATIVE), AMX included
+# where the CPU lists it, and pip caches that wheel under the release's name alone: on a VM whose CPU lists AMX
+# that the VM does not enable (a Firecracker guest on Sapphire Rapids), every quantized decode segfaults. Built
+# once for any x86-64 with AVX2 into a folder of its own, named by the version and the flags, and installed from it.
+LLAMA_CPP_VERSION := $(shell sed -n 's/^llama_cpp_python==//p' constraints.txt)
+LLAMA_CPP_FLAGS := -DGGML_NATIVE=OFF
+LLAMA_CPP_WHEELS := $(HOME)/.cache/casp/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-native-off
 # The tests that exercise the libraries whose releases change under us: transformers, peft, lm-eval, gguf, llama.cpp.
 LIBRARY_TESTS := tests/core/test_generation.py tests/core/test_families.py tests/core/test_surgery.py \
 	tests/core/test_uniform_shape.py tests/core/test_gguf.py tests/core/test_recovery.py tests/core/eval
@@ -30,7 +37,9 @@ $(RUNTIME_STAMP): requirements.txt constraints.txt pyproject.toml
 	touch $(RUNTIME_STAMP)
 
 $(DEV_STAMP): $(RUNTIME_STAMP) requirements-dev.txt requirements-gguf.txt requirements-lowest.txt
-	$(BIN)/python -m pip install -q -r requirements-dev.txt -c constraints.txt
+	ls $(LLAMA_CPP_WHEELS)/*.whl >/dev/null 2>&1 || CMAKE_ARGS="$(LLAMA_CPP_FLAGS)" $(BIN)/python -m pip wheel -q \
+		--no-deps --no-cache-dir -w $(LLAMA_CPP_WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(BIN)/python -m pip install -q --find-links $(LLAMA_CPP_WHEELS) -r requirements-dev.txt -c constraints.txt
 	rm -rf $(LOWEST)
 	$(BIN)/python -m pip install -q --no-deps --target $(LOWEST) -r requirements-lowest.txt
 	touch $(DEV_STAMP)
@@ -70,7 +79,8 @@ test-latest:
 	rm -rf .venv-latest
 	$(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/python -m pip install -q --upgrade pip
-	.venv-latest/bin/python -m pip install -q torch==$(TORCH_VERSION) -r requirements-dev.txt
+	CMAKE_ARGS="$(LLAMA_CPP_FLAGS)" .venv-latest/bin/python -m pip install -q --no-cache-dir torch==$(TORCH_VERSION) \
+		-r requirements-dev.txt
 	.venv-latest/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	.venv-latest/bin/python -m pip list 2>/dev/null | grep -iE '^(transformers|peft|lm.eval|gguf|llama.cpp.python|tokenizers|huggingface.hub) '
 	bash scripts/services.sh

@@ -14,7 +14,7 @@ it is still not positive definite the damping grows tenfold (with a warning) unt
 Several pruned sets of one sub-layer that nest (a dense-mode sweep's ratios, when the solver's choices at the
 larger ratios contain those at the smaller, as greedy's do) share one factor (`NestedRefit`): with the columns
 ordered so that every kept set is a leading block, the Cholesky factor of C_kk + λI is the leading block of the
-factor of the whole C + λI, and the refit needs one triangular solve per set.
+factor of the whole C + λI, and each set's solve starts from the next smaller set's.
 
 With sequential calibration the layer's inputs y come from the already pruned layers (the pruned stream), and
 the fit above makes the kept units reproduce what this layer, unpruned, would output on them. The dense-target
@@ -33,7 +33,7 @@ E||W_p y_p - b||² = E||W_p y_p||² - ||b||², the removed part's variance aroun
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,30 +153,27 @@ class NestedRefit:
 
         W' = (A L)_:k L_kk^-1,   D = W' - W_k,
 
-    one product A L for all the sets and one triangular solve per set. The errors, with G = A L:
+    one product G = A L for all the sets, and the solves through nested leading blocks (`_nested_solves`). The
+    errors:
 
         after  = E||W_p y_p - D y_k||² = ||G_:,k:||² - λ (||W_p||² + ||D||²)
         before = E||W_p y_p||² = sum of (A_pᵀ A_p) ⊙ C_pp,
 
     the first from expanding E||W y - W' y_k||² with C = M - λI and W' L_kk = G_:k; the second is z'Qz over the
-    pruned columns, read for every set off one float64 block over the largest set's columns (the last ones)."""
+    pruned columns, read for every set off one float64 block over the largest set's columns (the last ones).
+    Every set's fit is made at once, since each solve starts from the next smaller set's."""
 
     order: torch.Tensor  # P as column numbers: position i holds column order[i]
-    weight: torch.Tensor  # A = W Pᵀ, float64
-    factor: torch.Tensor  # L
-    product: torch.Tensor  # G = A L
-    tail_energy: torch.Tensor  # tail_energy[j] = ||G_:,j:||², j = 0 .. width
-    errors_before: dict[int, float]  # by the number of kept columns
-    damping: float  # relative, as asked
-    ridge: float  # λ
+    fits: dict[int, LeastSquaresFit]  # by the number of kept columns
 
     @classmethod
     def of(
         cls, weight: torch.Tensor, second_moment: torch.Tensor, pruned_sets: Sequence[list[int]], damping: float
     ) -> "NestedRefit | None":
-        """The shared factor for `pruned_sets`, or None where it does not apply and each set is fitted on its own:
-        fewer than two sets to refit (one that prunes something and keeps something), sets that do not nest, or
-        C + λI not positive definite at the damping asked (each C_kk + λI then grows its damping as it needs)."""
+        """The shared factor's fits for `pruned_sets`, or None where it does not apply and each set is fitted on
+        its own: fewer than two sets to refit (one that prunes something and keeps something), sets that do not
+        nest, or C + λI not positive definite at the damping asked (each C_kk + λI then grows its damping as it
+        needs)."""
         width = second_moment.shape[0]
         refitted = {frozenset(pruned) for pruned in pruned_sets if 0 < len(pruned) < width}
         if len(refitted) < 2:
@@ -198,28 +195,46 @@ class NestedRefit:
         product = _times_lower_triangular(ordered, factor)
         energy = product.pow(2).sum(dim=0)
         tail_energy = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
-        first = width - max(len(pruned) for pruned in refitted)
+        kept_counts = sorted(width - len(pruned) for pruned in refitted)
+        first = kept_counts[0]
         removed = ordered[:, first:]
         interactions = (removed.T @ removed).mul_(second_moment[order[first:]][:, order[first:]].double())
-        errors_before = {
-            width - len(pruned): float(interactions[width - len(pruned) - first :, width - len(pruned) - first :].sum())
-            for pruned in refitted
-        }
-        return cls(order, ordered, factor, product, tail_energy, errors_before, damping, damping * scale)
+        ridge = damping * scale
+        fits = {}
+        for kept, refitted_columns in _nested_solves(product, factor, kept_counts):
+            update = (refitted_columns - ordered[:, :kept])[:, torch.argsort(order[:kept])]
+            removed_weight = float(ordered[:, kept:].pow(2).sum())
+            fits[kept] = LeastSquaresFit(
+                update=update,
+                damping=damping,
+                error_before=float(interactions[kept - first :, kept - first :].sum()),
+                error_after=float(tail_energy[kept]) - ridge * (removed_weight + float(update.pow(2).sum())),
+            )
+        return cls(order, fits)
 
     def fit(self, pruned: list[int]) -> LeastSquaresFit:
         """`fit_kept_columns`' fit for `pruned` (one of the sets this was made for), its update in the order of
         the kept column numbers."""
-        width = len(self.order)
-        kept = width - len(pruned)
-        assert kept in self.errors_before and set(self.order[kept:].tolist()) == set(pruned), "not one of its sets"
-        refitted = _solve_times_lower_triangular(self.product[:, :kept], self.factor[:kept, :kept])
-        update = refitted.sub_(self.weight[:, :kept])[:, torch.argsort(self.order[:kept])]
-        removed_weight = float(self.weight[:, kept:].pow(2).sum())
-        error_after = float(self.tail_energy[kept]) - self.ridge * (removed_weight + float(update.pow(2).sum()))
-        return LeastSquaresFit(
-            update=update, damping=self.damping, error_before=self.errors_before[kept], error_after=error_after
-        )
+        kept = len(self.order) - len(pruned)
+        assert kept in self.fits and set(self.order[kept:].tolist()) == set(pruned), "not one of its sets"
+        return self.fits[kept]
+
+
+def _nested_solves(rhs: torch.Tensor, lower: torch.Tensor, widths: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+    """X_k with X_k L_kk = rhs_:k for each k of `widths` (ascending), L_kk the leading k x k block of the
+    lower-triangular `lower`: each from the one before rather than solved whole. For j < k, with
+    L_kk = [[L_jj, 0], [B, L_bb]] (B the rows j..k below L_jj), X_k = [X_j - X_b T, X_b], where X_b L_bb = rhs_:,j:k
+    and T L_jj = B: T has k - j rows where a whole solve has one per output row, about half the work at a sweep's
+    steps of 0.1 (the same X to float rounding)."""
+    solution, done = rhs.new_empty(rhs.shape[0], 0), 0
+    for width in widths:
+        band = _solve_times_lower_triangular(rhs[:, done:width], lower[done:width, done:width])
+        if done:
+            coupling = _solve_times_lower_triangular(lower[done:width, :done], lower[:done, :done])
+            solution = solution - band @ coupling
+        solution = torch.cat([solution, band], dim=1)
+        done = width
+        yield width, solution
 
 
 def _times_lower_triangular(matrix: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
