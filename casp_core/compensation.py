@@ -193,8 +193,8 @@ class NestedRefit:
             return None
         ordered = weight.detach()[:, order].double()
         product = _times_lower_triangular(ordered, factor)
-        energy = product.pow(2).sum(dim=0)
-        tail_energy = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)])
+        tail_energy = _tail_sums(torch.linalg.vector_norm(product, dim=0).square())
+        tail_weight = _tail_sums(torch.linalg.vector_norm(ordered, dim=0).square())
         kept_counts = sorted(width - len(pruned) for pruned in refitted)
         first = kept_counts[0]
         removed = ordered[:, first:]
@@ -203,12 +203,12 @@ class NestedRefit:
         fits = {}
         for kept, refitted_columns in _nested_solves(product, factor, kept_counts):
             update = (refitted_columns - ordered[:, :kept])[:, torch.argsort(order[:kept])]
-            removed_weight = float(ordered[:, kept:].pow(2).sum())
+            update_energy = float(torch.linalg.vector_norm(update).square())
             fits[kept] = LeastSquaresFit(
                 update=update,
                 damping=damping,
                 error_before=float(interactions[kept - first :, kept - first :].sum()),
-                error_after=float(tail_energy[kept]) - ridge * (removed_weight + float(update.pow(2).sum())),
+                error_after=float(tail_energy[kept]) - ridge * (float(tail_weight[kept]) + update_energy),
             )
         return cls(order, fits)
 
@@ -225,16 +225,21 @@ def _nested_solves(rhs: torch.Tensor, lower: torch.Tensor, widths: list[int]) ->
     lower-triangular `lower`: each from the one before rather than solved whole. For j < k, with
     L_kk = [[L_jj, 0], [B, L_bb]] (B the rows j..k below L_jj), X_k = [X_j - X_b T, X_b], where X_b L_bb = rhs_:,j:k
     and T L_jj = B: T has k - j rows where a whole solve has one per output row, about half the work at a sweep's
-    steps of 0.1 (the same X to float rounding)."""
-    solution, done = rhs.new_empty(rhs.shape[0], 0), 0
+    steps of 0.1 (the same X to float rounding). Each X_k is a view of one buffer, good until the next is made."""
+    solution, done = rhs.new_empty(rhs.shape[0], widths[-1]), 0
     for width in widths:
-        band = _solve_times_lower_triangular(rhs[:, done:width], lower[done:width, done:width])
+        band = solution[:, done:width]
+        band.copy_(_solve_times_lower_triangular(rhs[:, done:width], lower[done:width, done:width]))
         if done:
             coupling = _solve_times_lower_triangular(lower[done:width, :done], lower[:done, :done])
-            solution = solution - band @ coupling
-        solution = torch.cat([solution, band], dim=1)
+            solution[:, :done].addmm_(band, coupling, alpha=-1)
         done = width
-        yield width, solution
+        yield width, solution[:, :width]
+
+
+def _tail_sums(values: torch.Tensor) -> torch.Tensor:
+    """tail[j] = the sum of values[j:], for j = 0 .. len(values) (the last 0)."""
+    return torch.cat([values.flip(0).cumsum(0).flip(0), values.new_zeros(1)])
 
 
 def _times_lower_triangular(matrix: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,11 @@ def large_logit_model() -> tuple[LlamaForCausalLM, torch.Tensor]:
     return model, windows
 
 
-def test_large_float32_logits_verify_where_the_flat_rule_false_alarmed():
-    flat_rule_alarms = []
+def test_large_float32_logits_verify():
+    """Logits near 30 in float32: the masked and the pruned model differ by rounding alone, which verification's
+    relative rule takes. (Its flat rule before, 1e-5 absolute up to |logit| 1, failed some of these jobs on one
+    machine and none on another: how far float32 rounding reaches depends on the CPU's kernels, so no test can
+    count on it.)"""
     for solver in ("greedy", "diagonal"):
         for ratio in (0.2, 0.5, 0.7):
             model, windows = large_logit_model()
@@ -73,9 +76,6 @@ def test_large_float32_logits_verify_where_the_flat_rule_false_alarmed():
             assert 20 <= largest_logit <= 40
             assert 0 < result.verification_max_relative_diff <= VERIFY_RELATIVE_TOLERANCE
             assert result.verification_max_abs_diff <= VERIFY_RELATIVE_TOLERANCE * 100
-            flat_rule_alarms.append(not flat_fp32_rule_passes(model, result.model, tokens))
-    # The models agree (above); float32 rounding alone would have failed some of these jobs under the old rule.
-    assert any(flat_rule_alarms)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ def test_a_log_gets_the_stage_s_counts_and_elapsed_time_at_intervals() -> None:
         bars("allocation", done / 16, f"gradients of {done} of 16 sequences")
     clock.now += 1.0
     bars("pruning", 0.0, "layer 1 of 8")
+    bars.close()
     assert stream.getvalue().splitlines() == [
         "casp: allocation: layer sensitivities from the cross-entropy gradient",
         "casp: allocation: gradients of 4 of 16 sequences (25%, 0:12 elapsed)",
@@ -62,7 +63,9 @@ def test_a_log_gets_a_line_at_intervals_while_no_report_comes() -> None:
 def test_the_interval_is_set_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert log_interval() == LOG_INTERVAL_SECONDS == 10.0
     monkeypatch.setenv(LOG_INTERVAL_VARIABLE, "2.5")
-    assert StageBars(io.StringIO()).interval == 2.5
+    bars = StageBars(io.StringIO())
+    bars.close()
+    assert bars.interval == 2.5
     for wrong in ("soon", "-1", "inf", "nan"):
         monkeypatch.setenv(LOG_INTERVAL_VARIABLE, wrong)
         with pytest.raises(
