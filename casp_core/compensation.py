@@ -160,7 +160,7 @@ class NestedRefit:
         before = E||W_p y_p||² = sum of (A_pᵀ A_p) ⊙ C_pp,
 
     the first from expanding E||W y - W' y_k||² with C = M - λI and W' L_kk = G_:k; the second is z'Qz over the
-    pruned columns, read for every set off one float64 block over the largest set's columns (the last ones).
+    pruned columns, for every set from one pass over the largest set's columns (`_nested_errors_before`).
     Every set's fit is made at once, since each solve starts from the next smaller set's."""
 
     order: torch.Tensor  # P as column numbers: position i holds column order[i]
@@ -185,20 +185,18 @@ class NestedRefit:
         if any(set(order[width - len(pruned) :].tolist()) != set(pruned) for pruned in pruned_sets):
             return None  # some set is not the last columns of the order: the sets do not nest
         scale = damping_scale(second_moment)
-        moment = second_moment[order][:, order].double()
+        ordered = weight.detach()[:, order].double()
+        moment = second_moment[order[:, None], order].double()  # one gather, not a row copy and then its columns
+        kept_counts = sorted(width - len(pruned) for pruned in refitted)
+        errors_before = _nested_errors_before(ordered, moment, kept_counts)
         moment.diagonal().add_(damping * scale)
         factor, info = torch.linalg.cholesky_ex(moment)
         del moment
         if int(info) != 0:
             return None
-        ordered = weight.detach()[:, order].double()
         product = _times_lower_triangular(ordered, factor)
         tail_energy = _tail_sums(torch.linalg.vector_norm(product, dim=0).square())
         tail_weight = _tail_sums(torch.linalg.vector_norm(ordered, dim=0).square())
-        kept_counts = sorted(width - len(pruned) for pruned in refitted)
-        first = kept_counts[0]
-        removed = ordered[:, first:]
-        interactions = (removed.T @ removed).mul_(second_moment[order[first:]][:, order[first:]].double())
         ridge = damping * scale
         fits = {}
         for kept, refitted_columns in _nested_solves(product, factor, kept_counts):
@@ -207,7 +205,7 @@ class NestedRefit:
             fits[kept] = LeastSquaresFit(
                 update=update,
                 damping=damping,
-                error_before=float(interactions[kept - first :, kept - first :].sum()),
+                error_before=errors_before[kept],
                 error_after=float(tail_energy[kept]) - ridge * (float(tail_weight[kept]) + update_energy),
             )
         return cls(order, fits)
@@ -235,6 +233,24 @@ def _nested_solves(rhs: torch.Tensor, lower: torch.Tensor, widths: list[int]) ->
             solution[:, :done].addmm_(band, coupling, alpha=-1)
         done = width
         yield width, solution[:, :width]
+
+
+def _nested_errors_before(ordered: torch.Tensor, moment: torch.Tensor, kept_counts: list[int]) -> dict[int, float]:
+    """E||A_p y_p||² = the sum of (A_pᵀ A_p) ⊙ C_pp over the columns from k on, for each k of `kept_counts`
+    (ascending), A and C in the nested order. The columns from the first k on fall into bands between the counts;
+    each band's rows are multiplied with the columns of its own band and the later ones only, and the sums over
+    the block pairs give every k's (the matrix is symmetric: about 60 % of the whole |p| x |p| product at six
+    even steps)."""
+    bounds = [*kept_counts, ordered.shape[1]]
+    bands = len(kept_counts)
+    block_sums = torch.zeros(bands, bands, dtype=torch.float64)
+    for i in range(bands):
+        rows, start = slice(bounds[i], bounds[i + 1]), bounds[i]
+        part = (ordered[:, rows].T @ ordered[:, start:]).mul_(moment[rows, start:])
+        for j in range(i, bands):
+            block_sums[i, j] = part[:, bounds[j] - start : bounds[j + 1] - start].sum()
+    pairs = block_sums + block_sums.triu(1).T  # each off-diagonal block counted from both sides
+    return {kept: float(pairs[i:, i:].sum()) for i, kept in enumerate(kept_counts)}
 
 
 def _tail_sums(values: torch.Tensor) -> torch.Tensor:
