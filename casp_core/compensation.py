@@ -70,6 +70,9 @@ class LeastSquaresFit:
     damping: float
     error_before: float  # the expected squared output error of the kept columns as they were
     error_after: float  # ... and with D added
+    # The kept column each of D's columns goes to; None: the kept columns in ascending order. A shared refit leaves
+    # D in its own column order: putting it in ascending order would copy it once more, for each ratio.
+    columns: torch.Tensor | None = None
 
 
 def fit_kept_columns(
@@ -195,24 +198,25 @@ class NestedRefit:
         if int(info) != 0:
             return None
         product = _times_lower_triangular(ordered, factor)
-        tail_energy = _tail_sums(torch.linalg.vector_norm(product, dim=0).square())
-        tail_weight = _tail_sums(torch.linalg.vector_norm(ordered, dim=0).square())
+        tail_energy = _tail_sums((product * product).sum(dim=0))
+        tail_weight = _tail_sums((ordered * ordered).sum(dim=0))
         ridge = damping * scale
         fits = {}
         for kept, refitted_columns in _nested_solves(product, factor, kept_counts):
-            update = (refitted_columns - ordered[:, :kept])[:, torch.argsort(order[:kept])]
+            update = refitted_columns - ordered[:, :kept]
             update_energy = float(torch.linalg.vector_norm(update).square())
             fits[kept] = LeastSquaresFit(
                 update=update,
                 damping=damping,
                 error_before=errors_before[kept],
                 error_after=float(tail_energy[kept]) - ridge * (float(tail_weight[kept]) + update_energy),
+                columns=order[:kept],
             )
         return cls(order, fits)
 
     def fit(self, pruned: list[int]) -> LeastSquaresFit:
-        """`fit_kept_columns`' fit for `pruned` (one of the sets this was made for), its update in the order of
-        the kept column numbers."""
+        """`fit_kept_columns`' fit for `pruned` (one of the sets this was made for), its update's columns in the
+        nested order (`columns`)."""
         kept = len(self.order) - len(pruned)
         assert kept in self.fits and set(self.order[kept:].tolist()) == set(pruned), "not one of its sets"
         return self.fits[kept]
@@ -351,7 +355,7 @@ def compensate_linear(
         fit = refit.fit(pruned)
     else:
         fit = fit_kept_columns(linear.weight, second_moment, pruned, kept_columns, damping, dense)
-    linear.weight[:, kept_columns] += fit.update.to(linear.weight.dtype)
+    linear.weight[:, kept_columns if fit.columns is None else fit.columns] += fit.update.to(linear.weight.dtype)
     return CompensationReport(
         error_before=fit.error_before, error_after=fit.error_after, damping=fit.damping, reference=reference
     )
