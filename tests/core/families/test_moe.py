@@ -9,6 +9,7 @@ the removed experts' logits were -inf."""
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -219,17 +220,22 @@ def test_casp_prune_succeeds(
         assert layer["pruned_heads"] == []
 
 
-@pytest.fixture(scope="module")
-def pipeline_checkpoints(dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Per family, the masked dense model, the pipeline's result at 0.5 and its written checkpoint."""
-    root = tmp_path_factory.mktemp("moe-pruned")
+def pruned_at_half(dense_folders: dict[str, Path], root: Path, **settings: Any) -> dict[str, tuple]:
+    """Per family, the masked dense model, the pipeline's result at 0.5 (greedy, with `settings`) and its
+    checkpoint written under `root`."""
     written = {}
     for family, folder in dense_folders.items():
         model, tokenizer = load_model(str(folder))
-        result = prune_small(model, tokenizer, 0.5, "greedy")  # masks `model`, verifies
+        result = prune_small(model, tokenizer, 0.5, "greedy", **settings)  # masks `model`, verifies
         save_pruned(result.model, tokenizer, root / family)
         written[family] = (model, result, root / family)
     return written
+
+
+@pytest.fixture(scope="module")
+def pipeline_checkpoints(dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per family, the masked dense model, the pipeline's result at 0.5 and its written checkpoint."""
+    return pruned_at_half(dense_folders, tmp_path_factory.mktemp("moe-pruned"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -246,14 +252,7 @@ def test_the_pipeline_meets_the_ratio_from_the_experts_alone(family: str, pipeli
 @pytest.fixture(scope="module")
 def removal_checkpoints(dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     """Per family, as `pipeline_checkpoints` with REMOVED whole experts removed from every layer too."""
-    root = tmp_path_factory.mktemp("moe-experts-removed")
-    written = {}
-    for family, folder in dense_folders.items():
-        model, tokenizer = load_model(str(folder))
-        result = prune_small(model, tokenizer, 0.5, "greedy", moe={"prune_experts": REMOVED})  # masks, verifies
-        save_pruned(result.model, tokenizer, root / family)
-        written[family] = (model, result, root / family)
-    return written
+    return pruned_at_half(dense_folders, tmp_path_factory.mktemp("moe-experts-removed"), moe={"prune_experts": REMOVED})
 
 
 @pytest.fixture(scope="module")
