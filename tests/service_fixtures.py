@@ -64,6 +64,23 @@ TINY_JOB: dict[str, Any] = {
     "evaluation": {"perplexity": []},
 }
 
+# A job that runs until it is cancelled, however fast the machine: after the tiny job's stages, LoRA recovery of a
+# million one-sequence steps, each checking for a cancel before its forward pass (a job that merely takes long
+# may end before a test's cancel reaches it on a quick machine).
+RUNS_UNTIL_CANCELLED: dict[str, Any] = {
+    **TINY_JOB,
+    "device": "cpu",
+    "recovery": {
+        "method": "lora",
+        "dataset": "wikitext2:validation",
+        "max_steps": 1_000_000,
+        "batch_size": 1,
+        "grad_accum": 1,
+        "max_seq_len": 32,
+        "save_every": 1_000_000,
+    },
+}
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 

@@ -23,6 +23,7 @@ from service.storage import make_storage
 from tests.service_fixtures import (
     FIXTURE_DATA,
     REPO,
+    RUNS_UNTIL_CANCELLED,
     SMALL_JOB,
     WorkerProcess,
     download,
@@ -35,8 +36,6 @@ from worker.runner import Segments
 
 pytestmark = pytest.mark.service
 
-# Enough calibration work that the job is still running when the test acts on it.
-SLOW_JOB = {**SMALL_JOB, "calibration": {"dataset": "wikitext2:validation", "n_samples": 64, "seq_len": 256}}
 CHECKPOINT_FILES = {"config.json", "model.safetensors", "generation_config.json", "modeling_casp_llama.py"}
 
 
@@ -164,7 +163,7 @@ def test_cancel_a_running_job_and_a_queued_one_behind_it(
     api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, distributed_settings: Settings
 ) -> None:
     alice = keys["alice"]
-    running = api.post("/v1/jobs", json=SLOW_JOB, headers=alice).json()
+    running = api.post("/v1/jobs", json=RUNS_UNTIL_CANCELLED, headers=alice).json()
     wait_job(api, running["id"], alice, running_with_progress, "the job to run")
     # One worker, one job at a time: this one waits in the queue.
     queued = api.post("/v1/jobs", json=SMALL_JOB, headers=alice).json()
