@@ -18,6 +18,7 @@ import { renderMarkdown } from "./markdown.js";
 
 const jobId = document.body.dataset.jobId;
 const POLL_MS = 2000; // when the server refuses another stream (429), or between reconnections
+const DURATION_TICK_MS = 1000; // a running job's duration counts on between its events
 const stageItems = new Map();
 let job = null;
 let lastEventId = null;
@@ -36,7 +37,7 @@ function showJob(next) {
     ["Created", formatTime(job.created_at)],
     ["Started", formatTime(job.started_at)],
     ["Finished", formatTime(job.finished_at)],
-    ["Duration", formatDuration(job)],
+    ["Duration", job.started_at && el("span", { id: "duration", text: formatDuration(job) })],
     ["Attempts", String(job.attempts)],
     [
       "Metadata",
@@ -258,5 +259,9 @@ start(async () => {
   document.getElementById("cancel").addEventListener("click", cancel);
   document.getElementById("delete").addEventListener("click", deleteArtifacts);
   showJob(await api(`/v1/jobs/${jobId}`));
+  setInterval(() => {
+    const duration = document.getElementById("duration");
+    if (duration && !isFinished(job)) duration.textContent = formatDuration(job);
+  }, DURATION_TICK_MS);
   await follow();
 });
