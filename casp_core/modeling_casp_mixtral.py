@@ -47,12 +47,21 @@ class CaspMixtralConfig(MixtralConfig):
 
 
 class CaspExpert(nn.Module):
-    """One expert's gated FFN, `width` channels wide: gate and up rows stacked as upstream stacks them."""
+    """One expert's gated FFN, `width` channels wide: gate and up rows stacked as upstream stacks them.
 
-    def __init__(self, hidden_size: int, width: int) -> None:
+    The expert computes itself (upstream's loop reads slice e of its 3-D weights instead) so that a module wrapping
+    it sees its weights used: peft's LoRA on a parameter (`target_parameters`) adds the adapter only while the
+    module that owns the parameter runs."""
+
+    def __init__(self, hidden_size: int, width: int, act_fn: nn.Module) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(2 * width, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(hidden_size, width))
+        self.act_fn = act_fn
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = nn.functional.linear(hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+        return nn.functional.linear(self.act_fn(gate) * up, self.down_proj)
 
 
 def layer_router(router: nn.Module, experts: int) -> nn.Module:
@@ -64,18 +73,15 @@ def layer_router(router: nn.Module, experts: int) -> nn.Module:
 
 class CaspExperts(nn.Module):
     """The experts of one layer, each its own width, as submodules "0", "1", ...; `forward` is upstream's eager
-    `MixtralExperts.forward` (which Qwen3-MoE's and OLMoE's share) with expert e's weights read from module e instead
-    of slice e of the 3-D parameters. The pruned Qwen3-MoE and OLMoE classes import it from here."""
+    `MixtralExperts.forward` (which Qwen3-MoE's and OLMoE's share) with expert e computed by module e instead of
+    from slice e of the 3-D parameters. The pruned Qwen3-MoE and OLMoE classes import it from here."""
 
     def __init__(self, config: PretrainedConfig, widths: list[int]) -> None:
         super().__init__()
         self.num_experts = len(widths)
+        act_fn = ACT2FN[config.hidden_act]
         for index, width in enumerate(widths):
-            self.add_module(str(index), CaspExpert(config.hidden_size, width))
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def expert(self, index: int) -> CaspExpert:
-        return self.get_submodule(str(index))
+            self.add_module(str(index), CaspExpert(config.hidden_size, width, act_fn))
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -85,10 +91,8 @@ class CaspExperts(nn.Module):
             expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
             expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
         for expert_idx in expert_hit.flatten().tolist():
-            expert = self.expert(expert_idx)
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            gate, up = nn.functional.linear(hidden_states[token_idx], expert.gate_up_proj).chunk(2, dim=-1)
-            current = nn.functional.linear(self.act_fn(gate) * up, expert.down_proj)
+            current = self.get_submodule(str(expert_idx))(hidden_states[token_idx])
             current = current * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
         return final_hidden_states

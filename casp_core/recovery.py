@@ -63,6 +63,8 @@ class RecoveryResult:
     resumed_from_step: int | None = None
     teacher: dict[str, Any] | None = None  # the distillation cache's `summary`
     memory_estimate: dict[str, int] | None = None  # casp_core.placement's, when the job made one before pruning
+    # LoRA: what peft adapted ("modules", "parameters": the names it matched) and the dropout it ran with.
+    lora: dict[str, Any] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -147,7 +149,7 @@ def recover(
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     torch.manual_seed(config.seed)
-    trained = _trainable_model(model, config)
+    trained, lora = _trainable_model(model, config, run)
     # What trains is in float32 whatever the rest is (adapters; with full, the decoder layers).
     for parameter in trained.parameters():
         if parameter.requires_grad:
@@ -162,6 +164,7 @@ def recover(
         trainable_parameters=sum(parameter.numel() for parameter in trainable.values()),
         precision="bf16 autocast" if autocast else "float32",
         teacher=teacher.summary() if teacher is not None else None,
+        lora=lora,
     )
     fingerprint = _state_fingerprint(config, data, weights)
     start = _resume(state_dir, fingerprint, trainable, optimizer, schedule, result, target)
@@ -229,23 +232,37 @@ def recover(
     return recovered.to(device="cpu", dtype=dtype).eval(), result
 
 
-def _trainable_model(model: PreTrainedModel, config: RecoveryConfig) -> torch.nn.Module:
+def _trainable_model(
+    model: PreTrainedModel, config: RecoveryConfig, run: Run
+) -> tuple[torch.nn.Module, dict[str, Any] | None]:
     """`model` with only what `config.method` trains requiring a gradient: LoRA adapters (a peft model around
-    it), or every parameter of its decoder layers."""
+    it, and what they adapt), or every parameter of its decoder layers."""
     if config.method != FULL_RECOVERY:
+        family = family_of(model.config)
+        modules, parameters = family.lora_modules(config.target_modules), family.lora_parameters(config.target_modules)
+        dropout = config.dropout
+        if parameters and dropout:
+            # peft cannot drop out a parameter's adapter input (it adds B A to the weight), and one setting
+            # covers every adapter of the model.
+            dropout = 0.0
+            run.warn(
+                f"recovery: LoRA dropout 0 instead of {config.dropout:g}: the experts' adapters are on their "
+                "weights, which peft trains without dropout, and one dropout covers every adapter"
+            )
         lora = LoraConfig(
             r=config.rank,
             lora_alpha=config.alpha,
-            lora_dropout=config.dropout,
-            target_modules=family_of(model.config).lora_modules(config.target_modules),
+            lora_dropout=dropout,
+            target_modules=modules,
+            target_parameters=parameters or None,
             bias="none",
             task_type="CAUSAL_LM",
         )
-        return get_peft_model(model, lora)
+        return get_peft_model(model, lora), {"modules": modules, "parameters": parameters, "dropout": dropout}
     model.requires_grad_(False)
     for layer in decoder_layers(model):
         layer.requires_grad_(True)
-    return model
+    return model, None
 
 
 def _combined(config: RecoveryConfig, ce: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:

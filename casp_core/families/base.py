@@ -192,6 +192,8 @@ class Family:
     gguf_refusal: ClassVar[str] = ""
     # Recovery's `target_modules` (LORA_TARGETS, LLaMA's names) -> the module names peft adapts in this family.
     lora_targets: ClassVar[dict[str, str]] = {name: name for name in LORA_TARGETS}
+    # ... and the weights that are no nn.Linear's, which peft adapts as parameters (`target_parameters`) by name.
+    lora_parameter_targets: ClassVar[dict[str, str]] = {}
 
     # ------------------------------------------------------------ what the family is and what it accepts
 
@@ -268,7 +270,11 @@ class Family:
 
     def lora_modules(self, target_modules: list[str]) -> list[str]:
         """The module names peft adapts for recovery's `target_modules`, each once, in their order."""
-        return list(dict.fromkeys(self.lora_targets[name] for name in target_modules))
+        return _each_once(self.lora_targets, target_modules)
+
+    def lora_parameters(self, target_modules: list[str]) -> list[str]:
+        """The parameter names peft adapts directly for recovery's `target_modules`, each once, in their order."""
+        return _each_once(self.lora_parameter_targets, target_modules)
 
     def unfused_rows(
         self, heads: int, kv_heads: int, ffn_width: int, head_dim: int
@@ -415,3 +421,8 @@ def kept_units(
     heads = kept_index(geometry.num_heads, pruning.pruned_heads, device)
     kv_heads = torch.tensor(kept_kv_heads(geometry, pruning.pruned_heads), dtype=torch.long, device=device)
     return heads, kv_heads, kept_index(ffn_width, pruning.pruned_channels, device)
+
+
+def _each_once(targets: dict[str, str], target_modules: list[str]) -> list[str]:
+    """What `targets` maps `target_modules` to, each once, in their order (names it has no entry for left out)."""
+    return list(dict.fromkeys(targets[name] for name in target_modules if name in targets))

@@ -63,7 +63,7 @@ def expert_weights(layer: nn.Module) -> list[ExpertWeights]:
         weights = [stacked_expert(gate_up, down, experts.act_fn) for gate_up, down in stacks]
     else:  # the pruned class: one submodule per expert, "0", "1", ...
         modules = [experts.get_submodule(str(index)) for index in range(experts.num_experts)]
-        weights = [stacked_expert(module.gate_up_proj, module.down_proj, experts.act_fn) for module in modules]
+        weights = [stacked_expert(module.gate_up_proj, module.down_proj, module.act_fn) for module in modules]
     shared = getattr(layer.mlp, "shared_expert", None)
     if shared is not None:
         weights.append(
@@ -132,6 +132,15 @@ class MixtureOfExperts(Family):
         "k": "self_attn.k_proj",
         "v": "self_attn.v_proj",
         "o": "self_attn.o_proj",
+    }
+    # LoRA on attention's projections, and on the experts' weights as parameters: 3-D in the dense class, a 2-D
+    # pair per expert in the pruned one. Naming gate_proj among the modules would also let peft's own v4-to-v5
+    # conversion (Qwen3-MoE, OLMoE) put a rank 2r adapter on gate_up_proj in the dense class, r in the pruned one.
+    lora_targets: ClassVar[dict[str, str]] = {name: name for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    lora_parameter_targets: ClassVar[dict[str, str]] = {
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+        "down_proj": "down_proj",
     }
     gguf = None
     gguf_refusal = (

@@ -5,6 +5,7 @@ sigmoid gate, in every layer."""
 from transformers import PretrainedConfig
 
 from casp_core.errors import UnsupportedModel
+from casp_core.families.base import Family
 from casp_core.families.moe import MixtureOfExperts
 from casp_core.modeling_casp_qwen2_moe import CaspQwen2MoeConfig, CaspQwen2MoeForCausalLM
 
@@ -21,6 +22,8 @@ class Qwen2Moe(MixtureOfExperts):
     pruned_model_class = CaspQwen2MoeForCausalLM
 
     expert_width_key = "moe_intermediate_size"
+    # The shared expert is a dense MLP of nn.Linear projections named as LLaMA's: LoRA adapts them as modules.
+    lora_targets = Family.lora_targets
 
     def shared_expert_width(self, config: PretrainedConfig) -> int:
         return config.shared_expert_intermediate_size

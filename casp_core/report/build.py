@@ -269,9 +269,15 @@ def recovery_section(report: dict[str, Any]) -> list[str]:
     if settings["method"] == "full":
         trained = "every weight of the decoder layers (AdamW, gradient checkpointing)"
     else:
+        # What peft adapted, in the family's own names (fused projections; a mixture's expert weights, adapted as
+        # parameters, without dropout).
+        lora = recovery["lora"]
+        targets = [", ".join(lora["modules"])] if lora["modules"] else []
+        if lora["parameters"]:
+            targets.append(f"the parameters {', '.join(lora['parameters'])}")
         trained = (
-            f"LoRA rank {settings['rank']}, alpha {settings['alpha']}, dropout {settings['dropout']} on "
-            f"{', '.join(settings['target_modules'])}; merged into the weights, the adapter kept in `adapter/`"
+            f"LoRA rank {settings['rank']}, alpha {settings['alpha']}, dropout {lora['dropout']:g} on "
+            f"{' and '.join(targets)}; merged into the weights, the adapter kept in `adapter/`"
         )
     lines = [
         "## Recovery",

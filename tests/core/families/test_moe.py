@@ -6,6 +6,7 @@ pruning does not take is refused before any work. With `moe.prune_experts` whole
 their router rows with them) and the checkpoint computes the masked model's logits, the masked model routing as if
 the removed experts' logits were -inf."""
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -13,21 +14,26 @@ from typing import Any
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from casp_core.budget import channel_params, check_reachable, plan_budget
-from casp_core.checkpoint import save_pruned
+from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
-from casp_core.config import PruneConfig
+from casp_core.config import LORA_TARGETS, PruneConfig, RecoveryConfig
 from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.families import check_export, family_of
-from casp_core.families.moe import route_to_kept_experts, stacked_expert
+from casp_core.families.moe import route_to_kept_experts, routed_experts, stacked_expert
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_mixtral import CaspMixtralConfig, CaspMixtralForCausalLM
 from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment, lowest_energy_experts
 from casp_core.placement import JobShape, ModelShape, estimate_device_memory
+from casp_core.recovery import recover
+from casp_core.recovery_data import load_training_data
+from casp_core.report.build import recovery_section
+from casp_core.run import Run
 from casp_core.surgery import LayerPruning, remove_units
 from tests.core.families.checkpoints import fresh_logits, masked_logits, test_tokens
 from tests.core.families.helpers import (
@@ -263,6 +269,75 @@ def written_checkpoints(pipeline_checkpoints: dict, removal_checkpoints: dict) -
         for fixture in (pipeline_checkpoints, removal_checkpoints)
         for family, (model, _, folder) in fixture.items()
     ]
+
+
+@pytest.fixture(scope="module")
+def uniform_checkpoints(dense_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Per family, as `pipeline_checkpoints` in the uniform shape (the family's own class, 3-D expert weights)."""
+    return pruned_at_half(dense_folders, tmp_path_factory.mktemp("moe-uniform"), shape="uniform")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("checkpoints", ["removal_checkpoints", "uniform_checkpoints"])
+def test_lora_recovery_adapts_every_kept_expert_and_its_adapter_reloads(
+    family: str, checkpoints: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Two LoRA steps on the pruned model, per layer (whole experts removed, each expert its own width) and
+    uniform (3-D expert weights): besides attention's projections and a shared expert's, every kept expert's two
+    weights get an adapter (peft's LoRA on parameters, which takes no dropout: a warning says so). The merged
+    model keeps the pruned class and shapes, the experts the batches reached have new weights, and the adapter
+    peft saved, loaded on the pruned model, computes what the merged weights compute."""
+    pruned, tokenizer = load_pruned(request.getfixturevalue(checkpoints)[family][2])
+    arguments = small_run_arguments(tmp_path)
+    text = arguments[arguments.index("--calibration-dataset") + 1]
+    data = load_training_data(text, tokenizer, max_seq_len=32, context=256)
+    config = RecoveryConfig(method="lora", max_steps=2, batch_size=4, grad_accum=1, max_seq_len=32, lr=1e-2)
+    run = Run()
+    recovered, result = recover(
+        copy.deepcopy(pruned), tokenizer, data, config, run, device="cpu", adapter_dir=tmp_path / "adapter"
+    )
+    assert run.warnings == [
+        "recovery: LoRA dropout 0 instead of 0.05: the experts' adapters are on their weights, which peft trains "
+        "without dropout, and one dropout covers every adapter"
+    ]
+    assert type(recovered) is type(pruned)
+    assert {n: t.shape for n, t in recovered.state_dict().items()} == {
+        n: t.shape for n, t in pruned.state_dict().items()
+    }
+    # Attention's projections and a shared expert's (nn.Linear); each routed expert's gate_up [2 x width, hidden]
+    # and down [hidden, width], a rank x (rows + columns) adapter each.
+    projections = [
+        module.weight
+        for layer in decoder_layers(pruned)
+        for name, module in layer.named_modules()
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS
+    ]
+    assert len(projections) == 2 * 4 + (2 * 3 if family == "qwen2_moe" else 0)
+    experts, recovered_experts = (
+        [e for layer in decoder_layers(m) for e in routed_experts(layer)] for m in (pruned, recovered)
+    )
+    adapted = sum(sum(weight.shape) for weight in projections) + sum(
+        3 * expert.width + 2 * expert.down.shape[0] for expert in experts
+    )
+    assert result.trainable_parameters == config.rank * adapted
+    changed = [
+        not torch.equal(before.gate, after.gate) and not torch.equal(before.down, after.down)
+        for before, after in zip(experts, recovered_experts, strict=True)
+    ]
+    assert sum(changed) >= len(changed) // 2, changed
+    settings = PruneConfig(ratio=0.5, recovery=config).to_dict()
+    report = {"recovery": result.summary(), "settings": settings, "timings": {}, "perplexity": {}, "evaluation": {}}
+    modules = ", ".join(LORA_TARGETS if family == "qwen2_moe" else LORA_TARGETS[:4])
+    assert recovery_section(report)[2] == (
+        f"- LoRA rank 8, alpha 16.0, dropout 0 on {modules} and the parameters gate_up_proj, down_proj; merged into "
+        "the weights, the adapter kept in `adapter/`"
+    )
+    tokens = test_tokens()
+    with torch.no_grad():
+        merged = recovered(tokens).logits
+        adapter = PeftModel.from_pretrained(copy.deepcopy(pruned), tmp_path / "adapter").eval()
+        torch.testing.assert_close(adapter(tokens).logits, merged, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(pruned(tokens).logits, merged, atol=1e-3)
 
 
 def test_the_written_checkpoints_load_where_casp_core_is_not(written_checkpoints: list, tmp_path: Path) -> None:
