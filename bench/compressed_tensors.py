@@ -25,11 +25,11 @@ from bench.common import (
     write_json,
 )
 from casp_core.checkpoint import load_pruned, save_pruned
-from casp_core.config import QUANTIZATIONS, CalibrationConfig, EvaluationConfig, PruneConfig
+from casp_core.config import NO_QUANTIZATION, QUANTIZATIONS, CalibrationConfig, EvaluationConfig, PruneConfig
 from casp_core.eval.evaluate import EvaluationPlan, evaluate
 from casp_core.model import load_model
 from casp_core.prune import prune
-from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, quantize, weight_bytes
+from casp_core.quantization import QuantizationInput, quantize, weight_bytes
 from casp_core.run import Run
 
 SCHEMES = tuple(scheme for scheme in QUANTIZATIONS if scheme != NO_QUANTIZATION)

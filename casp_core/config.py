@@ -48,7 +48,8 @@ EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
 # As llama.cpp spells them; the quantized ones are made by llama.cpp's own quantizer (casp_core.export.gguf_types).
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q4_0", "q5_0", "iq4_nl")
 # The checkpoint rewritten in compressed-tensors format for vLLM by casp_core.quantization (round to nearest).
-QUANTIZATIONS = ("none", "w8a8_int8", "fp8_dynamic", "w4a16")
+NO_QUANTIZATION = "none"
+QUANTIZATIONS = (NO_QUANTIZATION, "w8a8_int8", "fp8_dynamic", "w4a16")
 # auto: the whole model on the device when casp_core.placement's estimate fits within max_device_memory, else one
 # decoder layer at a time; on the CPU nothing is ever offloaded.
 PLACEMENTS = ("auto", "resident", "offload")

@@ -16,7 +16,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.checkpoint import load_pruned, save_pruned
-from casp_core.config import PruneConfig, RecoveryConfig
+from casp_core.config import NO_QUANTIZATION, PruneConfig, RecoveryConfig
 from casp_core.eval.engine import artifact_table, measure_exports
 from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
 from casp_core.export.gguf_types import quantizer_block, require_llama_cpp
@@ -35,7 +35,7 @@ from casp_core.model import check_model_reference, resolve_device
 from casp_core.placement import Placement, check_recovery_fits, choose_placement
 from casp_core.prune import prune
 from casp_core.pruned_snapshot import PrunedSnapshot, snapshot_fingerprint
-from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, quantize
+from casp_core.quantization import QuantizationInput, quantize
 from casp_core.recovery import ADAPTER_DIR, RecoveryResult, recover
 from casp_core.recovery_data import TrainingData, load_training_data
 from casp_core.report.build import pruning_section

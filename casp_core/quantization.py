@@ -45,7 +45,6 @@ from casp_core.model import decoder_layers
 from casp_core.rounding import round_to_for
 from casp_core.run import Run
 
-NO_QUANTIZATION = "none"
 PRESETS = {"w8a8_int8": "W8A8", "fp8_dynamic": "FP8_DYNAMIC", "w4a16": "W4A16"}
 GROUPED = "w4a16"
 GROUP_SIZES = (128, 64, 32)  # largest first; vLLM's Marlin kernels take these

@@ -37,7 +37,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.checkpoint import save_pruned
-from casp_core.config import PruneConfig
+from casp_core.config import NO_QUANTIZATION, PruneConfig
 from casp_core.errors import BudgetUnmet
 from casp_core.eval.engine import EngineFigures, artifact_table, engine_speed, gguf_perplexity, measure_exports
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
@@ -58,7 +58,7 @@ from casp_core.model import load_model, resolve_device
 from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune_configs
 from casp_core.pruned_snapshot import PrunedSnapshot
-from casp_core.quantization import NO_QUANTIZATION, QuantizationInput, QuantizedCheckpoint, quantize, weight_bytes
+from casp_core.quantization import QuantizationInput, QuantizedCheckpoint, quantize, weight_bytes
 from casp_core.report.build import pruning_section
 from casp_core.report.publish import public_name
 from casp_core.results import PruneResult

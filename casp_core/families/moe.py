@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, PruneSettings
+from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, NO_QUANTIZATION, PruneSettings
 from casp_core.errors import InvalidConfig, VerificationFailed
 from casp_core.families.base import SOURCE_ONLY_KEYS, ExpertStack, Family, LayerProjections, kept_index
 from casp_core.rounding import channel_counts
@@ -184,6 +184,12 @@ class MixtureOfExperts(Family):
                     f"{name}: {self.name} (a mixture of experts) is pruned with a numeric alpha, least-squares or no "
                     "compensation, sequential calibration and a ratio (docs/moe.md)"
                 )
+        if settings.quantization != NO_QUANTIZATION:
+            raise InvalidConfig(
+                f"quantization: {self.name} (a mixture of experts) keeps its experts' weights as parameters, not in "
+                "the nn.Linear layers compressed-tensors quantizes, so only attention would be quantized; leave "
+                "quantization at none (docs/moe.md)"
+            )
         removed, experts, top_k = settings.moe.prune_experts, self.num_experts(config), config.num_experts_per_tok
         if experts - removed < top_k:
             raise InvalidConfig(

@@ -85,12 +85,14 @@ def test_a_uniform_shape_the_family_s_class_cannot_hold_is_422_at_submit(
 def test_settings_a_mixture_of_experts_is_not_pruned_with_are_422_at_submit(
     api_with_root: TestClient, keys: dict[str, dict[str, str]], model_root: Path
 ) -> None:
-    """Mixtral is pruned with a numeric alpha (docs/moe.md): alpha auto is refused on its field."""
+    """Mixtral is pruned with a numeric alpha and published unquantized (docs/moe.md): alpha auto and a
+    quantization are refused on their fields."""
     body = {**SMALL_JOB, "device": "cuda", "model": str(model_root / "mixtral")}
-    response = api_with_root.post("/v1/jobs", json={**body, "alpha": "auto"}, headers=keys["alice"])
-    assert response.status_code == 422, response.text
-    error = response.json()["error"]
-    assert error["param"] == "alpha" and "Mixtral (a mixture of experts)" in error["message"], error
+    for name, value in (("alpha", "auto"), ("quantization", "w8a8_int8")):
+        response = api_with_root.post("/v1/jobs", json={**body, name: value}, headers=keys["alice"])
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["param"] == name and "Mixtral (a mixture of experts)" in error["message"], error
     assert api_with_root.post("/v1/jobs", json=body, headers=keys["alice"]).status_code == 201
 
 

@@ -563,6 +563,7 @@ def test_the_experts_share_follows_their_sensitivity() -> None:
         ("mixtral", {"alpha": "auto"}, "alpha"),
         ("mixtral", {"compensation": "bias"}, "compensation"),
         ("mixtral", {"calibration": {"mode": "dense", "n_samples": 4, "seq_len": 32}}, "calibration.mode"),
+        ("olmoe", {"quantization": "w8a8_int8"}, "quantization"),
     ],
 )
 def test_settings_moe_pruning_does_not_take_are_refused(
