@@ -29,9 +29,9 @@ alive at once), not yet checked against a GPU measurement.
 
 Recovery (`estimate_recovery_memory`) holds the whole pruned model on the device: its weights (the decoder layers
 shrunk by the ratio; float32 unless bf16 autocast runs the matmuls); what trains with its gradient and AdamW's two
-moments in float32 (LoRA's adapters, at the dense widths as a bound, or with `full` every decoder weight); one
-batch's activations (with gradient checkpointing each layer's input plus one layer's activations recomputed,
-without it every layer's), and the float32 logits of the batch several times over (logits, log-softmax and
+moments in float32 (LoRA's adapters, at the dense widths as a bound, a mixture's on every expert, or with `full`
+every decoder weight); one batch's activations (with gradient checkpointing each layer's input plus one layer's
+activations recomputed, without it every layer's; a mixture's token through its top-k experts), and the float32 logits of the batch several times over (logits, log-softmax and
 gradient; distillation adds the tempered log-softmax and the top-k's rest).
 """
 
@@ -82,6 +82,7 @@ class ModelShape:
     eager_attention: bool  # the score matrix is materialised (sdpa and flash attention do not keep it)
     experts: int = 0  # a mixture of experts: its experts per layer (`intermediate` is then one expert's width)
     shared_expert: int = 0  # the width of a mixture of experts' shared expert (Qwen2-MoE), 0 where there is none
+    experts_per_token: int = 0  # a mixture of experts: the routed experts each token goes through (top-k)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> "ModelShape":
@@ -108,6 +109,7 @@ class ModelShape:
             eager_attention=eager_attention,
             experts=experts,
             shared_expert=family.shared_expert_width(config) if moe else 0,
+            experts_per_token=config.num_experts_per_tok if moe else 0,
         )
 
     def layer_parameters(self) -> int:
@@ -116,6 +118,20 @@ class ModelShape:
             shared = 3 * self.shared_expert + 1 if self.shared_expert else 0
             return attention + (self.experts * (3 * self.intermediate + 1) + shared) * self.hidden + 2 * self.hidden
         return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    def ffn_adapter_width(self) -> int:
+        """The rows plus columns of the FFN weights LoRA adapts in a layer (rank x that many adapter weights): a
+        dense MLP's gate, up and down; each expert's fused gate_up and its down, and a shared expert's three."""
+        if self.experts:
+            shared = 3 * (self.hidden + self.shared_expert) if self.shared_expert else 0
+            return self.experts * (3 * self.intermediate + 2 * self.hidden) + shared
+        return 3 * (self.hidden + self.intermediate)
+
+    def ffn_width_per_token(self) -> int:
+        """The FFN channels one token's forward computes: the MLP's, or those of its top-k experts and a shared one."""
+        if self.experts:
+            return self.experts_per_token * self.intermediate + self.shared_expert
+        return self.intermediate
 
     def model_parameters(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied_head else 2)
@@ -277,12 +293,12 @@ def estimate_recovery_memory(
     else:
         weights = (decoder + rest) * weight_bytes
         widths = [shape.hidden + attn_width, 2 * (shape.hidden + shape.kv_heads * shape.head_dim)]
-        widths += [attn_width + shape.hidden, 3 * (shape.hidden + shape.intermediate)]
+        widths += [attn_width + shape.hidden, shape.ffn_adapter_width()]
         adapters = shape.layers * recovery.rank * sum(widths)
         optimizer_state = adapters * (FLOAT32 + OPTIMIZER_STATE)
     # One layer's forward and backward: hidden states, q/k/v, attention output, the MLP's gate, up and product
     # (their gradients as many again), LoRA's dropout copy of each adapted input.
-    per_layer = tokens * (3 * shape.hidden + qkv + attn_width + 3 * shape.intermediate) * activation_bytes
+    per_layer = tokens * (3 * shape.hidden + qkv + attn_width + 3 * shape.ffn_width_per_token()) * activation_bytes
     if recovery.method != FULL_RECOVERY:
         per_layer += tokens * LORA_PROJECTIONS * shape.hidden * activation_bytes
     if shape.eager_attention:

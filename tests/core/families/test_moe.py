@@ -29,7 +29,14 @@ from casp_core.families.moe import route_to_kept_experts, routed_experts, stacke
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_mixtral import CaspMixtralConfig, CaspMixtralForCausalLM
 from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment, lowest_energy_experts
-from casp_core.placement import JobShape, ModelShape, estimate_device_memory
+from casp_core.placement import (
+    FLOAT32,
+    OPTIMIZER_STATE,
+    JobShape,
+    ModelShape,
+    estimate_device_memory,
+    estimate_recovery_memory,
+)
 from casp_core.recovery import recover
 from casp_core.recovery_data import load_training_data
 from casp_core.report.build import recovery_section
@@ -661,3 +668,26 @@ def test_the_memory_model_counts_every_expert_and_one_expert_s_statistics(dense_
     job = JobShape(batch_size=1, seq_len=16, gradient_allocation=False, alpha_auto=False, dense_target=False)
     one_matrix = 4096 * 4096 * 8
     assert 4 * one_matrix < estimate_device_memory(wide, job).layer_working_set < 5 * one_matrix
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_recovery_memory_model_counts_the_adapters_lora_trains(
+    family: str, dense_folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """casp_core.placement's recovery estimate: LoRA's adapters on attention, every expert and a shared expert are
+    as many as peft trains (a step of the real recovery on the dense model, whose widths the estimate takes); each
+    token's activations go through its top-k experts."""
+    model, tokenizer = load_model(str(dense_folders[family]))
+    shape = ModelShape.of(model)
+    config = RecoveryConfig(method="lora", max_steps=1, batch_size=1, grad_accum=1, max_seq_len=32)
+    arguments = small_run_arguments(tmp_path)
+    text = arguments[arguments.index("--calibration-dataset") + 1]
+    data = load_training_data(text, tokenizer, max_seq_len=32, context=256)
+    _, result = recover(model, tokenizer, data, config, device="cpu")
+    estimate = estimate_recovery_memory(shape, config, 0.0, autocast=False)
+    assert estimate.optimizer_state == result.trainable_parameters * (FLOAT32 + OPTIMIZER_STATE)
+    assert shape.ffn_width_per_token() == TOP_K * EXPERT_WIDTH + (SHARED_WIDTH if family == "qwen2_moe" else 0)
+    # Each layer's (and the recomputed one's) gate, up and product per token and expert, in float32.
+    one_expert = estimate_recovery_memory(replace(shape, experts_per_token=1), config, 0.0, autocast=False)
+    extra = (shape.layers + 1) * config.max_seq_len * 3 * (TOP_K - 1) * EXPERT_WIDTH * FLOAT32
+    assert estimate.activations - one_expert.activations == extra
