@@ -87,7 +87,7 @@ RECOVERIES = {
 
 def recovery_rows() -> list[dict[str, Any]]:
     rows = []
-    for model in ("LLaMA2-7B", "Llama-2-70B", "Llama-3-70B"):
+    for model in ("LLaMA2-7B", "Llama-2-70B", "Llama-3-70B", "Mixtral-8x7B", "Qwen3-30B-A3B"):
         shape = model_shapes()[model]
         for name, settings in RECOVERIES.items():
             estimate = estimate_recovery_memory(shape, RecoveryConfig(**settings), RECOVERY_RATIO, autocast=True)
