@@ -31,8 +31,9 @@ Recovery (`estimate_recovery_memory`) holds the whole pruned model on the device
 shrunk by the ratio; float32 unless bf16 autocast runs the matmuls); what trains with its gradient and AdamW's two
 moments in float32 (LoRA's adapters, at the dense widths as a bound, a mixture's on every expert, or with `full`
 every decoder weight); one batch's activations (with gradient checkpointing each layer's input plus one layer's
-activations recomputed, without it every layer's; a mixture's token through its top-k experts), and the float32 logits of the batch several times over (logits, log-softmax and
-gradient; distillation adds the tempered log-softmax and the top-k's rest).
+activations recomputed, without it every layer's; a mixture's token through its top-k experts), and the float32
+logits of the batch several times over (logits, log-softmax and gradient; distillation adds the tempered
+log-softmax and the top-k's rest).
 """
 
 from dataclasses import asdict, dataclass
