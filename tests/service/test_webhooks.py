@@ -74,12 +74,6 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture
-def slow_receiver() -> Iterator[Receiver]:
-    with serving() as state:
-        yield state
-
-
-@pytest.fixture
 def hooked(distributed_settings: Settings) -> Settings:
     return distributed_settings.model_copy(
         update={
@@ -175,11 +169,11 @@ def test_a_webhook_that_keeps_failing_ends_failed_after_the_last_attempt(hooked:
 
 
 def test_a_receiver_that_hangs_holds_back_its_own_jobs_deliveries_and_no_other_jobs(
-    hooked: Settings, receiver: Receiver, slow_receiver: Receiver
+    hooked: Settings, receiver: Receiver
 ) -> None:
-    slow_receiver.delay = 5.0  # longer than the timeout: every attempt times out
     timing_out = hooked.model_copy(update={"webhook_timeout_seconds": 2.0, "webhook_max_attempts": 2})
-    with TestClient(service_app(timing_out)) as api:
+    with serving() as slow_receiver, TestClient(service_app(timing_out)) as api:
+        slow_receiver.delay = 5.0  # longer than the timeout: every attempt times out
         stuck = api.post("/v1/jobs", json={**PARKED, "webhook_url": slow_receiver.url}).json()
         api.post(f"/v1/jobs/{stuck['id']}/cancel")
         wait_for(lambda: slow_receiver.received, 30, "the stuck job's first attempt")

@@ -12,9 +12,8 @@ from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import LORA_TARGETS, RecoveryConfig
 from casp_core.model import load_model
 from casp_core.recovery import recover
-from casp_core.recovery_data import load_training_data
 from tests.conftest import REPO
-from tests.core.families.helpers import VOCAB, WINDOW, prune_small
+from tests.core.families.helpers import VOCAB, WINDOW, prune_small, small_training_data
 from tests.core.fresh_process import run_python
 
 # The lowest transformers the project supports, installed apart from the venv by `make install`.
@@ -67,11 +66,12 @@ def masked_logits(masked: PreTrainedModel) -> torch.Tensor:
 
 
 def assert_recovery_trains_and_reloads(
-    pruned: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, text: Path, folder: Path
+    pruned: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path
 ) -> None:
     """Two LoRA steps on every one of the seven projections of the pruned model (whatever each layer kept): the
-    merged model keeps the pruned shapes and class, computes something else, and loads back as it was saved."""
-    data = load_training_data(str(text), tokenizer, max_seq_len=32, context=256)
+    merged model keeps the pruned shapes and class, computes something else, and loads back as it was saved (into
+    `folder`, beside its training text)."""
+    data = small_training_data(tokenizer, folder)
     config = RecoveryConfig(method="lora", max_steps=2, batch_size=2, grad_accum=1, max_seq_len=32, lr=1e-2)
     recovered, result = recover(copy.deepcopy(pruned), tokenizer, data, config, device="cpu")
     assert type(recovered) is type(pruned) and result.steps == 2
@@ -82,8 +82,8 @@ def assert_recovery_trains_and_reloads(
     assert {name.rsplit(".", 1)[-1] for name, _ in pruned.model.layers[0].named_modules()} >= set(LORA_TARGETS)
     expected = sum(rank * (m.in_features + m.out_features) for m in adapted)
     assert result.trainable_parameters == expected
-    save_pruned(recovered, tokenizer, folder)
-    loaded = load_pruned(folder)[0]
+    save_pruned(recovered, tokenizer, folder / "recovered")
+    loaded = load_pruned(folder / "recovered")[0]
     tokens = test_tokens()
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, recovered(tokens).logits)

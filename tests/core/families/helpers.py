@@ -17,6 +17,7 @@ from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import CalibrationConfig, PruneConfig
 from casp_core.model import attention_geometry, decoder_layers
 from casp_core.prune import prune
+from casp_core.recovery_data import TrainingData, load_training_data
 from casp_core.results import PruneResult
 from casp_core.surgery import LayerPruning, mask_layer
 from tests.conftest import DATASETS_DIR, STORIES
@@ -124,12 +125,22 @@ def layer_outputs_of_the_model_s_own_forward(model: PreTrainedModel, windows: to
     return outputs
 
 
-def small_run_arguments(folder: Path) -> list[str]:
-    """`casp prune` arguments for a quick whole job on the CPU: a few kilobytes of WikiText-2 (written into
-    `folder`) for calibration and evaluation, since tokenizing a whole split takes seconds."""
+def small_text(folder: Path) -> Path:
+    """A few kilobytes of WikiText-2 written into `folder`, since tokenizing a whole split takes seconds."""
     text = folder / "wiki.txt"
     with (DATASETS_DIR / "wikitext-2-raw" / "wiki.test.raw").open(encoding="utf-8") as source:
         text.write_text(source.read(6000), encoding="utf-8")
+    return text
+
+
+def small_training_data(tokenizer: PreTrainedTokenizerBase, folder: Path) -> TrainingData:
+    """`small_text` as recovery's training data: sequences of at most 32 tokens."""
+    return load_training_data(str(small_text(folder)), tokenizer, max_seq_len=32, context=256)
+
+
+def small_run_arguments(folder: Path) -> list[str]:
+    """`casp prune` arguments for a quick whole job on the CPU: `small_text` for calibration and evaluation."""
+    text = small_text(folder)
     return [
         *("--calibration-dataset", str(text), "--n-samples", "4", "--seq-len", "32"),
         *("--perplexity", str(text), "--eval-seq-len", "32", "--eval-limit", "2", "--device", "cpu"),

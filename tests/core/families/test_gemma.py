@@ -36,7 +36,6 @@ from casp_core.families import family_of
 from casp_core.model import attention_geometry, check_supported_config, decoder_layers, load_model
 from casp_core.modeling_casp_gemma import CaspGemma2ForCausalLM, CaspGemma3ForCausalLM
 from casp_core.recovery import recover
-from casp_core.recovery_data import load_training_data
 from casp_core.run import CPU
 from casp_core.surgery import remove_units
 from casp_core.upgrade import upgrade_checkpoint
@@ -51,6 +50,7 @@ from tests.core.families.helpers import (
     masked_copy,
     prune_small,
     small_run_arguments,
+    small_training_data,
     write_dense,
     written_and_loaded_back,
 )
@@ -291,14 +291,12 @@ def test_checkpoints_load_where_users_load_them(
 def test_recovery_trains_the_pruned_model(
     family: str,
     pipeline_pruned: dict[str, tuple[PreTrainedModel, PreTrainedModel, Any]],
-    small_run: list[str],
     tmp_path: Path,
 ) -> None:
     """LoRA on every projection of the pruned Gemma (names as in LLaMA), merged back: same shapes, new weights, and
     the checkpoint written after it loads back to the same logits."""
     pruned, _, tokenizer = pipeline_pruned[family]
-    text = small_run[small_run.index("--calibration-dataset") + 1]
-    data = load_training_data(text, tokenizer, max_seq_len=32, context=256)
+    data = small_training_data(tokenizer, tmp_path)
     settings = RecoveryConfig(method="lora", max_steps=2, batch_size=2, grad_accum=1, max_seq_len=32, lr=1e-2)
     recovered, result = recover(copy.deepcopy(pruned), tokenizer, data, settings, device="cpu")
     assert result.steps == 2 and all(torch.isfinite(torch.tensor(point["loss"])) for point in result.curve)

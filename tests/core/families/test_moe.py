@@ -38,7 +38,6 @@ from casp_core.placement import (
     estimate_recovery_memory,
 )
 from casp_core.recovery import recover
-from casp_core.recovery_data import load_training_data
 from casp_core.report.build import recovery_section
 from casp_core.run import Run
 from casp_core.surgery import LayerPruning, remove_units
@@ -49,6 +48,7 @@ from tests.core.families.helpers import (
     masked_copy,
     prune_small,
     small_run_arguments,
+    small_training_data,
     write_dense,
     written_and_loaded_back,
 )
@@ -295,9 +295,7 @@ def test_lora_recovery_adapts_every_kept_expert_and_its_adapter_reloads(
     model keeps the pruned class and shapes, the experts the batches reached have new weights, and the adapter
     peft saved, loaded on the pruned model, computes what the merged weights compute."""
     pruned, tokenizer = load_pruned(request.getfixturevalue(checkpoints)[family][2])
-    arguments = small_run_arguments(tmp_path)
-    text = arguments[arguments.index("--calibration-dataset") + 1]
-    data = load_training_data(text, tokenizer, max_seq_len=32, context=256)
+    data = small_training_data(tokenizer, tmp_path)
     config = RecoveryConfig(method="lora", max_steps=2, batch_size=4, grad_accum=1, max_seq_len=32, lr=1e-2)
     run = Run()
     recovered, result = recover(
@@ -680,9 +678,7 @@ def test_the_recovery_memory_model_counts_the_adapters_lora_trains(
     model, tokenizer = load_model(str(dense_folders[family]))
     shape = ModelShape.of(model)
     config = RecoveryConfig(method="lora", max_steps=1, batch_size=1, grad_accum=1, max_seq_len=32)
-    arguments = small_run_arguments(tmp_path)
-    text = arguments[arguments.index("--calibration-dataset") + 1]
-    data = load_training_data(text, tokenizer, max_seq_len=32, context=256)
+    data = small_training_data(tokenizer, tmp_path)
     _, result = recover(model, tokenizer, data, config, device="cpu")
     estimate = estimate_recovery_memory(shape, config, 0.0, autocast=False)
     assert estimate.optimizer_state == result.trainable_parameters * (FLOAT32 + OPTIMIZER_STATE)

@@ -27,7 +27,6 @@ from casp_core.families import check_export, family_of, projections
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
 from casp_core.modeling_casp_phi3 import CaspPhi3ForCausalLM
 from casp_core.recovery import recover
-from casp_core.recovery_data import load_training_data
 from casp_core.surgery import remove_units
 from tests.core.families.helpers import (
     COMMON,
@@ -38,6 +37,7 @@ from tests.core.families.helpers import (
     masked_copy,
     prune_small,
     small_run_arguments,
+    small_training_data,
     write_dense,
     written_and_loaded_back,
 )
@@ -299,8 +299,7 @@ def test_recovery_adapts_the_fused_projections(pipeline_checkpoints: list[tuple]
     *_, pruned = pipeline_checkpoints[0]
     assert family_of(pruned.config).lora_modules(["q_proj", "k_proj", "up_proj"]) == ["qkv_proj", "gate_up_proj"]
     tokenizer = AutoTokenizer.from_pretrained(pipeline_checkpoints[0][1])
-    text = small_run_arguments(tmp_path)[1]  # the calibration text file
-    data = load_training_data(text, tokenizer, max_seq_len=32, context=256)
+    data = small_training_data(tokenizer, tmp_path)
     settings = RecoveryConfig(method="lora", max_steps=2, batch_size=2, grad_accum=1, max_seq_len=32, lr=1e-2)
     recovered, _ = recover(copy.deepcopy(pruned), tokenizer, data, settings, device="cpu", adapter_dir=tmp_path / "a")
     adapter = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
