@@ -23,6 +23,12 @@ class UnsupportedModel(CaspError):
     code = "unsupported_model"
 
 
+class InvalidModelFile(CaspError):
+    """A model file that is not what its name says: a `.gguf` that is not GGUF, or one cut short."""
+
+    code = "invalid_model_file"
+
+
 class DatasetNotFound(CaspError):
     code = "dataset_not_found"
 

@@ -28,8 +28,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from casp_core.caches import default_cache_dir
 from casp_core.errors import DeviceUnavailable, InvalidConfig, ModelNotFound, UnsupportedModel
 from casp_core.families import family_of, projection_parameters, projections
+from casp_core.gguf_source import converted_folder, gguf_dtype, is_gguf_reference
 from casp_core.units import AttentionGeometry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,12 +60,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def is_local_reference(name_or_path: str) -> bool:
-    """Anything that starts like a path is one; everything else is a Hugging Face id."""
-    return name_or_path.startswith((".", "/", "~"))
+    """Anything that starts like a path, or names a GGUF file, is one; everything else is a Hugging Face id."""
+    return name_or_path.startswith((".", "/", "~")) or is_gguf_reference(name_or_path)
 
 
 def check_model_reference(name_or_path: str) -> None:
-    """A Hugging Face id is `org/name`; anything that starts like a path must be a local directory."""
+    """A Hugging Face id is `org/name`; a `.gguf` must be a local file, anything else that starts like a path a
+    local directory."""
+    if is_gguf_reference(name_or_path):
+        if not Path(name_or_path).expanduser().is_file():
+            raise ModelNotFound(f"model file {name_or_path!r} does not exist or is not a file")
+        return
     if is_local_reference(name_or_path):
         if not Path(name_or_path).expanduser().is_dir():
             raise ModelNotFound(f"model path {name_or_path!r} does not exist or is not a directory")
@@ -139,15 +146,29 @@ def load_config(name_or_path: str, *, revision: str | None = None) -> Pretrained
 
 
 def load_model(
-    name_or_path: str, *, revision: str | None = None, dtype: str = "auto", token: str | None = None
+    name_or_path: str,
+    *,
+    revision: str | None = None,
+    dtype: str = "auto",
+    token: str | None = None,
+    device: torch.device | None = None,
+    cache_dir: Path | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load weights on the CPU; the pipeline moves one decoder layer at a time to the accelerator. `token`: a
-    Hugging Face token for a private repository, handed to the hub's calls only (never kept or written)."""
-    # A hub id: its folder in the cache, never the cwd.
-    source = str(model_source(name_or_path, revision, token))
+    """Load weights on the CPU; the pipeline moves one decoder layer at a time to the accelerator (`device`, the
+    CPU when None). `token`: a Hugging Face token for a private repository, handed to the hub's calls only (never
+    kept or written). A GGUF file is loaded from the folder it was dequantized into (casp_core.gguf_source), made
+    in `cache_dir` (default: casp_core.caches) the first time."""
+    torch_dtype: str | torch.dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    if is_gguf_reference(name_or_path):
+        check_model_reference(name_or_path)
+        torch_dtype = gguf_dtype(dtype, device or torch.device("cpu"))
+        folder = converted_folder(Path(name_or_path).expanduser(), torch_dtype, cache_dir or default_cache_dir())
+        source = str(folder)
+    else:
+        # A hub id: its folder in the cache, never the cwd.
+        source = str(model_source(name_or_path, revision, token))
     config = load_config(source)
     tokenizer = load_tokenizer(source)  # cheap, so a missing one fails first
-    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     try:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch_dtype, token=token)
     except OSError as error:
