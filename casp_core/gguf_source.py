@@ -36,9 +36,7 @@ SOURCE_RECORD = "casp_gguf_source.json"
 CACHE_FOLDER = "gguf"  # under the cache directory casp_core is given (casp_core.caches)
 # The types whose weights are dequantized with no loss of their own (F32, F16 and BF16 are exact in float32).
 FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")
-DEQUANTIZED = (
-    "the weights were dequantized from this file, so the pruned model carries the file's quantization error"
-)
+DEQUANTIZED = "the weights were dequantized from this file, so the pruned model carries the file's quantization error"
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,8 @@ class GgufSource:
     def sentence(self) -> str:
         """One line for report.md and the model card."""
         types = ", ".join(f"{count} {kind}" for kind, count in sorted(self.tensor_types.items()))
-        return f"Source: the GGUF file `{self.file}` (sha256 `{self.sha256}`; tensors {types}); {self.summary()['note']}."
+        note = self.summary()["note"]
+        return f"Source: the GGUF file `{self.file}` (sha256 `{self.sha256}`; tensors {types}); {note}."
 
 
 def is_gguf_reference(name_or_path: str) -> bool:
@@ -78,7 +77,8 @@ def _dequantizable_types() -> set[str]:
     """The ggml types the `gguf` package (which transformers' loader calls) dequantizes."""
     from gguf.quants import _type_traits  # the registry `gguf.quants.dequantize` dispatches on
 
-    return {"F32", "F16"} | {qtype.name for qtype, traits in _type_traits.items() if "dequantize_blocks" in vars(traits)}
+    implemented = {qtype.name for qtype, traits in _type_traits.items() if "dequantize_blocks" in vars(traits)}
+    return {"F32", "F16"} | implemented
 
 
 def check_gguf_file(path: Path) -> GgufSource:

@@ -13,8 +13,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from casp_core.caches import default_cache_dir
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import NO_QUANTIZATION, PruneConfig, RecoveryConfig
 from casp_core.eval.engine import artifact_table, measure_exports
@@ -92,6 +94,7 @@ def run_job(
     retry_state: Path | None = None,
     on_retry_state_saved: Callable[[Path], None] | None = None,
     token: str | None = None,
+    cache_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The whole job; `out_dir` ends up holding the checkpoint with its model card (README.md), report.json and
     report.md, or nothing. Nothing written there names a local path other than by its last part, and the
@@ -99,8 +102,11 @@ def run_job(
     retry finds it: with recovery, its pruned model (a `pruned_snapshot`, after the pruned model's evaluation) and
     the recovery stage's training state; in a sweep, the candidates measured so far and the best one's model.
     `on_retry_state_saved` is called with the path of each save (see `recover`). `token`: a Hugging Face token for
-    a private repository; it reaches the loader alone, nothing written or reported."""
+    a private repository; it reaches the loader alone, nothing written or reported. `cache_dir` keeps what is
+    worked out once per model (casp_core.caches; default `$CASP_CACHE_DIR`, else ~/.cache/casp): a GGUF source's
+    dequantized folder."""
     config.validate()
+    cache_dir = cache_dir or default_cache_dir()
     check_model_reference(model)
     if quantizer_block(config):
         require_llama_cpp()
@@ -112,7 +118,7 @@ def run_job(
         on_retry_state_saved,
     )
     if config.is_sweep:
-        return run_sweep(model, config, out_dir, run, retry, revision=revision, token=token)
+        return run_sweep(model, config, out_dir, run, retry, revision=revision, token=token, cache_dir=cache_dir)
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)
@@ -120,7 +126,7 @@ def run_job(
         with run.stage("load"):
             snapshot = retry.pruned_snapshot()
             if snapshot is None:
-                dense, tokenizer, dtype = load_dense(model, revision, config, run, token)
+                dense, tokenizer, dtype = load_dense(model, revision, config, run, token, device, cache_dir)
                 # Refused here when even one layer cannot fit on the device, or recovery would not, before hours
                 # of evaluation and pruning.
                 placement = choose_placement(dense, config, device)
@@ -146,6 +152,8 @@ def run_job(
                 retry,
                 staging,
                 token,
+                device,
+                cache_dir,
             )
         if snapshot is None:
             pruned = prune_dense(dense, tokenizer, inputs, config, run, placement)
@@ -208,6 +216,8 @@ def teacher_for(
     retry: RetryState,
     staging: Path,
     token: str | None,
+    device: torch.device,
+    cache_dir: Path,
 ) -> TeacherCache:
     """The distillation teacher's cache over the recovery data: the one a previous attempt kept, else computed
     with `dense` (or, on a retry that resumed after pruning without it, with the dense model loaded again)."""
@@ -219,10 +229,9 @@ def teacher_for(
         run.report("evaluation", 1.0, f"teacher: the cache {cached.path.name} kept by an earlier attempt")
         return cached
     with run.stage("teacher"):
-        teacher_model = dense if dense is not None else load_dense(model, revision, config, run, token)[0]
-        cache = compute_teacher(
-            teacher_model, training, config.recovery, directory, fingerprint, run, device=config.device
-        )
+        if dense is None:
+            dense = load_dense(model, revision, config, run, token, device, cache_dir)[0]
+        cache = compute_teacher(dense, training, config.recovery, directory, fingerprint, run, device=config.device)
     retry.saved(cache.path)
     return cache
 

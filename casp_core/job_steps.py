@@ -22,6 +22,7 @@ from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
 from casp_core.export.gguf_types import check_gguf_type, quantizer_block
 from casp_core.families import check_export, projections
+from casp_core.gguf_source import is_gguf_reference
 from casp_core.model import decoder_layers, load_model
 from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.quantization import QuantizedCheckpoint, check_quantization
@@ -98,11 +99,22 @@ class RetryState:
 
 
 def load_dense(
-    model: str, revision: str | None, config: PruneConfig, run: Run, token: str | None = None
+    model: str,
+    revision: str | None,
+    config: PruneConfig,
+    run: Run,
+    token: str | None,
+    device: torch.device,
+    cache_dir: Path,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """The dense model, its tokenizer and its dtype's name; the ratio and the GGUF type are checked before any work."""
+    """The dense model, its tokenizer and its dtype's name; the ratio and the GGUF type are checked before any work.
+    A GGUF source is dequantized into `cache_dir` the first time (minutes for a large file: said in the events)."""
     run.report("load", 0.0, f"loading {public_name(model)}")
-    dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
+    if is_gguf_reference(model):
+        run.report("load", 0.0, f"reading {public_name(model)} (dequantized once per file and dtype, then cached)")
+    dense, tokenizer = load_model(
+        model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
+    )
     check_settings(dense, config, run)
     return dense, tokenizer, str(dense.dtype).removeprefix("torch.")
 

@@ -422,15 +422,18 @@ def run_sweep(
     *,
     revision: str | None = None,
     token: str | None = None,
+    cache_dir: Path,
 ) -> dict[str, Any]:
     """The sweep job (the steps in the module docstring); returns the report written, the pick's, with the
-    frontier in `report["frontier"]`."""
+    frontier in `report["frontier"]`. `cache_dir`: as run_job's."""
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)
         with run.stage("load"):
             run.report("load", 0.0, f"loading {public_name(model)}")
-            dense, tokenizer = load_model(model, revision=revision, dtype=config.dtype, token=token)
+            dense, tokenizer = load_model(
+                model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
+            )
             candidates = sweep_candidates(dense.config, config)
             units = sweep_units(candidates, config)
             check_candidates(dense, config, candidates, run)

@@ -33,7 +33,12 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval", help="evaluate a checkpoint (dense or pruned): zero-shot accuracy, perplexity, efficiency"
     )
-    parser.add_argument("--model", required=True, help="local checkpoint directory (dense or pruned)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="local checkpoint directory (dense or pruned), or a GGUF file: evaluated dequantized in transformers, "
+        "and its perplexity measured in llama.cpp itself on the same windows",
+    )
     parser.add_argument(
         "--tasks",
         type=names,
@@ -82,27 +87,38 @@ def evaluate_checkpoint(
     device: str = "auto",
     batch_size: int = 16,
     efficiency: dict[str, int] | None = None,
+    cache_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Loads `model_path` and evaluates it; `efficiency` holds measure_efficiency's settings, None skips it."""
+    """Loads `model_path` and evaluates it; `efficiency` holds measure_efficiency's settings, None skips it. A GGUF
+    file is evaluated dequantized (casp_core.gguf_source, converted once into `cache_dir`), and its perplexity is
+    also measured in llama.cpp on the same windows: the figure of the file the user serves, their baseline."""
     # torch, transformers and the harness load only when a command needs them.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from casp_core.eval.evaluate import EvaluationPlan, evaluate
     from casp_core.eval.perplexity import default_seq_len, evaluation_text
     from casp_core.eval.zeroshot import resolve_datasets_dir
-    from casp_core.model import resolve_device
+    from casp_core.export.gguf_types import require_llama_cpp
+    from casp_core.gguf_source import is_gguf_reference
+    from casp_core.model import load_model, resolve_device
 
     unknown = [task for task in tasks if task not in ZERO_SHOT_TASKS]
     if unknown:
         raise InvalidConfig(f"tasks: unknown {', '.join(unknown)}; choose among {', '.join(ZERO_SHOT_TASKS)}")
-    if not Path(model_path).is_dir():
+    gguf_file = Path(model_path).expanduser() if is_gguf_reference(model_path) else None
+    if gguf_file is None and not Path(model_path).is_dir():
         raise ModelNotFound(f"model path {model_path!r} does not exist or is not a directory")
-    target = str(resolve_device(device))
+    if gguf_file is not None and perplexity_sets:
+        require_llama_cpp()
+    target = resolve_device(device)
     # One place for the env fallback, so that zero-shot and perplexity read the same copies.
     datasets_dir = resolve_datasets_dir(datasets_dir)
-    # trust_remote_code: a pruned checkpoint carries its own modeling file (named in config.json's auto_map).
-    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if gguf_file is not None:
+        model, tokenizer = load_model(str(gguf_file), device=target, cache_dir=cache_dir)
+    else:
+        # trust_remote_code: a pruned checkpoint carries its own modeling file (named in config.json's auto_map).
+        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     texts = {
         name: evaluation_text(
             tokenizer, name, seq_len or default_seq_len(model), datasets_dir=datasets_dir, max_windows=max_windows
@@ -114,7 +130,7 @@ def evaluate_checkpoint(
         zero_shot=tasks,
         limit=limit,
         datasets_dir=datasets_dir,
-        device=target,
+        device=str(target),
         perplexity_batch_size=batch_size,
         zero_shot_batch_size=batch_size,
         efficiency=efficiency,
@@ -129,7 +145,24 @@ def evaluate_checkpoint(
         out["perplexity"] = {name: {"ppl": figures.perplexity[name], **text.convention} for name, text in texts.items()}
     if figures.efficiency is not None:
         out["efficiency"] = figures.efficiency
+    if gguf_file is not None:
+        out["gguf"] = gguf_file_figures(gguf_file, texts)
     return out
+
+
+def gguf_file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
+    """The GGUF file as llama.cpp serves it: its source record (name, sha256, tensor types), size, bits per weight
+    and, on the evaluation's windows, its perplexity in llama.cpp."""
+    from casp_core.eval.engine import engine_convention, gguf_bits_per_weight, gguf_perplexity
+    from casp_core.gguf_source import check_gguf_file
+
+    return {
+        **check_gguf_file(path).summary(),
+        "bytes": path.stat().st_size,
+        "bits_per_weight": gguf_bits_per_weight(path),
+        "perplexity": gguf_perplexity(path, texts) if texts else {},
+        "engine": engine_convention(),
+    }
 
 
 def run_eval(args: argparse.Namespace) -> int:
