@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from casp_core.errors import InvalidModelFile, ModelNotFound, UnsupportedModel
 from casp_core.families import family_of
@@ -36,6 +37,8 @@ SOURCE_RECORD = "casp_gguf_source.json"
 CACHE_FOLDER = "gguf"  # under the cache directory casp_core is given (casp_core.caches)
 # The types whose weights are dequantized with no loss of their own (F32, F16 and BF16 are exact in float32).
 FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")
+# Sections of transformers' GGUF mapping that its list of architectures holds beside them.
+NOT_ARCHITECTURES = {"general", "tokenizer"}
 DEQUANTIZED = "the weights were dequantized from this file, so the pruned model carries the file's quantization error"
 
 
@@ -58,14 +61,8 @@ class GgufSource:
         return {
             **asdict(self),
             "dequantized": True,
-            "note": f"{DEQUANTIZED}" if self.quantized else "the weights were read from this file's float tensors",
+            "note": DEQUANTIZED if self.quantized else "the weights were read from this file's float tensors",
         }
-
-    def sentence(self) -> str:
-        """One line for report.md and the model card."""
-        types = ", ".join(f"{count} {kind}" for kind, count in sorted(self.tensor_types.items()))
-        note = self.summary()["note"]
-        return f"Source: the GGUF file `{self.file}` (sha256 `{self.sha256}`; tensors {types}); {note}."
 
 
 def is_gguf_reference(name_or_path: str) -> bool:
@@ -85,12 +82,29 @@ def check_gguf_file(path: Path) -> GgufSource:
     """Read and check the header of the GGUF file at `path` (no weight is dequantized). Raises ModelNotFound for no
     such file, InvalidModelFile for a file that is not GGUF or is cut short, UnsupportedModel for an architecture
     or a tensor type that transformers' loader or casp does not take."""
+    if not path.is_file():
+        raise ModelNotFound(f"model file {path.name!r} does not exist or is not a file")
+    stat = path.stat()
+    return _read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)[0]
+
+
+def gguf_config(path: Path) -> PretrainedConfig:
+    """The transformers config the GGUF file at `path` loads as, from its header (checked as `check_gguf_file`)."""
+    from transformers import CONFIG_MAPPING
+
+    check_gguf_file(path)
+    stat = path.stat()
+    settings = dict(_read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)[1])
+    return CONFIG_MAPPING[settings["model_type"]].from_dict(settings)
+
+
+@lru_cache(maxsize=16)
+def _read_header(path: Path, size: int, mtime_ns: int) -> tuple[GgufSource, dict[str, Any]]:
+    """The file's source record and the config transformers reads from it, once per process for each (path, size,
+    modification time): reading a header parses the whole vocabulary (seconds for a large one)."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
 
-    if not path.is_file():
-        raise ModelNotFound(f"model file {path.name!r} does not exist or is not a file")
-    size = path.stat().st_size
     with path.open("rb") as file:
         magic = file.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
@@ -111,14 +125,18 @@ def check_gguf_file(path: Path) -> GgufSource:
             f"(it reads {', '.join(sorted(_dequantizable_types()))})"
         )
     try:
-        model_type = load_gguf_checkpoint(str(path), return_tensors=False)["config"]["model_type"]
+        settings = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     except ValueError as error:
         raise UnsupportedModel(
             f"{path.name}: transformers' GGUF loader does not read the architecture {architecture!r} "
-            f"(it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+            f"(it reads {', '.join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_ARCHITECTURES))})"
         ) from error
-    family_of(model_type)  # UnsupportedModel for a family casp does not prune, naming those it does
-    return GgufSource(path.name, file_sha256(path), architecture, model_type, tensor_types)
+    try:
+        family_of(settings["model_type"])
+    except UnsupportedModel as error:  # a family casp does not prune: the message names those it does
+        raise UnsupportedModel(f"{path.name}: {error}") from error
+    source = GgufSource(path.name, _sha256(path, size, mtime_ns), architecture, settings["model_type"], tensor_types)
+    return source, settings
 
 
 def file_sha256(path: Path) -> str:
@@ -149,7 +167,7 @@ def converted_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     if not path.is_file():
         raise ModelNotFound(f"model file {path.name!r} does not exist or is not a file")
     cache = cache_dir / CACHE_FOLDER
-    folder = cache / f"{file_sha256(path)}-{str(dtype).removeprefix('torch.')}"
+    folder = _folder(path, str(dtype).removeprefix("torch."), cache_dir)
     if (folder / SOURCE_RECORD).is_file():  # made from this very file, checked then
         return folder
     source = check_gguf_file(path)
@@ -167,6 +185,19 @@ def converted_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _folder(path: Path, dtype: str, cache_dir: Path) -> Path:
+    return cache_dir / CACHE_FOLDER / f"{file_sha256(path)}-{dtype}"
+
+
+def gguf_source_for(name_or_path: str, dtype: str, cache_dir: Path) -> GgufSource | None:
+    """The GGUF file a job's model names, as recorded when it was dequantized in `dtype` (read again from the
+    file's header if the cache lost the folder); None for a model that is no GGUF file."""
+    if not is_gguf_reference(name_or_path):
+        return None
+    path = Path(name_or_path).expanduser()
+    return source_of(_folder(path, dtype, cache_dir)) or check_gguf_file(path)
 
 
 def _dequantize_into(path: Path, dtype: torch.dtype, folder: Path) -> None:

@@ -31,7 +31,7 @@ from transformers import (
 from casp_core.caches import default_cache_dir
 from casp_core.errors import DeviceUnavailable, InvalidConfig, ModelNotFound, UnsupportedModel
 from casp_core.families import family_of, projection_parameters, projections
-from casp_core.gguf_source import converted_folder, gguf_dtype, is_gguf_reference
+from casp_core.gguf_source import converted_folder, gguf_config, gguf_dtype, is_gguf_reference
 from casp_core.units import AttentionGeometry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -126,7 +126,13 @@ def _first_line(error: Exception) -> str:
 
 
 def load_config(name_or_path: str, *, revision: str | None = None) -> PretrainedConfig:
-    """The model's config, checked by `check_supported_config`; a config that cannot be read is `model_not_found`."""
+    """The model's config, checked by `check_supported_config`; a config that cannot be read is `model_not_found`. A
+    GGUF file's comes from its header, which is checked first (casp_core.gguf_source)."""
+    if is_gguf_reference(name_or_path):
+        check_model_reference(name_or_path)
+        config = gguf_config(Path(name_or_path).expanduser())
+        check_supported_config(config)
+        return config
     try:
         settings, _ = PretrainedConfig.get_config_dict(name_or_path, revision=revision)
     except OSError as error:

@@ -1,11 +1,19 @@
 """Shared fixtures: the real demo model and the real data sets in ../shared/fixtures."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# What casp_core keeps per model (casp_core.caches): one folder for the whole run, so that the suite dequantizes the
+# SmolLM2 GGUF once and no figure measured by an earlier run is reused.
+if "CASP_CACHE_DIR" not in os.environ:
+    os.environ["CASP_CACHE_DIR"] = tempfile.mkdtemp(prefix="casp-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["CASP_CACHE_DIR"], ignore_errors=True)
 
 import pytest
 import torch
@@ -18,6 +26,8 @@ FIXTURES = REPO.parent / "shared" / "fixtures"
 DATASETS_DIR = FIXTURES / "data"
 STORIES = REPO / "demo" / "stories260K"
 PTBWIKI = FIXTURES / "models" / "ptbwiki-7M"
+# A real pretrained model as people have it: SmolLM2-135M-Instruct, LLaMA with GQA, as llama.cpp's Q4_1 GGUF.
+SMOLLM2_GGUF = FIXTURES / "models" / "smollm2-135m-instruct-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

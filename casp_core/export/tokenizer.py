@@ -20,6 +20,11 @@ type can do: the token texts of a SentencePiece tokenization spell its input, an
 without a leading space tokenizes the same) and says what differs: a text that begins with a space gets one more
 ▁ in llama.cpp, and the same ids as transformers without that first space.
 
+A checkpoint pruned from a GGUF file (casp_core.gguf_source) carries that file's own tokenizer keys
+(`SOURCE_VOCABULARY`, written by `keep_source_vocabulary`), and its GGUF gets them unchanged: the vocabulary,
+merges, pre-tokenizer and chat template llama.cpp already served from the source, byte-level BPE included, since
+pruning leaves the embedding's rows as they were.
+
 What llama.cpp cannot reproduce but text can avoid is returned as the caveat, which the caller shows and the
 file carries (`casp.tokenizer_caveat`): that space prefix; NFC normalisation (llama.cpp does not normalise);
 no byte fallback (ptbwiki-7M's tokenizer), where transformers turns a character outside the vocabulary into
@@ -69,6 +74,37 @@ class Vocabulary:
     bos_id: int | None  # the token transformers puts before every text, None when it adds none
     eos_id: int | None  # the one it puts after
     caveat: str | None  # what llama.cpp tokenizes differently, "; "-joined; None when nothing
+
+
+@dataclass(frozen=True)
+class SourceVocabulary:
+    """The tokenizer keys of the GGUF file the checkpoint was pruned from, to be written unchanged."""
+
+    keys: list[dict[str, Any]]  # {"key", "type", "sub_type" (arrays), "value"}, GGUFValueType names
+    caveat: None = None  # the file's tokenizer is llama.cpp's own: nothing differs from it
+
+
+# In a checkpoint pruned from a GGUF file: that file's tokenizer keys.
+SOURCE_VOCABULARY = "gguf_tokenizer.json"
+TOKENIZER_KEYS = "tokenizer."
+
+
+def keep_source_vocabulary(gguf_file: Path, checkpoint: Path) -> None:
+    """Copy the tokenizer keys of `gguf_file` into `checkpoint` (as `SOURCE_VOCABULARY`), for its GGUF exports."""
+    keys = []
+    for name, field in gguf.GGUFReader(gguf_file).fields.items():
+        if name.startswith(TOKENIZER_KEYS):
+            types = [kind.name for kind in field.types]
+            keys.append({"key": name, "type": types[0], "sub_type": types[1:2] or None, "value": field.contents()})
+    (checkpoint / SOURCE_VOCABULARY).write_text(json.dumps(keys, ensure_ascii=False))
+
+
+def _source_vocabulary(record: Path, vocab_size: int) -> SourceVocabulary:
+    keys = json.loads(record.read_text())
+    tokens = next((len(key["value"]) for key in keys if key["key"] == gguf.Keys.Tokenizer.LIST), None)
+    if tokens != vocab_size:
+        raise _refuse(f"the source GGUF's {tokens} tokens do not match the embedding's {vocab_size} rows")
+    return SourceVocabulary(keys)
 
 
 def _refuse(what: str) -> UnsupportedModel:
@@ -152,9 +188,12 @@ def _token_types(tokenizer: dict[str, Any], vocab: dict[str, int]) -> dict[int, 
     return types
 
 
-def read_vocabulary(checkpoint: Path, vocab_size: int) -> Vocabulary:
+def read_vocabulary(checkpoint: Path, vocab_size: int) -> Vocabulary | SourceVocabulary:
     """The checkpoint's tokenizer as llama.cpp will hold it, `vocab_size` rows of the embedding padded as
-    llama.cpp expects; refused when llama.cpp would tokenize a text differently in a way text cannot avoid."""
+    llama.cpp expects; refused when llama.cpp would tokenize a text differently in a way text cannot avoid. A
+    checkpoint pruned from a GGUF file has that file's (`SOURCE_VOCABULARY`)."""
+    if (checkpoint / SOURCE_VOCABULARY).is_file():
+        return _source_vocabulary(checkpoint / SOURCE_VOCABULARY, vocab_size)
     loaded = load_tokenizer(str(checkpoint))
     backend = getattr(loaded, "backend_tokenizer", None)
     if backend is None:
@@ -194,8 +233,13 @@ def read_vocabulary(checkpoint: Path, vocab_size: int) -> Vocabulary:
     )
 
 
-def write_vocabulary(writer: gguf.GGUFWriter, vocabulary: Vocabulary) -> None:
-    """Tokens, scores, types, the space prefix, special tokens and the caveat."""
+def write_vocabulary(writer: gguf.GGUFWriter, vocabulary: Vocabulary | SourceVocabulary) -> None:
+    """Tokens, scores, types, the space prefix, special tokens and the caveat; a source GGUF's keys as they were."""
+    if isinstance(vocabulary, SourceVocabulary):
+        for key in vocabulary.keys:
+            sub_type = gguf.GGUFValueType[key["sub_type"][0]] if key["sub_type"] else None
+            writer.add_key_value(key["key"], key["value"], gguf.GGUFValueType[key["type"]], sub_type)
+        return
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(vocabulary.tokens)
