@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from casp_core.caches import default_cache_dir
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import NO_QUANTIZATION, PruneConfig, RecoveryConfig
+from casp_core.eval.dense_cache import evaluate_dense
 from casp_core.eval.engine import artifact_table, measure_exports
 from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
 from casp_core.export.gguf_types import quantizer_block, require_llama_cpp
@@ -104,7 +105,7 @@ def run_job(
     `on_retry_state_saved` is called with the path of each save (see `recover`). `token`: a Hugging Face token for
     a private repository; it reaches the loader alone, nothing written or reported. `cache_dir` keeps what is
     worked out once per model (casp_core.caches; default `$CASP_CACHE_DIR`, else ~/.cache/casp): a GGUF source's
-    dequantized folder."""
+    dequantized folder, the dense model's evaluation."""
     config.validate()
     cache_dir = cache_dir or default_cache_dir()
     check_model_reference(model)
@@ -156,7 +157,7 @@ def run_job(
                 cache_dir,
             )
         if snapshot is None:
-            pruned = prune_dense(dense, tokenizer, inputs, config, run, placement)
+            pruned = prune_dense(dense, tokenizer, inputs, config, run, placement, cache_dir)
             del dense  # its decoder layers were released while pruning; the rest goes now
         else:
             pruned = Pruned(snapshot.model, snapshot.pruning, snapshot.dense_figures, snapshot.pruned_figures)
@@ -243,10 +244,11 @@ def prune_dense(
     config: PruneConfig,
     run: Run,
     placement: Placement,
+    cache_dir: Path,
 ) -> Pruned:
-    """The dense model's evaluation, then pruning; `dense` loses its decoder layers' weights on the way."""
-    with run.stage("evaluation_dense"):
-        dense_figures = evaluate(dense, tokenizer, inputs.plan, run)
+    """The dense model's evaluation (an earlier job's, kept in `cache_dir`, when one matches), then pruning;
+    `dense` loses its decoder layers' weights on the way."""
+    dense_figures = evaluate_dense(dense, tokenizer, inputs.plan, run, cache_dir)
     result = prune(dense, tokenizer, config, run, windows=inputs.windows, release_dense=True, placement=placement)
     return Pruned(result.model, pruning_section(result), dense_figures, None)
 

@@ -7,7 +7,8 @@ candidate as a single-ratio job of that ratio and format would have written it.
 1. load the dense model; the candidates from the target before any statistics (`targets.sweep_candidates`), as
    units of work: one pruned model per ratio serves every variant (GGUF type or quantization scheme) whose widths
    round alike (a quantized GGUF type rounds the FFN widths to its block, as its single-ratio job would);
-2. read the texts; evaluate the dense model in transformers;
+2. read the texts; evaluate the dense model in transformers (or reuse an earlier job's figures of it:
+   casp_core.eval.dense_cache);
 3. the dense reference points: the dense model written in each variant and measured;
 4. each unit in turn (`prune.prune_configs`: the work the units share computed once): the pruned model
    evaluated in transformers (perplexity, and the zero-shot tasks when asked), written to
@@ -39,6 +40,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from casp_core.checkpoint import save_pruned
 from casp_core.config import NO_QUANTIZATION, PruneConfig
 from casp_core.errors import BudgetUnmet
+from casp_core.eval.dense_cache import evaluate_dense
 from casp_core.eval.engine import EngineFigures, artifact_table, engine_speed, gguf_perplexity, measure_exports
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
 from casp_core.export.gguf import GgufExport, export_gguf, gguf_file_name
@@ -495,13 +497,12 @@ def resume(retry: RetryState, run: Run) -> tuple[SweepState, PrunedSnapshot | No
 
 
 def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
-    """The dense model's figures in transformers, and the dense reference points: the dense model in each
-    variant, measured as the candidates are."""
+    """The dense model's figures in transformers (an earlier job's, kept in the cache, when one matches), and the
+    dense reference points: the dense model in each variant, measured as the candidates are."""
     state = sweep.state
-    with run.stage("evaluation_dense"):
-        started = time.perf_counter()
-        state.dense_figures = evaluate(dense, sweep.tokenizer, sweep.inputs.plan, run)
-        seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    state.dense_figures = evaluate_dense(dense, sweep.tokenizer, sweep.inputs.plan, run, sweep.cache_dir)
+    seconds = time.perf_counter() - started
     with run.stage(DENSE_POINTS_STAGE):
         variants = [point.variant for point in dense_points(dense.config, sweep.config)]
         run.report(DENSE_POINTS_STAGE, 0.0, f"the dense model in {', '.join(variants)}")

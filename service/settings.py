@@ -132,6 +132,12 @@ class Settings(BaseSettings):
         return self.model_cache_dir or self.home / "model-cache"
 
     @property
+    def cache_dir(self) -> Path:
+        """What workers compute once per model and reuse (casp_core.caches): GGUF sources dequantized, the dense
+        models' evaluations."""
+        return self.home / "cache"
+
+    @property
     def storage_credentials(self) -> S3Credentials:
         return S3Credentials(
             endpoint_url=self.s3_endpoint_url,

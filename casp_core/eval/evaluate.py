@@ -1,7 +1,8 @@
 """One model's figures: perplexity per text, and zero-shot accuracy and efficiency when asked for.
 
-The job calls `evaluate` on the dense and then on the pruned model (`EvaluationPlan.for_job`), `casp eval` on
-a saved checkpoint; `side_by_side` lays the job's two sets of figures out for the report.
+The job calls `evaluate` on the dense model (through casp_core.eval.dense_cache, which reuses an earlier job's
+figures of the same model) and then on the pruned model (`EvaluationPlan.for_job`), `casp eval` on a saved
+checkpoint; `side_by_side` lays the job's two sets of figures out for the report.
 """
 
 from dataclasses import dataclass
@@ -14,6 +15,11 @@ from casp_core.eval.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.eval.perplexity import EvaluationText, evaluation_text, windows_perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot, harness
 from casp_core.run import Run
+
+# The version of what `evaluate` measures and how: part of the key of the dense models' evaluations kept for later
+# jobs (casp_core.eval.dense_cache). Raise it with any change that moves a figure: the texts, their windows or
+# tokens, the perplexity's arithmetic, the zero-shot tasks' settings.
+EVALUATION_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,9 @@ class Figures:
     perplexity: dict[str, float]  # by text name; the conventions are the plan's texts'
     zero_shot: dict[str, Any] | None = None
     efficiency: dict[str, Any] | None = None
+    # Set when the perplexity and zero-shot figures were not measured in this run but reused from an earlier one's
+    # (casp_core.eval.dense_cache): when they were measured, ISO 8601 in UTC.
+    reused_from: str | None = None
 
 
 def evaluate(
@@ -102,6 +111,8 @@ def side_by_side(dense: Figures, pruned: Figures, texts: dict[str, EvaluationTex
     }
     if dense.zero_shot is not None and pruned.zero_shot is not None:
         combined["zero_shot"] = {"dense": dense.zero_shot, "pruned": pruned.zero_shot}
+    if dense.reused_from is not None:
+        combined["dense_reused"] = {"measured_at": dense.reused_from}
     if dense.efficiency is not None and pruned.efficiency is not None:
         combined["efficiency"] = {
             "dense": dense.efficiency,

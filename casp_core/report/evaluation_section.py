@@ -1,5 +1,6 @@
 """The evaluation section of report.md and of the model card: every figure with the convention it was
-measured under, the dense model's figure from the same run beside the pruned model's.
+measured under, the dense model's figure beside the pruned model's (measured in the same run, or reused from an
+earlier job's evaluation of the same dense model, which the section then says).
 
 The evaluation dict it renders (each section optional; a side missing from a section shows as "-"):
 
@@ -7,6 +8,8 @@ The evaluation dict it renders (each section optional; a side missing from a sec
       "perplexity": {dataset: {"dense": float, "pruned": float, **EvaluationText.convention}}, i.e. also
                     "dataset", "split" (None for a file), "seq_len", "n_windows", "n_tokens", "bos"
       "zero_shot": {"dense": evaluate_zero_shot(...), "pruned": evaluate_zero_shot(...)},
+      "dense_reused": {"measured_at": ISO 8601 time}, when the dense perplexity and zero-shot figures were reused
+                    from an earlier job's evaluation (casp_core.eval.dense_cache) rather than measured in this run,
       "efficiency": compare_efficiency(...), i.e. {"dense": measure_efficiency(...),
                     "pruned": measure_efficiency(...), "pruned_over_dense": {...} (optional)},
       "artifacts": casp_core.eval.engine.artifact_table(...), i.e. {"rows": [one per file written: format, type,
@@ -80,7 +83,7 @@ def perplexity_section(perplexity: dict[str, dict[str, Any]]) -> list[str]:
         "Convention (LLM-Pruner's, from GPTQ): the split's rows as the Hugging Face loader gives them "
         '(WikiText-2 raw lines as they are, PTB lines stripped) joined with "\\n\\n" and tokenized once, BOS as '
         "given in the table, cut into non-overlapping windows of seq_len tokens (remainder dropped); "
-        "exp(mean next-token NLL). Dense and pruned measured in the same run with the same settings.",
+        "exp(mean next-token NLL). Dense and pruned measured with the same settings on the same windows.",
     ]
 
 
@@ -229,10 +232,22 @@ def artifact_section(artifacts: dict[str, Any]) -> list[str]:
     return lines
 
 
+def reuse_note(reused: dict[str, Any] | None) -> list[str]:
+    """Where the dense figures were not measured in this run: from when they are."""
+    if not reused:
+        return []
+    return [
+        f"**The dense model's perplexity and zero-shot figures were reused from its evaluation of "
+        f"{reused['measured_at']}**, by an earlier job on the same model, dtype, texts and evaluation settings, "
+        "not measured again in this run; efficiency is measured in every run.",
+        "",
+    ]
+
+
 def render_evaluation_section(evaluation: dict[str, Any], title: str = "Evaluation") -> str:
     """Markdown for report.md and the model card; the sections present in `evaluation`, in the order
-    perplexity, zero-shot, efficiency, artifacts."""
-    lines = [f"## {title}", ""]
+    perplexity, zero-shot, efficiency, artifacts, after the note on reused dense figures."""
+    lines = [f"## {title}", "", *reuse_note(evaluation.get("dense_reused"))]
     sections = (
         ("perplexity", perplexity_section),
         ("zero_shot", zero_shot_section),
@@ -242,6 +257,6 @@ def render_evaluation_section(evaluation: dict[str, Any], title: str = "Evaluati
     for key, section in sections:
         if evaluation.get(key):
             lines += [*section(evaluation[key]), ""]
-    if len(lines) == 2:
+    if not any(evaluation.get(key) for key, _ in sections):
         lines += ["No evaluation was run.", ""]
     return "\n".join(lines)
