@@ -1,6 +1,6 @@
 """The `casp` command: the library's commands (casp_core.cli: prune, eval) and the service's: serve, demo, keys
-(create, revoke, list, set-hub-token), worker, and submit, status, wait, download, models (upload, list, delete)
-through the client. `python -m casp_cli.main ...` runs it.
+(create, revoke, list, set-hub-token), webhooks secret, worker, and submit, status, wait, download, models (upload,
+list, delete) through the client. `python -m casp_cli.main ...` runs it.
 """
 
 import argparse
@@ -23,7 +23,7 @@ from casp_core.cli.main import main as casp_main
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.errors import InvalidConfig
 from service.logs import configure_logging
-from service.settings import AUTO, DEVICES, Settings, local_devices, resolve_device
+from service.settings import AUTO, DEVICES, Settings, load_settings, local_devices, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "demo" / "stories260K"
@@ -66,12 +66,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    serve(Settings(), bind(args.host, args.port), args.log_level)
+    serve(load_settings(), bind(args.host, args.port), args.log_level)
     return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    settings = Settings()
+    settings = load_settings()
     device = resolve_device(args.device or settings.default_device)
     if device not in local_devices():
         raise SystemExit(f"casp worker: no {device} device on this machine (torch sees: {', '.join(local_devices())})")
@@ -91,7 +91,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     from service import jobs
     from service.db import session_scope
 
-    settings = Settings()
+    settings = load_settings()
     prepare(settings)
     with session_scope(settings.database) as session:
         row, key = jobs.create_api_key(
@@ -109,7 +109,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from service import jobs
     from service.db import session_scope
 
-    settings = Settings()
+    settings = load_settings()
     prepare(settings)
     with session_scope(settings.database) as session:
         row = jobs.revoke_api_key(session, args.key_id)
@@ -125,7 +125,7 @@ def cmd_keys_set_hub_token(args: argparse.Namespace) -> int:
     from service.db import session_scope
     from service.security import encrypt_hub_token
 
-    settings = Settings()
+    settings = load_settings()
     prepare(settings)
     token = None
     if not args.clear:
@@ -150,13 +150,20 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     from service import jobs
     from service.db import session_scope
 
-    settings = Settings()
+    settings = load_settings()
     prepare(settings)
     with session_scope(settings.database) as session:
         for row in jobs.list_api_keys(session):
             state = "revoked" if jobs.is_revoked(row) else "active"
             hub = "hub-token" if row.hub_token else "-"
             print(f"{row.id}  {state:<7}  {row.created_at:%Y-%m-%d %H:%M}  {hub:<9}  {row.name}")
+    return 0
+
+
+def cmd_webhooks_secret(args: argparse.Namespace) -> int:
+    from service.webhooks import new_secret
+
+    print(new_secret())
     return 0
 
 
@@ -410,6 +417,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=cmd_keys_set_hub_token)
     p = keys.add_parser("list", help="list API keys: id, active or revoked, created, whether it has a hub token, name")
     p.set_defaults(run=cmd_keys_list)
+
+    webhooks = subparsers.add_parser("webhooks", help="webhooks").add_subparsers(dest="webhooks_command", required=True)
+    p = webhooks.add_parser(
+        "secret",
+        help="print a new random CASP_WEBHOOK_SECRET in the Standard Webhooks form (whsec_...), for casp and receivers",
+    )
+    p.set_defaults(run=cmd_webhooks_secret)
 
     p = subparsers.add_parser(
         "submit", help="submit a pruning job", description="Options left out take the server's defaults."

@@ -1,20 +1,45 @@
 """Service settings, read from the environment (prefix `CASP_`)."""
 
+import base64
+import binascii
 import os
 import secrets
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from casp_core.errors import InvalidConfig
 from service.logs import LogFormat
 
 DEVICES = ("cpu", "cuda")
 # "auto": the device of the machine the job lands on. Resolved where that is known (the embedded service at
 # start, a worker for what it serves); the distributed API sends such jobs to the queue every worker reads.
 AUTO = "auto"
+# A webhook secret in the Standard Webhooks form: this prefix, then the base64 of the HMAC key.
+WEBHOOK_SECRET_PREFIX = "whsec_"
+
+
+def webhook_key_of(secret: str) -> bytes:
+    """The HMAC key a webhook secret stands for: for `whsec_<base64>`, the bytes the base64 encodes, as the Standard
+    Webhooks libraries read it (padding optional); for any other string, its UTF-8 bytes. ValueError when what
+    follows `whsec_` is not base64, or encodes no byte."""
+    if not secret.startswith(WEBHOOK_SECRET_PREFIX):
+        return secret.encode()
+    encoded = secret.removeprefix(WEBHOOK_SECRET_PREFIX)
+    form = (
+        "a whsec_ secret is the Standard Webhooks form, whsec_ and the base64 of the key"
+        " (`casp webhooks secret` makes one)"
+    )
+    try:
+        key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"{form}, and what follows whsec_ here is not base64 ({exc})") from None
+    if not key:
+        raise ValueError(f"{form}, and nothing follows whsec_ here")
+    return key
 
 
 class S3Credentials(BaseModel):
@@ -29,7 +54,8 @@ class S3Credentials(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CASP_", extra="ignore")
+    # hide_input_in_errors: a refused value may be a secret, which an error (or its traceback) must not show.
+    model_config = SettingsConfigDict(env_prefix="CASP_", extra="ignore", hide_input_in_errors=True)
 
     home: Path = Field(default_factory=lambda: Path.home() / ".casp")
     # Defaults derived from `home` (see the properties below) keep the embedded mode zero-configuration.
@@ -88,9 +114,10 @@ class Settings(BaseSettings):
     # (`retention_seconds`) up to the maximum.
     artifact_retention_seconds: int = Field(default=7 * 86400, gt=0)
     max_artifact_retention_seconds: int = Field(default=30 * 86400, gt=0)
-    # Webhooks (a job's `webhook_url`): off until a secret to sign them with is set. Hosts a URL may name, comma-
-    # separated (`hooks.example.com`, `*.example.com`); addresses that are not public (private, loopback,
-    # link-local) are refused unless allowed.
+    # Webhooks (a job's `webhook_url`): off until a secret to sign them with is set (`whsec_<base64>`, the Standard
+    # Webhooks form, or a raw string: see `webhook_key_of`). Hosts a URL may name, comma-separated
+    # (`hooks.example.com`, `*.example.com`); addresses that are not public (private, loopback, link-local) are
+    # refused unless allowed.
     webhook_secret: str | None = None
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     webhook_allow_private: bool = False
@@ -114,6 +141,18 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _webhook_key_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            webhook_key_of(value)
+        return value
+
+    @property
+    def webhook_key(self) -> bytes | None:
+        """The key webhooks are signed with (`webhook_key_of` the secret); None while they are off."""
+        return webhook_key_of(self.webhook_secret) if self.webhook_secret else None
 
     @property
     def embedded(self) -> bool:
@@ -170,6 +209,20 @@ class Settings(BaseSettings):
 
     def model_roots(self) -> list[Path]:
         return [root.expanduser().resolve() for root in self.allowed_model_roots]
+
+
+def load_settings() -> Settings:
+    """The settings from the environment; InvalidConfig, one line naming each variable refused and why (never its
+    value, which may be a secret), where one is wrong."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field, *inside = (str(part) for part in error["loc"])
+            where = f" ({'.'.join(inside)})" if inside else ""
+            problems.append(f"CASP_{field.upper()}{where}: {error['msg'].removeprefix('Value error, ')}")
+        raise InvalidConfig("; ".join(problems)) from None
 
 
 def local_devices() -> tuple[str, ...]:

@@ -9,19 +9,18 @@ over, counting on from the attempts recorded, once the lease has run out.
 Headers of each POST:
 - `webhook-id: <job id>.<event>` (the same on every attempt, so a receiver can drop a repeat),
   `webhook-timestamp: <unix seconds>`, `webhook-signature: v1,<base64 HMAC-SHA256 of "<id>.<timestamp>.<body>">`
-  keyed with CASP_WEBHOOK_SECRET's UTF-8 bytes
+  keyed with CASP_WEBHOOK_SECRET's key (`Settings.webhook_key`: a `whsec_<base64>` secret is read as the
+  specification's libraries read it, so that the same string configures a receiver's)
 - `Casp-Event: job.succeeded` (or `job.failed`, `job.cancelled`, or `job.stage` for a stage started, where the job's
   `webhook_events` name it: one delivery per stage an attempt starts, from its own rows, `stage_deliveries`)
-- `Casp-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`: casp's own header before Standard
-  Webhooks, kept for one release so that receivers can switch
 """
 
-import hashlib
-import hmac
+import base64
 import ipaddress
 import itertools
 import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -37,13 +36,11 @@ from standardwebhooks import Webhook
 
 from service import jobs
 from service.db import session_scope
-from service.settings import Settings
+from service.settings import WEBHOOK_SECRET_PREFIX, Settings
 from service.tables import Job, utcnow
 
 log = logging.getLogger(__name__)
 
-# casp's own signature header (replaced by the Standard Webhooks headers; sent until the next release).
-SIGNATURE_HEADER = "Casp-Signature"
 EVENT_HEADER = "Casp-Event"
 MAX_BACKOFF_SECONDS = 60.0
 
@@ -82,21 +79,33 @@ def check_webhook_url(url: str, settings: Settings) -> None:
             raise WebhookRefused(f"the host resolves to {address}, not a public address (CASP_WEBHOOK_ALLOW_PRIVATE)")
 
 
-def signature(secret: str, timestamp: int, body: bytes) -> str:
-    """The legacy `Casp-Signature`'s v1: HMAC-SHA256 of "<timestamp>.<body>" keyed with the secret's UTF-8 bytes."""
-    return hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+# Bytes of key in a new secret: the specification asks for 24 to 64.
+NEW_SECRET_BYTES = 32
 
 
-def standard_headers(secret: str, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+def new_secret() -> str:
+    """A random webhook secret in the specification's form, `whsec_` and the base64 of the key."""
+    return WEBHOOK_SECRET_PREFIX + base64.b64encode(secrets.token_bytes(NEW_SECRET_BYTES)).decode()
+
+
+def secret_form(secret: str) -> str:
+    """How CASP_WEBHOOK_SECRET is read, in words for the log (never the secret itself)."""
+    if secret.startswith(WEBHOOK_SECRET_PREFIX):
+        return "a Standard Webhooks whsec_ key (the base64 after whsec_ decoded)"
+    return "a raw string (its UTF-8 bytes are the key)"
+
+
+def standard_headers(key: bytes, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
     """`webhook-id`, `webhook-timestamp` and `webhook-signature`, signed by the specification's reference code with
-    the secret's UTF-8 bytes as the key (in the libraries' own notation: `whsec_` and the base64 of those bytes)."""
-    signed = Webhook(secret.encode()).sign(message_id, datetime.fromtimestamp(timestamp, UTC), body.decode())
+    `key` (`Settings.webhook_key`)."""
+    signed = Webhook(key).sign(message_id, datetime.fromtimestamp(timestamp, UTC), body.decode())
     return {"webhook-id": message_id, "webhook-timestamp": str(timestamp), "webhook-signature": signed}
 
 
 def post_signed(settings: Settings, url: str, body: bytes, event: str, message_id: str) -> tuple[bool, str]:
     """One attempt: (delivered, what happened)."""
-    assert settings.webhook_secret is not None  # no job has a webhook without one (checked at submit)
+    key = settings.webhook_key
+    assert key is not None  # no job has a webhook without a secret (checked at submit)
     try:
         check_webhook_url(url, settings)
     except WebhookRefused as exc:
@@ -104,9 +113,8 @@ def post_signed(settings: Settings, url: str, body: bytes, event: str, message_i
     timestamp = int(time.time())
     headers = {
         "Content-Type": "application/json",
-        **standard_headers(settings.webhook_secret, message_id, timestamp, body),
+        **standard_headers(key, message_id, timestamp, body),
         EVENT_HEADER: event,
-        SIGNATURE_HEADER: f"t={timestamp},v1={signature(settings.webhook_secret, timestamp, body)}",
     }
     try:
         response = httpx.post(url, content=body, headers=headers, timeout=settings.webhook_timeout_seconds)
@@ -223,6 +231,8 @@ class Notifier(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        assert self.settings.webhook_secret  # the notifier runs only where webhooks are on
+        log.info("webhooks on; CASP_WEBHOOK_SECRET read as %s", secret_form(self.settings.webhook_secret))
         sending: dict[str, Future[None]] = {}
         with ThreadPoolExecutor(DELIVERY_THREADS, thread_name_prefix="casp-webhook") as pool:
             while not self.stopped.wait(self.settings.webhook_poll_seconds):
