@@ -36,6 +36,8 @@ from service.settings import Settings
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "demo" / "stories260K"
 FIXTURE_DATA = (REPO.parent / "shared" / "fixtures" / "data").resolve()
+# The real pretrained model's folder (tests/worker/test_real_model.py), allowed beside the demo.
+SMOLLM2_FOLDER = (REPO.parent / "shared" / "fixtures" / "models" / "smollm2-135m-instruct-gguf").resolve()
 if not FIXTURE_DATA.is_dir():
     FIXTURE_DATA = Path("/work/shared/fixtures/data")
 PG_ADMIN_URL = os.environ.get("CASP_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -277,7 +279,7 @@ def distributed_settings(
         s3_endpoint_url=s3_server["endpoint"],
         s3_access_key_id=S3_ACCESS,
         s3_secret_access_key=S3_SECRET,
-        allowed_model_roots=[REPO / "demo"],
+        allowed_model_roots=[REPO / "demo", SMOLLM2_FOLDER],
         allowed_model_buckets=[f"{MODELS_BUCKET}/{ALLOWED_MODELS_PREFIX}"],
         datasets_dir=FIXTURE_DATA,
         auth="apikey",

@@ -136,3 +136,28 @@ def test_the_command_line_refuses_a_text_file_named_gguf_in_one_line(tmp_path: P
         f"casp: error: invalid_model_file: {message}: it does not start with the GGUF magic bytes"
     ]
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_casp_eval_on_a_gguf_measures_the_file_itself_in_llama_cpp_beside_its_dequantized_weights(
+    datasets_dir: str,
+) -> None:
+    from casp_core.cli.eval import evaluate_checkpoint
+
+    out = evaluate_checkpoint(
+        str(SMOLLM2_GGUF),
+        tasks=[],
+        perplexity_sets=["wikitext2"],
+        seq_len=128,
+        max_windows=4,
+        datasets_dir=datasets_dir,
+        device="cpu",
+    )
+    dequantized = out["perplexity"]["wikitext2"]["ppl"]
+    served = out["gguf"]
+    assert (served["file"], served["sha256"], served["bytes"]) == (SMOLLM2_GGUF.name, SMOLLM2_SHA256, 98362432)
+    assert served["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    # Q4_1 is 5 bits a weight, the embedding (a fifth of the weights) Q8_0 at 8.5, the norms F32: llama.cpp says 5.74.
+    assert 5.0 < served["bits_per_weight"] < 6.0
+    # The same weights, the same windows: llama.cpp's Q4_1 kernels (activations rounded to 8 bits) against float32.
+    assert served["perplexity"]["wikitext2"] == pytest.approx(dequantized, rel=0.03)
+    assert 5 < dequantized < 200

@@ -1,0 +1,93 @@
+"""A real pretrained model as people have it: SmolLM2-135M-Instruct, the Q4_1 GGUF llama.cpp serves, pruned by a job
+through the API, a Celery worker and S3, its artifacts downloaded and loaded in transformers and llama.cpp."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import SMOLLM2_GGUF
+from tests.core.test_gguf_source import SMOLLM2_SHA256
+from tests.service_fixtures import WorkerProcess, download, finished, wait_job
+
+pytestmark = pytest.mark.service
+
+# A short calibration on real text; the evaluation on 8 windows of 512 tokens of WikiText-2 test.
+REAL_JOB: dict[str, Any] = {
+    "model": str(SMOLLM2_GGUF),
+    "ratio": 0.2,
+    "device": "cpu",
+    "calibration": {"dataset": "wikitext2:validation", "n_samples": 8, "seq_len": 256},
+    "evaluation": {"perplexity": ["wikitext2"], "seq_len": 512, "limit": 8},
+    "export": ["gguf"],
+    "gguf_type": "q4_k_m",
+}
+# What 20 % of SmolLM2 may cost in perplexity at this short calibration: measured 2.04x (36.3 -> 74.1 on 16 windows
+# of 512 at 8 x 256 calibration windows; the issue's 32 x 512 gave 29.88 -> 44.28 on 100); a broken selection,
+# allocation or compensation costs several times the dense figure.
+PERPLEXITY_FACTOR = 2.5
+
+
+def artifact(api: TestClient, job_id: str, headers: dict[str, str], folder: Path) -> dict[str, Path]:
+    """Every artifact of the job, downloaded into `folder` by its signed URL."""
+    listing = api.get(f"/v1/jobs/{job_id}/artifacts", headers=headers).json()["data"]
+    paths = {}
+    for entry in listing:
+        path = folder / entry["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        response = download(entry["url"])
+        assert response.status_code == 200, entry["path"]
+        path.write_bytes(response.content)
+        paths[entry["path"]] = path
+    return paths
+
+
+def test_a_real_gguf_is_pruned_through_the_service_and_its_artifacts_serve(
+    api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, tmp_path: Path
+) -> None:
+    alice = keys["alice"]
+    job = api.post("/v1/jobs", json=REAL_JOB, headers=alice).json()
+    done = wait_job(api, job["id"], alice, finished, "the SmolLM2 job to finish")
+    assert done["status"] == "succeeded", (done, worker.log_tail())
+
+    result = done["result"]
+    assert result["achieved_ratio"] == pytest.approx(0.2, abs=0.01)
+    source = result["source"]
+    assert (source["file"], source["sha256"]) == (SMOLLM2_GGUF.name, SMOLLM2_SHA256)
+    assert source["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    assert "carries the file's quantization error" in source["note"]
+    ppl = result["perplexity"]["wikitext2"]
+    assert ppl["seq_len"] == 512 and ppl["dense"] < ppl["pruned"] < PERPLEXITY_FACTOR * ppl["dense"]
+
+    files = artifact(api, job["id"], alice, tmp_path / "job")
+    report = json.loads(files["report.json"].read_text())
+    assert report["verification"]["max_relative_diff"] <= 1e-10
+    assert SMOLLM2_GGUF.name in files["README.md"].read_text() and SMOLLM2_SHA256 in files["report.md"].read_text()
+
+    # The checkpoint in transformers: cached and uncached greedy decoding agree token for token.
+    checkpoint = files["config.json"].parent
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        cached = model.generate(**prompt, max_new_tokens=12, do_sample=False, use_cache=True)
+        uncached = model.generate(**prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+    # Its q4_k_m in llama.cpp: K-quants where rows are whole super-blocks, llama.cpp's fallbacks where not
+    # (hidden 576 is not a multiple of 256), measured on the same windows, and it generates.
+    import llama_cpp
+
+    gguf_row = next(row for row in result["artifacts"]["rows"] if row["format"] == "gguf")
+    assert gguf_row["type"] == "q4_k_m" and gguf_row["perplexity_in"] == "llama.cpp"
+    assert 0.97 * ppl["pruned"] < gguf_row["perplexity"]["wikitext2"] < 1.3 * ppl["pruned"]
+    llm = llama_cpp.Llama(model_path=str(files[gguf_row["file"]]), n_ctx=128, n_threads=2, verbose=False)
+    try:
+        completion = llm.create_completion("The capital of France is", max_tokens=8, temperature=0.0)
+    finally:
+        llm.close()
+    assert completion["choices"][0]["text"].strip()
