@@ -3,7 +3,9 @@
 import hashlib
 import json
 import math
+import re
 import time
+from datetime import datetime
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from casp_core.checkpoint import load_pruned
 from casp_core.config import PruneConfig
+from casp_core.eval.dense_cache import CACHE_FOLDER as DENSE_EVALUATIONS
 from casp_core.job import job_stages
 from service.dispatch import CeleryDispatcher
 from service.settings import Settings
@@ -148,6 +151,35 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     metrics = api.get("/metrics").text
     assert 'casp_stage_duration_seconds_count{stage="pruning"}' in metrics
     assert 'casp_jobs{status="succeeded"} 0.0' not in metrics
+
+    # Another job on the same model, at another ratio: the worker keeps the dense evaluation in its cache
+    # ($CASP_HOME/cache), so this one reuses it and says from when (the first job's own evaluation, or the one
+    # it reused in turn when an earlier test ran the same model).
+    assert list((distributed_settings.cache_dir / DENSE_EVALUATIONS).glob("*.json"))
+    again = api.post("/v1/jobs", json={**SMALL_JOB, "ratio": 0.2}, headers=alice).json()
+    again_done = wait_job(api, again["id"], alice, finished, "the second job to finish")
+    assert again_done["status"] == "succeeded", (again_done, worker.log_tail())
+    assert again_done["result"]["perplexity"]["wikitext2"]["dense"] == ppl["dense"]
+    reuse = re.compile(r"dense model: figures reused from its evaluation of (\S+)")
+    reused_by_first = [match[1] for e in events if (match := reuse.fullmatch(e["message"] or ""))]
+    again_events = events_of(api, again["id"], alice)
+    (measured_at,) = [match[1] for e in again_events if (match := reuse.fullmatch(e["message"] or ""))]
+    if reused_by_first:
+        assert reused_by_first == [measured_at]
+    else:
+        started, ended = (
+            datetime.fromisoformat(done[key]).replace(microsecond=0) for key in ("started_at", "finished_at")
+        )
+        assert started <= datetime.fromisoformat(measured_at) <= ended
+        assert "evaluation_dense" in report["timings"]
+    report_url = next(
+        a["url"]
+        for a in api.get(f"/v1/jobs/{again['id']}/artifacts", headers=alice).json()["data"]
+        if a["name"] == "report.json"
+    )
+    again_report = download(report_url).json()
+    assert again_report["evaluation"]["dense_reused"] == {"measured_at": measured_at}
+    assert "evaluation_dense" not in again_report["timings"]
 
     # The same job delivered again (a duplicate message) is dropped: it neither reruns nor changes.
     CeleryDispatcher(distributed_settings).enqueue(job["id"], "casp-cpu")
