@@ -87,11 +87,12 @@ def evaluation_key(model: PreTrainedModel, plan: EvaluationPlan, folder: Path) -
         "source": source_identity(Path(model.config.name_or_path), folder),
         "dtype": str(model.dtype).removeprefix("torch."),
         "device": resolve_device(plan.device).type,
+        # Not the perplexity's batch size (the calibration's): each window is scored on its own, so it sets how many
+        # go through the model at once (and the last bits of the sums), not what is measured.
         "texts": {
             name: {**text.convention, "tokens_sha256": hashlib.sha256(text.windows.numpy().tobytes()).hexdigest()}
             for name, text in plan.texts.items()
         },
-        "perplexity_batch_size": plan.perplexity_batch_size,
         "zero_shot": {
             "tasks": plan.zero_shot,
             "limit": plan.limit,

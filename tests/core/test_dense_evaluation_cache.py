@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from casp_core.config import EvaluationConfig
+from casp_core.config import EvaluationConfig, PruneConfig
 from casp_core.eval import dense_cache
 from casp_core.eval.dense_cache import CACHE_FOLDER, FILE_DIGESTS, evaluate_dense, source_identity
 from casp_core.eval.evaluate import EvaluationPlan
@@ -68,6 +68,23 @@ def test_a_second_job_on_the_same_model_reuses_the_dense_evaluation_and_says_whe
         "measured_at": measured_at
     }
     assert list((cache / CACHE_FOLDER).glob("*.json")) == [entry]
+
+
+def test_a_sweep_reuses_the_dense_evaluation_of_a_single_ratio_job(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    job = run_job(str(STORIES), evaluated_config(0.3), tmp_path / "job", cache_dir=cache)
+    (entry,) = (cache / CACHE_FOLDER).glob("*.json")
+    sweep = evaluated_config(0.3).model_dump() | {
+        "ratio": None,
+        "target": {"max_bytes": "100MB", "format": "safetensors"},
+        "ratios": [0.3],
+        "quantizations": ["none"],
+        "calibration": {"dataset": "wikitext2:validation", "n_samples": 4, "seq_len": 32, "batch_size": 4},
+    }
+    report = run_job(str(STORIES), PruneConfig(**sweep), tmp_path / "sweep", cache_dir=cache)
+    assert report["frontier"]["dense_perplexity"] == {"wikitext2": job["perplexity"]["wikitext2"]["dense"]}
+    assert report["evaluation"]["dense_reused"] == {"measured_at": json.loads(entry.read_text())["measured_at"]}
+    assert "evaluation_dense" not in report["timings"]
 
 
 def evaluated(model: torch.nn.Module, tokenizer, plan: EvaluationPlan, cache: Path) -> tuple[float, str | None]:
