@@ -57,8 +57,9 @@ class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
     model: Annotated[str, Printable] = Field(
         min_length=1,
         max_length=1024,
-        description="Hugging Face id `org/name`, an absolute local path, `s3://bucket/prefix` (a bucket the server"
-        " allows) or `casp://models/<id>` (a model this key uploaded)",
+        description="Hugging Face id `org/name`, an absolute local path (a model folder, or a `.gguf` file),"
+        " `s3://bucket/prefix` (a folder, or one `.gguf` object, in a bucket the server allows) or"
+        " `casp://models/<id>` (a model this key uploaded)",
     )
     revision: Annotated[str, Printable] | None = Field(None, min_length=1, max_length=200)
     device: Literal[DEVICES] | None = Field(  # type: ignore[valid-type]
@@ -240,7 +241,9 @@ class HubTokenIn(BaseModel):
 class ModelOut(BaseModel):
     id: str
     model: str = Field(description="what a job names as its `model` to prune this one: `casp://models/<id>`")
-    name: str = Field(description="the folder's name, as the pruned model's card calls it")
+    name: str = Field(
+        description="the folder's name, as the pruned model's card calls it; a GGUF file's, ending in `.gguf`"
+    )
     model_type: str
     size: int = Field(description="bytes of all its files")
     files: int
@@ -254,7 +257,8 @@ class PresignedUploadIn(BaseModel):
     name: str | None = Field(
         None,
         pattern=MODEL_NAME_PATTERN,
-        description="the model's name (its pruned model card's); default: the archive's top folder, or `model`",
+        description="the model's name (its pruned model card's); default: the archive's top folder, or `model`. A name"
+        " ending in `.gguf` says the upload is a GGUF file, not a tar",
     )
     retention_seconds: int | None = Field(
         None, gt=0, description="how long it is kept; default CASP_ARTIFACT_RETENTION_SECONDS, at most the maximum"
@@ -263,10 +267,12 @@ class PresignedUploadIn(BaseModel):
 
 class PresignedUploadOut(BaseModel):
     id: str = Field(description="the upload's id, and the model's once completed")
-    upload_url: str = Field(description="PUT the tar (optionally gzip-compressed) here, with no other credentials")
+    upload_url: str = Field(
+        description="PUT the tar (optionally gzip-compressed), or the GGUF file, here, with no other credentials"
+    )
     upload_method: Literal["PUT"]
     upload_expires_at: datetime = Field(description="when the URL stops taking the tar (CASP_URL_TTL_SECONDS)")
-    complete_url: str = Field(description="POST here once the tar is uploaded: `/v1/models/{id}/complete`")
+    complete_url: str = Field(description="POST here once the file is uploaded: `/v1/models/{id}/complete`")
 
 
 class ModelList(BaseModel):

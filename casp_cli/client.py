@@ -1,6 +1,7 @@
 """A small Python client of the jobs API, for internal tooling and the `casp submit|status|wait|download`
 commands."""
 
+import contextlib
 import hashlib
 import json
 import tarfile
@@ -117,6 +118,9 @@ class ArtifactError(Exception):
 
 # A presigned PUT's body is streamed in chunks of this size, each counted as it goes.
 PUT_CHUNK_BYTES = 1 << 20
+# A file of this suffix (any case) is uploaded as it is, a GGUF file; a folder is packed as a tar. (casp_core's
+# is_gguf_reference, which this client does not import: it would load torch.)
+GGUF_SUFFIX = ".gguf"
 
 
 class ReadProgress:
@@ -213,24 +217,31 @@ class CaspClient:
 
     def upload_model(
         self,
-        folder: Path,
+        path: Path,
         name: str | None = None,
         retention_seconds: int | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         presigned: bool = False,
     ) -> dict[str, Any]:
-        """Packs the model's folder as a tar (its files at the top) and uploads it; `on_progress(sent, total)` as the
-        bytes go. `presigned`: PUT straight into the service's bucket, then completed (S3 storage only). Returns the
-        uploaded model (`model`: what a job names to prune it)."""
-        fields: dict[str, Any] = {"name": name or folder.resolve().name}
+        """Uploads the model: a folder packed as a tar (its files at the top), a `.gguf` file as it is;
+        `on_progress(sent, total)` as the bytes go. `presigned`: PUT straight into the service's bucket, then
+        completed (S3 storage only). Returns the uploaded model (`model`: what a job names to prune it)."""
+        is_gguf = path.name.lower().endswith(GGUF_SUFFIX)
+        # A folder named `.` is named by where it is; a GGUF file by its own name, even as a link to a blob.
+        fields: dict[str, Any] = {"name": name or (path.name if is_gguf else path.resolve().name)}
         if retention_seconds is not None:
             fields["retention_seconds"] = retention_seconds
-        with tempfile.TemporaryFile() as packed:
-            with tarfile.open(fileobj=packed, mode="w") as tar:
-                for path in sorted(folder.iterdir()):
-                    tar.add(path, arcname=path.name)
-            total = packed.tell()
-            packed.seek(0)
+        with contextlib.ExitStack() as stack:
+            if is_gguf:
+                body = stack.enter_context(path.open("rb"))
+                body.seek(0, 2)
+            else:
+                body = stack.enter_context(tempfile.TemporaryFile())
+                with tarfile.open(fileobj=body, mode="w") as tar:
+                    for file in sorted(path.iterdir()):
+                        tar.add(file, arcname=file.name)
+            total = body.tell()
+            body.seek(0)
             sent = 0
 
             def counted(size: int) -> None:
@@ -239,12 +250,12 @@ class CaspClient:
                 if on_progress:
                     on_progress(min(sent, total), total)
 
-            archive = ReadProgress(packed, counted)
+            reader = ReadProgress(body, counted)
             if presigned:
                 upload = self._call("POST", "/v1/models/presigned", json=fields)
                 put = httpx.put(
                     upload["upload_url"],
-                    content=iter(lambda: archive.read(PUT_CHUNK_BYTES), b""),
+                    content=iter(lambda: reader.read(PUT_CHUNK_BYTES), b""),
                     headers={"Content-Length": str(total)},
                     timeout=self.http.timeout,
                 )
@@ -252,7 +263,12 @@ class CaspClient:
                     raise CaspAPIError(put.status_code, f"the presigned upload was refused: {put.text[:300]}")
                 return self._call("POST", upload["complete_url"])
             form = {key: str(value) for key, value in fields.items()}
-            files = {"file": ("model.tar", archive, "application/x-tar")}
+            part = (
+                (path.name, reader, "application/octet-stream")
+                if is_gguf
+                else ("model.tar", reader, "application/x-tar")
+            )
+            files = {"file": part}
             return self._call("POST", "/v1/models", files=files, data=form)
 
     def models(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from casp_cli.client import DEFAULT_RETRIES, ArtifactError, CaspAPIError, CaspClient
+from casp_cli.client import DEFAULT_RETRIES, GGUF_SUFFIX, ArtifactError, CaspAPIError, CaspClient
 from casp_core.cli.arguments import non_negative_int, positive_int
 from casp_core.cli.main import main as casp_main
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
@@ -328,9 +328,9 @@ def cmd_download(args: argparse.Namespace) -> int:
 def cmd_models_upload(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    folder = Path(args.path)
-    if not folder.is_dir():
-        print(f"casp: error: invalid_request: {args.path} is not a model folder", file=sys.stderr)
+    path = Path(args.path)
+    if not (path.is_dir() or (path.is_file() and path.name.lower().endswith(GGUF_SUFFIX))):
+        print(f"casp: error: invalid_request: {args.path} is not a model folder or a .gguf file", file=sys.stderr)
         return 2
     with client_of(args) as client, tqdm(unit="B", unit_scale=True, desc="uploading", file=sys.stderr) as bar:
 
@@ -339,7 +339,7 @@ def cmd_models_upload(args: argparse.Namespace) -> int:
             bar.update(sent - bar.n)
 
         uploaded = client.upload_model(
-            folder, args.name, args.retention_seconds, on_progress=show, presigned=args.presigned
+            path, args.name, args.retention_seconds, on_progress=show, presigned=args.presigned
         )
     print(json.dumps(uploaded, indent=2))
     return 0
@@ -453,11 +453,12 @@ def register(subparsers: Any) -> None:
     models = subparsers.add_parser("models", help="models uploaded to the service, for jobs to prune")
     models_commands = models.add_subparsers(dest="models_command", required=True)
     p = models_commands.add_parser(
-        "upload", help="upload a model folder (checked by the service); jobs name it as the `model` it prints"
+        "upload",
+        help="upload a model folder or a GGUF file (checked by the service); jobs name it as the `model` it prints",
     )
     _client_options(p)
-    p.add_argument("path", help="the model's folder: config.json, the tokenizer, *.safetensors")
-    p.add_argument("--name", help="the model's name (its pruned model card's); default: the folder's name")
+    p.add_argument("path", help="the model's folder (config.json, the tokenizer, *.safetensors), or a .gguf file")
+    p.add_argument("--name", help="the model's name (its pruned model card's); default: the folder's or file's name")
     p.add_argument("--retention-seconds", type=positive_int, help="how long it is kept; default: the server's")
     p.add_argument(
         "--presigned",

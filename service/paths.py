@@ -1,9 +1,10 @@
 """Where a job may read its model and text from. The API checks at submit, and the worker again before it runs
-(a row may have been written past the API): a local path must be absolute and, with symbolic links and `..`
-resolved, lie under CASP_ALLOWED_MODEL_ROOTS (data set files: or CASP_DATASETS_DIR); a model in a bucket,
-`s3://bucket/prefix`, must lie under one of CASP_ALLOWED_MODEL_BUCKETS; `casp://models/<id>` is a model the job's
-key uploaded (whose owner the API and the worker check against the uploads' table); anything else is a Hugging
-Face id, which casp_core loads from the hub cache only, or a named data set installed under the datasets dir."""
+(a row may have been written past the API): a local path (a model folder, a `.gguf` file) must be absolute and,
+with symbolic links and `..` resolved, lie under CASP_ALLOWED_MODEL_ROOTS (data set files: or CASP_DATASETS_DIR); a
+model in a bucket, `s3://bucket/prefix` (a folder, or one `.gguf` object), must lie under one of
+CASP_ALLOWED_MODEL_BUCKETS; `casp://models/<id>` is a model the job's key uploaded (whose owner the API and the
+worker check against the uploads' table); anything else is a Hugging Face id, which casp_core loads from the hub
+cache only, or a named data set installed under the datasets dir."""
 
 import os
 import re
@@ -16,6 +17,7 @@ from huggingface_hub.utils import validate_repo_id
 from casp_core.config import PruneConfig
 from casp_core.data import LOCAL_FILES, TextSource, calibration_source, evaluation_source, local_copy, parse_source
 from casp_core.errors import CaspError, DatasetNotFound, InvalidDataset, ModelNotFound
+from casp_core.gguf_source import is_gguf_reference
 from casp_core.model import is_local_reference
 from casp_core.recovery_data import TRAINING_SPLIT, read_training_file
 from service.settings import Settings
@@ -119,8 +121,8 @@ def upload_id_of(reference: str) -> str:
 
 
 def check_model(model: str, settings: Settings) -> str:
-    """The model as the job stores it: a hub id as given, a local folder resolved, a bucket's prefix normalised. An
-    upload's id is checked for its form only: whose it is, the caller checks."""
+    """The model as the job stores it: a hub id as given, a local folder or GGUF file resolved, a bucket's prefix
+    normalised. An upload's id is checked for its form only: whose it is, the caller checks."""
     if model.startswith(S3_SCHEME):
         return check_s3_model(model, settings)
     if model.startswith(UPLOAD_SCHEME):
@@ -133,7 +135,14 @@ def check_model(model: str, settings: Settings) -> str:
             raise InputRefused(("model",), f"not a Hugging Face id: {exc}") from exc
         return model
     path = _under_roots(model, ("model",), settings.model_roots(), "CASP_ALLOWED_MODEL_ROOTS")
-    if not path.is_dir():
+    if is_gguf_reference(model):
+        if not path.is_file():
+            raise InputRefused(("model",), "no such GGUF file", ModelNotFound.code)
+        if not is_gguf_reference(path.name):
+            # A link to a file of another name (the Hugging Face cache links each file to a blob named by its
+            # digest): the job keeps the link's name, which says it is GGUF; its target was checked above.
+            return str(Path(model).parent.resolve() / Path(model).name)
+    elif not path.is_dir():
         raise InputRefused(("model",), "no such model folder", ModelNotFound.code)
     return str(path)
 

@@ -16,6 +16,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from casp_core.gguf_source import is_gguf_reference
 from service.security import sign_download
 from service.settings import S3Credentials, Settings
 
@@ -45,11 +46,16 @@ def copy_whole(source: Path, target: Path) -> None:
 
 @dataclass(frozen=True)
 class S3Location:
-    """A model folder in a bucket: the objects under `prefix/`, read with `credentials`."""
+    """A model in a bucket, read with `credentials`: the objects under `prefix/`, or the one object `prefix` where
+    that names a GGUF file."""
 
     bucket: str
     prefix: str
     credentials: S3Credentials
+
+    @property
+    def is_gguf_file(self) -> bool:
+        return is_gguf_reference(self.prefix)
 
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
@@ -89,13 +95,14 @@ class Storage(Protocol):
         """Raises unless a file can be written, and (where the storage has a size) at least `min_free_bytes`
         are free."""
 
-    def put_model(self, model_id: str, name: str, directory: Path) -> None:
-        """Stores an uploaded model's folder as `models/<id>/<name>/` (its row, written after, makes it usable)."""
+    def put_model(self, model_id: str, name: str, source: Path) -> None:
+        """Stores an uploaded model's folder as `models/<id>/<name>/`, or its GGUF file as `models/<id>/<name>` (its
+        row, written after, makes it usable)."""
 
     def delete_model(self, model_id: str) -> None: ...
 
     def model_location(self, model_id: str, name: str) -> Path | S3Location:
-        """Where a worker reads the uploaded model: a local folder, or a bucket's prefix it downloads."""
+        """Where a worker reads the uploaded model: a local folder or file, or a bucket's prefix it downloads."""
 
 
 class LocalStorage:
@@ -145,8 +152,13 @@ class LocalStorage:
     def delete_work(self, job_id: str) -> None:
         shutil.rmtree(self.root / "work" / job_id, ignore_errors=True)
 
-    def put_model(self, model_id: str, name: str, directory: Path) -> None:
-        shutil.copytree(directory, self.model_location(model_id, name), dirs_exist_ok=True)
+    def put_model(self, model_id: str, name: str, source: Path) -> None:
+        target = self.model_location(model_id, name)
+        if source.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            copy_whole(source, target)
+        else:
+            shutil.copytree(source, target, dirs_exist_ok=True)
 
     def delete_model(self, model_id: str) -> None:
         shutil.rmtree(self.root / "models" / model_id, ignore_errors=True)
@@ -218,9 +230,12 @@ class S3Storage:
             if objects:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
 
-    def put_model(self, model_id: str, name: str, directory: Path) -> None:
-        for relative, source in files_of(directory):
-            self.client.upload_file(str(source), self.bucket, self.key(model_id, f"{name}/{relative}", "models"))
+    def put_model(self, model_id: str, name: str, source: Path) -> None:
+        if source.is_file():
+            self.client.upload_file(str(source), self.bucket, self.key(model_id, name, "models"))
+            return
+        for relative, path in files_of(source):
+            self.client.upload_file(str(path), self.bucket, self.key(model_id, f"{name}/{relative}", "models"))
 
     def delete_model(self, model_id: str) -> None:
         self._delete_under(self.key(model_id, folder="models") + "/")

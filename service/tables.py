@@ -129,8 +129,9 @@ class StageTiming(Base):
 
 
 class UploadedModel(Base):
-    """A model folder a key uploaded (`POST /v1/models`), kept in the artifact storage under `models/<id>/<name>/`
-    and used by that key's jobs as `casp://models/<id>`. Deleted (row and files) when it expires or on DELETE."""
+    """A model folder (or GGUF file) a key uploaded (`POST /v1/models`), kept in the artifact storage under
+    `models/<id>/<name>/` (a GGUF file: `models/<id>/<name>`, its name ending in `.gguf`) and used by that key's jobs
+    as `casp://models/<id>`. Deleted (row and files) when it expires or on DELETE."""
 
     __tablename__ = "uploaded_models"
     __table_args__ = (
@@ -140,7 +141,7 @@ class UploadedModel(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
-    name: Mapped[str] = mapped_column(String(100))  # the folder's name: what the model card calls the model
+    name: Mapped[str] = mapped_column(String(100))  # the folder's (or file's) name: what the model card calls it
     model_type: Mapped[str] = mapped_column(String(32))
     size: Mapped[int] = mapped_column(BigInteger)  # bytes of all its files
     files: Mapped[int] = mapped_column(Integer)

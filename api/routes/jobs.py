@@ -33,6 +33,7 @@ from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
 from casp_core.export.gguf_types import check_gguf_type
 from casp_core.families import check_export, family_of
+from casp_core.gguf_source import is_gguf_reference
 from casp_core.model import is_local_reference, load_config
 from casp_core.quantization import check_quantization
 from casp_core.recovery_data import check_length
@@ -41,7 +42,9 @@ from service import jobs
 from service.db import session_scope
 from service.dispatch import queue_for, send
 from service.logs import add_log_context
+from service.model_sources import bucket_location, check_gguf_object
 from service.paths import (
+    S3_SCHEME,
     UPLOAD_SCHEME,
     InputRefused,
     Loc,
@@ -74,7 +77,12 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
             raise InputRefused(("model",), f"no uploaded model {excerpt(model)} for this key (see GET /v1/models)")
     except InputRefused as exc:
         raise invalid(exc.loc, exc.message) from exc
-    if is_local_reference(model):
+    if model.startswith(S3_SCHEME) and is_gguf_reference(model):
+        try:  # its first bytes only: the worker checks the whole header once it has downloaded the file
+            check_gguf_object(bucket_location(model, settings))
+        except CaspError as exc:
+            raise invalid(("model",), f"{exc.code}: {exc.message}") from exc
+    elif is_local_reference(model):  # a GGUF file in a bucket is no local one, though its name says .gguf
         try:
             # An unsupported family is refused now, not after the worker loads it; so are an export the family
             # cannot take (unsupported_export, under `export`), settings it is not pruned with (a mixture of

@@ -1,6 +1,8 @@
-"""/v1/models: models a key uploads (a tar of the model's folder), for its jobs to prune as `casp://models/<id>`."""
+"""/v1/models: models a key uploads (a tar of the model's folder, or a GGUF file), for its jobs to prune as
+`casp://models/<id>`."""
 
 import re
+import shutil
 import tarfile
 import tempfile
 from datetime import timedelta
@@ -25,7 +27,8 @@ from api.schemas import (
     PresignedUploadOut,
 )
 from casp_core.errors import CaspError
-from casp_core.model import check_model_folder
+from casp_core.gguf_source import GGUF_MAGIC, GGUF_SUFFIX, is_gguf_reference
+from casp_core.model import check_model_folder, load_config
 from service import jobs
 from service.paths import UPLOAD_SCHEME
 from service.settings import Settings
@@ -40,6 +43,8 @@ MAX_FILES = 1000
 # A presigned upload's tar may be completed this long after its URL expired (a large PUT started in time).
 PENDING_GRACE = timedelta(days=1)
 PACKING_HINT = "pack the model's folder as `tar -C FOLDER -cf model.tar .` (or `casp models upload FOLDER`)"
+# A model checked and ready to store: its folder or GGUF file, its name and its model type.
+Received = tuple[Path, str, str]
 
 
 def scratch_of(settings: Settings) -> Path:
@@ -88,7 +93,13 @@ def unpack(archive: BinaryIO, target: Path, max_bytes: int) -> Path:
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ModelOut, responses=responses(400, 413))
 def upload_model(
-    file: Annotated[UploadFile, File(description="the model's folder as a tar archive (optionally gzip-compressed)")],
+    file: Annotated[
+        UploadFile,
+        File(
+            description="the model's folder as a tar archive (optionally gzip-compressed), or a GGUF file (named"
+            " `*.gguf`, or starting with the GGUF magic bytes)"
+        ),
+    ],
     session: SessionDep,
     caller: CallerDep,
     settings: SettingsDep,
@@ -97,7 +108,8 @@ def upload_model(
         str | None,
         Form(
             pattern=MODEL_NAME_PATTERN,
-            description="the model's name (its pruned model card's); default: the archive's top folder, or `model`",
+            description="the model's name (its pruned model card's); default: the archive's top folder, or `model`;"
+            " a GGUF file's ends in `.gguf` (added when missing; default: the file's name)",
         ),
     ] = None,
     retention_seconds: Annotated[
@@ -106,16 +118,62 @@ def upload_model(
     ] = None,
 ) -> ModelOut:
     """Checked before it is kept: a config of a supported family, a tokenizer, and safetensors weights whose
-    tensors and shapes are the config's (read from the files' headers). Otherwise 422 on `file`, saying why."""
+    tensors and shapes are the config's (read from the files' headers); a GGUF file's header as a job's `model` is
+    checked. Otherwise 422 on `file`, saying why."""
     retention = retention_of(retention_seconds, settings)
-    row = accept_archive(file.file, name, retention, new_id(), session, caller, settings, storage)
+    row = accept_upload(file.file, name, file.filename, retention, new_id(), session, caller, settings, storage)
     session.commit()
     return model_out(row)
 
 
-def accept_archive(
-    archive: BinaryIO,
+def is_gguf_upload(upload: BinaryIO, *names: str | None) -> bool:
+    """A GGUF file rather than a tar: named `*.gguf` (the model's name or the file's), or starting with GGUF's magic
+    bytes."""
+    if any(name is not None and is_gguf_reference(name) for name in names):
+        return True
+    start = upload.read(len(GGUF_MAGIC))
+    upload.seek(0)
+    return start == GGUF_MAGIC
+
+
+def checked_name(chosen: str, what: str) -> str:
+    if not re.match(MODEL_NAME_PATTERN, chosen):
+        raise invalid(("name",), f"{what} {chosen[:100]!r} is no model name: give `name`")
+    return chosen
+
+
+def receive_folder(archive: BinaryIO, name: str | None, scratch: Path, max_bytes: int) -> Received:
+    """The model folder the tar holds, checked by casp_core; 422 on `file` or `name`."""
+    folder = unpack(archive, scratch, max_bytes)
+    chosen = checked_name(name or (folder.name if folder != scratch else "model"), "the archive's folder")
+    if is_gguf_reference(chosen):  # the worker would take the folder for a GGUF file
+        raise invalid(("name",), f"a model folder's name does not end in {GGUF_SUFFIX}: give another `name`")
+    try:
+        config = check_model_folder(folder)
+    except CaspError as exc:
+        # casp_core names the folder it read: the server's scratch path is not the caller's to see.
+        raise invalid(ARCHIVE, f"{exc.code}: {exc.message.replace(str(folder), chosen)}") from exc
+    return folder, chosen, config.model_type
+
+
+def receive_gguf(upload: BinaryIO, name: str | None, file_name: str | None, scratch: Path) -> Received:
+    """The GGUF file, checked from its header as a job's `model` is at submit; 422 on `file` or `name`."""
+    base = name or (file_name if file_name and is_gguf_reference(file_name) else "model")
+    chosen = checked_name(base if is_gguf_reference(base) else base + GGUF_SUFFIX, "the file's name")
+    path = scratch / chosen
+    with path.open("wb") as copy:
+        shutil.copyfileobj(upload, copy)
+    try:
+        config = load_config(str(path))
+    except CaspError as exc:
+        raise invalid(ARCHIVE, f"{exc.code}: {exc.message.replace(str(path), chosen)}") from exc
+    return path, chosen, config.model_type
+
+
+def accept_upload(
+    upload: BinaryIO,
     name: str | None,
+    file_name: str | None,
     retention: int,
     model_id: str,
     session: Session,
@@ -123,29 +181,26 @@ def accept_archive(
     settings: Settings,
     storage: Storage,
 ) -> UploadedModel:
-    """The archive checked, stored as the model `model_id` and recorded (uncommitted); 422 on `file` or `name`."""
+    """The upload (a tar, or a GGUF file: `file_name` is the multipart file's name) checked, stored as the model
+    `model_id` and recorded (uncommitted); 422 on `file` or `name`."""
     with tempfile.TemporaryDirectory(dir=scratch_of(settings)) as unpacked:
-        folder = unpack(archive, Path(unpacked), settings.max_upload_bytes)
-        chosen = name or (folder.name if folder != Path(unpacked) else "model")
-        if not re.match(MODEL_NAME_PATTERN, chosen):
-            raise invalid(("name",), f"the archive's folder {chosen[:100]!r} is no model name: give `name`")
-        try:
-            config = check_model_folder(folder)
-        except CaspError as exc:
-            # casp_core names the folder it read: the server's scratch path is not the caller's to see.
-            raise invalid(ARCHIVE, f"{exc.code}: {exc.message.replace(str(folder), chosen)}") from exc
-        files = files_of(folder)
-        size = sum(path.stat().st_size for _, path in files)
-        storage.put_model(model_id, chosen, folder)
+        if is_gguf_upload(upload, name, file_name):
+            source, chosen, model_type = receive_gguf(upload, name, file_name, Path(unpacked))
+            files, size = 1, source.stat().st_size
+        else:
+            source, chosen, model_type = receive_folder(upload, name, Path(unpacked), settings.max_upload_bytes)
+            stored = files_of(source)
+            files, size = len(stored), sum(path.stat().st_size for _, path in stored)
+        storage.put_model(model_id, chosen, source)
     return jobs.add_owned(
         session,
         caller,
         UploadedModel,
         id=model_id,
         name=chosen,
-        model_type=config.model_type,
+        model_type=model_type,
         size=size,
-        files=len(files),
+        files=files,
         expires_at=utcnow() + timedelta(seconds=retention),
     )
 
@@ -176,9 +231,10 @@ def s3_storage(storage: Storage) -> S3Storage:
 def presign_upload(
     body: PresignedUploadIn, session: SessionDep, caller: CallerDep, settings: SettingsDep, storage: StorageDep
 ) -> PresignedUploadOut:
-    """A URL to PUT the model's tar to, straight into the artifact bucket, then `POST /v1/models/{id}/complete`,
-    which checks it as `POST /v1/models` checks a multipart upload. The URL expires after CASP_URL_TTL_SECONDS; a
-    tar not completed within a day after that is deleted. S3 storage only (400 otherwise)."""
+    """A URL to PUT the model's tar (or GGUF file: name it `*.gguf`) to, straight into the artifact bucket, then
+    `POST /v1/models/{id}/complete`, which checks it as `POST /v1/models` checks a multipart upload. The URL expires
+    after CASP_URL_TTL_SECONDS; a file not completed within a day after that is deleted. S3 storage only (400
+    otherwise)."""
     bucket = s3_storage(storage)
     retention = retention_of(body.retention_seconds, settings)
     now = utcnow()
@@ -210,9 +266,10 @@ def presign_upload(
 def complete_upload(
     upload_id: ModelId, session: SessionDep, caller: CallerDep, settings: SettingsDep, storage: StorageDep
 ) -> ModelOut:
-    """Checks the tar PUT to the presigned URL as a multipart upload is checked; 201 with the model (the upload's
-    id), or 422 on `file` with the reason. Either way the upload is done with: a refused tar is deleted, and a new
-    presigned upload starts again. 409 while nothing was PUT; 404 for an unknown, expired or another key's id."""
+    """Checks the tar (or GGUF file) PUT to the presigned URL as a multipart upload is checked; 201 with the model
+    (the upload's id), or 422 on `file` with the reason. Either way the upload is done with: a refused file is
+    deleted, and a new presigned upload starts again. 409 while nothing was PUT; 404 for an unknown, expired or
+    another key's id."""
     bucket = s3_storage(storage)
     pending = jobs.get_pending_upload(session, caller, upload_id)
     if pending is None:
@@ -226,8 +283,8 @@ def complete_upload(
         with tempfile.TemporaryFile(dir=scratch_of(settings)) as archive:
             bucket.read_pending_upload(pending.id, archive)
             archive.seek(0)
-            row = accept_archive(
-                archive, pending.name, pending.retention_seconds, pending.id, session, caller, settings, storage
+            row = accept_upload(
+                archive, pending.name, None, pending.retention_seconds, pending.id, session, caller, settings, storage
             )
     except RequestValidationError:
         finish_pending(session, bucket, pending.id)

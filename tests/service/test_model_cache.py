@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from casp_core.errors import Cancelled, ModelNotFound
-from service.model_sources import LOCKS, PARTIAL_PREFIX, ModelCache, local_folder, locate
+from service.model_sources import LOCKS, PARTIAL_PREFIX, ModelCache, local_model, locate
 from service.settings import S3Credentials, Settings
 from service.storage import S3Location, make_storage
 from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET
@@ -47,7 +47,7 @@ def test_a_model_is_downloaded_once_and_again_when_its_objects_change(
     location = put_model(models_bucket, "cache-test/stories260K")
     cache = ModelCache(tmp_path, max_bytes=10 * model_bytes())
     first = Recorder()
-    with cache.folder(location, first, lambda: False) as folder:
+    with cache.local_copy(location, first, lambda: False) as folder:
         assert folder.name == "stories260K"  # the model card names a local model by its folder
         assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in DEMO_MODEL.iterdir())
         assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
@@ -56,7 +56,7 @@ def test_a_model_is_downloaded_once_and_again_when_its_objects_change(
     assert first.fractions == sorted(first.fractions) and first.fractions[-1] == 1.0
 
     again = Recorder()
-    with cache.folder(location, again, lambda: False) as folder:
+    with cache.local_copy(location, again, lambda: False) as folder:
         assert (folder / "model.safetensors").stat().st_ino == weights.st_ino  # the same file: nothing was read
     assert again.messages == [f"{location}: in the model cache, its objects unchanged; nothing downloaded"]
 
@@ -64,7 +64,7 @@ def test_a_model_is_downloaded_once_and_again_when_its_objects_change(
     client, _ = models_bucket
     client.put_object(Bucket=MODELS_BUCKET, Key=f"{location.prefix}/generation_config.json", Body=b"{}")
     changed = Recorder()
-    with cache.folder(location, changed, lambda: False) as folder:
+    with cache.local_copy(location, changed, lambda: False) as folder:
         assert (folder / "generation_config.json").read_bytes() == b"{}"
     assert changed.messages[-1].startswith("downloaded")
     assert len(entries(tmp_path)) == 2
@@ -74,13 +74,13 @@ def test_a_download_cut_short_never_enters_the_cache(models_bucket: tuple[Any, S
     location = put_model(models_bucket, "cache-test/cut/stories260K")
     cache = ModelCache(tmp_path, max_bytes=10 * model_bytes())
     polls = iter([False, False, True])  # cancelled while the third chunk comes in
-    with pytest.raises(Cancelled), cache.folder(location, Recorder(), lambda: next(polls)):
+    with pytest.raises(Cancelled), cache.local_copy(location, Recorder(), lambda: next(polls)):
         pass
     assert entries(tmp_path) == []
     assert not [path for path in tmp_path.iterdir() if path.name.startswith(PARTIAL_PREFIX)]
     # The next job downloads it whole.
     recorder = Recorder()
-    with cache.folder(location, recorder, lambda: False) as folder:
+    with cache.local_copy(location, recorder, lambda: False) as folder:
         assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
     assert recorder.messages[-1].startswith("downloaded")
 
@@ -88,7 +88,7 @@ def test_a_download_cut_short_never_enters_the_cache(models_bucket: tuple[Any, S
 def fetch(cache: ModelCache, location: S3Location) -> str:
     """What the cache said of the model: downloaded, or found."""
     recorder = Recorder()
-    with cache.folder(location, recorder, lambda: False):
+    with cache.local_copy(location, recorder, lambda: False):
         pass
     return "found" if recorder.messages[-1].endswith("nothing downloaded") else "downloaded"
 
@@ -105,7 +105,7 @@ def test_the_least_recently_used_model_goes_first_unless_a_job_uses_it(
     assert [fetch(cache, first), fetch(cache, third), fetch(cache, second)] == ["found", "found", "downloaded"]
 
     cache = ModelCache(tmp_path / "held", room_for_two)
-    with cache.folder(first, Recorder(), lambda: False) as held:
+    with cache.local_copy(first, Recorder(), lambda: False) as held:
         fetch(cache, second)
         fetch(cache, third)  # the first is the least recently used, but a job holds it: the second goes
         assert (held / "model.safetensors").is_file()
@@ -163,10 +163,10 @@ def test_a_bucket_is_read_with_its_own_credentials_where_the_settings_name_them(
         )
     refused = locate(None, model, None, make_storage(storage_only), storage_only)  # type: ignore[arg-type]
     refusal = r"refused to list it \(SignatureDoesNotMatch\).*CREDENTIALS"
-    with pytest.raises(ModelNotFound, match=refusal), local_folder(refused, storage_only, Recorder(), lambda: False):
+    with pytest.raises(ModelNotFound, match=refusal), local_model(refused, storage_only, Recorder(), lambda: False):
         pass
     recorder = Recorder()
     source = locate(None, model, None, make_storage(with_own), with_own)  # type: ignore[arg-type]
-    with local_folder(source, with_own, recorder, lambda: False) as folder:
+    with local_model(source, with_own, recorder, lambda: False) as folder:
         assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
     assert recorder.messages[-1].startswith(f"downloaded {model}")

@@ -1,10 +1,15 @@
 """Models from where teams keep them, through the API and a real Celery worker (PostgreSQL, Redis, SeaweedFS S3):
 a model in a bucket (downloaded once, then read from the worker's cache), a model uploaded as a tar, in the request
 or to a presigned URL (its key's alone, checked before it is kept), and what is refused at submit with a 422 naming
-`model`."""
+`model`. A GGUF file (stories260K written by casp's own exporter) as each of these: a local file, an object in a
+bucket, an upload; and the files named `.gguf` that are no model to prune (text, cut short, an architecture casp
+does not prune) refused at submit and at upload, or, when they get past the submit, failing their job with the
+check's code."""
 
+import hashlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -14,30 +19,38 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
+from transformers import AutoModelForCausalLM
 
 from casp_cli.app import service_app
+from casp_cli.client import CaspClient
+from casp_core.export.gguf import export_gguf
 from service.db import session_scope
 from service.reaper import sweep_expired_pending_uploads, sweep_expired_uploads
 from service.settings import Settings
 from service.storage import make_storage
 from service.tables import PendingUpload, UploadedModel, utcnow
 from tests.api.test_api import refusal
+from tests.core.test_gguf_source import write_gguf
 from tests.service_fixtures import (
     ALLOWED_MODELS_PREFIX,
     DEMO_MODEL,
+    JOB_TIMEOUT,
     MODELS_BUCKET,
     REPO,
     TINY_JOB,
     WorkerProcess,
     download,
     embedded_settings,
+    expected_parameters,
     finished,
     put_model,
     serving,
     settings_env,
     wait_job,
 )
+from worker.runner import execute
 
 pytestmark = pytest.mark.service
 
@@ -182,35 +195,39 @@ def test_a_bad_upload_is_refused_with_the_reason(
     assert api.get("/v1/models", headers=keys["alice"]).json()["data"] == before
 
 
+def api_key(headers: dict[str, str]) -> str:
+    return headers["Authorization"].removeprefix("Bearer ")
+
+
+def casp_models_upload(settings: Settings, key: str, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "casp_cli.main", "models", "upload", *args, "--url", url],
+        cwd=REPO,
+        env={**settings_env(settings), "CASP_API_KEY": key},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_casp_models_upload_shows_its_progress_and_prints_the_model(
     distributed_settings: Settings, keys: dict[str, dict[str, str]], tmp_path: Path
 ) -> None:
-    key = keys["alice"]["Authorization"].removeprefix("Bearer ")
-
-    def casp_models_upload(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "casp_cli.main", "models", "upload", *args, "--url", url],
-            cwd=REPO,
-            env={**settings_env(distributed_settings), "CASP_API_KEY": key},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
+    key = api_key(keys["alice"])
     with serving(service_app(distributed_settings)) as url:
         uploaded = []
         for how in ([], ["--presigned"]):  # through the API, or straight into the bucket
-            done = casp_models_upload(url, str(DEMO_MODEL), *how)
+            done = casp_models_upload(distributed_settings, key, url, str(DEMO_MODEL), *how)
             assert done.returncode == 0, done.stderr
             uploaded.append(json.loads(done.stdout))
             assert uploaded[-1]["name"] == "stories260K" and uploaded[-1]["model"].startswith("casp://models/")
             assert uploaded[-1]["size"] == sum(path.stat().st_size for path in DEMO_MODEL.iterdir())
             assert "uploading: 100%" in done.stderr
         assert uploaded[0]["id"] != uploaded[1]["id"]
-        missing = casp_models_upload(url, str(REPO / "nowhere"))
+        missing = casp_models_upload(distributed_settings, key, url, str(REPO / "nowhere"))
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0, missing.stderr
     with serving(service_app(embedded_settings(tmp_path))) as url:  # local storage: no presigned uploads
-        refused = casp_models_upload(url, str(DEMO_MODEL), "--presigned")
+        refused = casp_models_upload(distributed_settings, key, url, str(DEMO_MODEL), "--presigned")
     assert refused.returncode == 2 and "presigned uploads need S3 storage" in refused.stderr.splitlines()[-1]
 
 
@@ -326,3 +343,163 @@ def test_an_upload_is_kept_for_its_retention_then_swept(
     assert model["id"] not in [m["id"] for m in api.get("/v1/models", headers=alice).json()["data"]]
     error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": model["model"]}, headers=alice))
     assert error["param"] == "model" and "no uploaded model" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """stories260K as an f32 GGUF written by casp's exporter (1 MB; transformers' loader reads it back), and files
+    named `.gguf` that are no model to prune."""
+    folder = tmp_path_factory.mktemp("gguf")
+    stories = export_gguf(DEMO_MODEL, folder / "stories260K.gguf", "f32").path
+    text = folder / "notes.gguf"
+    text.write_text("not a model\n")
+    truncated = folder / "cut.gguf"
+    truncated.write_bytes(stories.read_bytes()[: stories.stat().st_size // 2])
+    return {"stories": stories, "text": text, "truncated": truncated, "gpt2": write_gguf(folder / "gpt2.gguf", "gpt2")}
+
+
+# What the 422 (on `model` at submit, on `file` at upload) or the failed job says of each file that is no model.
+GGUF_REFUSALS = {
+    "text": "invalid_model_file: notes.gguf is not a GGUF file: it does not start with the GGUF magic bytes",
+    "truncated": "invalid_model_file: cut.gguf is a damaged or truncated GGUF file",
+    "gpt2": "unsupported_model: gpt2.gguf: model type 'gpt2'",
+}
+
+
+@pytest.mark.parametrize("kind", GGUF_REFUSALS)
+def test_a_gguf_file_that_is_no_model_to_prune_is_refused_at_submit_and_upload(
+    gguf_files: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    settings = embedded_settings(tmp_path, allowed_model_roots=[gguf_files["stories"].parent])
+    path = gguf_files[kind]
+    with TestClient(service_app(settings)) as client:
+        error = refusal(client.post("/v1/jobs", json={**TINY_JOB, "model": str(path)}))
+        assert error["param"] == "model" and GGUF_REFUSALS[kind] in error["message"], error
+        # Uploaded: named `.gguf`, it is checked as a GGUF file (a text file is not read as a tar), with no name given
+        # and with one, by the multipart file's name or its first bytes.
+        error = refusal(client.post("/v1/models", files={"file": (path.name, path.read_bytes())}))
+        assert error["param"] == "file" and GGUF_REFUSALS[kind] in error["message"], error
+        assert client.get("/v1/jobs").json()["data"] == [] and client.get("/v1/models").json()["data"] == []
+    assert not (settings.home / "artifacts" / "models").exists()
+    assert list((settings.home / "uploads").iterdir()) == []  # the scratch copy went too
+
+
+def test_a_gguf_file_is_taken_at_submit_and_upload_and_one_changed_since_fails_its_job(
+    gguf_files: dict[str, Path], tmp_path: Path
+) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    local = Path(shutil.copy(gguf_files["stories"], models / "stories260K.gguf"))
+    # As the Hugging Face cache keeps a file: a link named `.gguf` to a blob named by its digest.
+    shutil.copy(local, models / "blob")
+    (models / "linked.gguf").symlink_to(models / "blob")
+    settings = embedded_settings(tmp_path, allowed_model_roots=[models])
+    with TestClient(service_app(settings)) as client:
+        linked = client.post("/v1/jobs", json={**TINY_JOB, "model": str(models / "linked.gguf")})
+        assert linked.status_code == 201 and linked.json()["model"] == str(models / "linked.gguf"), linked.text
+        missing = refusal(client.post("/v1/jobs", json={**TINY_JOB, "model": str(models / "absent.gguf")}))
+        assert missing["param"] == "model" and missing["message"] == "model: no such GGUF file"
+
+        uploaded = client.post("/v1/models", files={"file": ("stories260K.gguf", local.read_bytes())})
+        assert uploaded.status_code == 201, uploaded.text
+        model = uploaded.json()
+        assert (model["name"], model["model_type"], model["files"]) == ("stories260K.gguf", "llama", 1)
+        assert model["size"] == local.stat().st_size
+        stored = settings.home / "artifacts" / "models" / model["id"] / "stories260K.gguf"
+        assert stored.read_bytes() == local.read_bytes()
+        # Its first bytes say GGUF: a name without the suffix gets it.
+        named = client.post("/v1/models", files={"file": ("blob", local.read_bytes())}, data={"name": "tiny"})
+        assert named.status_code == 201 and named.json()["name"] == "tiny.gguf", named.text
+
+        on_file, on_upload = (
+            client.post("/v1/jobs", json={**TINY_JOB, "model": name}) for name in (str(local), model["model"])
+        )
+        assert on_file.status_code == 201 and on_file.json()["model"] == str(local), on_file.text
+        assert on_upload.status_code == 201, on_upload.text
+        # Both files are cut short after the submit: each job fails with the check's code before any work.
+        for changed in (local, stored):
+            changed.write_bytes(gguf_files["truncated"].read_bytes())
+        for created in (on_file, on_upload):
+            job_id = created.json()["id"]
+            assert execute(job_id, settings, make_storage(settings), worker_id="by-hand") == "failed"
+            error = client.get(f"/v1/jobs/{job_id}").json()["error"]
+            assert error["code"] == "invalid_model_file", error
+            assert error["message"].startswith("stories260K.gguf is a damaged or truncated GGUF file"), error
+            assert refusal(client.get(f"/v1/jobs/{job_id}/artifacts"), 409)["code"] == "conflict"
+    assert not (settings.home / "work").exists() or list((settings.home / "work").iterdir()) == []
+    assert not (settings.home / "artifacts" / "jobs").exists()
+    assert not (settings.cache_dir / "gguf").exists() or list((settings.cache_dir / "gguf").iterdir()) == []
+
+
+def test_casp_models_upload_of_a_gguf_file_is_pruned_and_its_artifacts_load(
+    distributed_settings: Settings,
+    worker: WorkerProcess,
+    keys: dict[str, dict[str, str]],
+    gguf_files: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    key = api_key(keys["alice"])
+    stories = gguf_files["stories"]
+    with serving(service_app(distributed_settings)) as url:
+        done = casp_models_upload(distributed_settings, key, url, str(stories), "--presigned")
+        assert done.returncode == 0, done.stderr
+        uploaded = json.loads(done.stdout)
+        assert (uploaded["name"], uploaded["model_type"], uploaded["files"]) == ("stories260K.gguf", "llama", 1)
+        refused = casp_models_upload(distributed_settings, key, url, str(gguf_files["text"]))
+        assert refused.returncode == 2 and refused.stderr.splitlines()[-1] == (
+            f"casp: error: invalid_request: file: {GGUF_REFUSALS['text']}"
+        ), refused.stderr
+        with CaspClient(url, api_key=key) as client:
+            job = client.submit({**TINY_JOB, "model": uploaded["model"]})
+            job = client.wait(job["id"], timeout=JOB_TIMEOUT)
+            assert job["status"] == "succeeded", job["error"]
+            client.download(job["id"], tmp_path / "pruned")  # every sha256 checked
+    source = job["result"]["source"]
+    assert (source["file"], source["sha256"]) == ("stories260K.gguf", hashlib.sha256(stories.read_bytes()).hexdigest())
+    assert abs(job["result"]["achieved_ratio"] - 0.3) < 0.02
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True)
+    # The dequantized f32 file holds the demo model's very weights: the pruned model has its parameters, less those
+    # the report says went.
+    assert sum(p.numel() for p in pruned.parameters()) == expected_parameters(job["result"])
+    with torch.no_grad():
+        logits = pruned(torch.tensor([[1, 403, 407, 261, 378]])).logits
+    assert logits.shape == (1, 5, 512) and torch.isfinite(logits).all()
+
+
+def test_a_gguf_file_in_a_bucket_is_pruned_and_one_that_is_no_model_refused(
+    api: TestClient,
+    worker: WorkerProcess,
+    keys: dict[str, dict[str, str]],
+    models_bucket: tuple[Any, Any],
+    distributed_settings: Settings,
+    gguf_files: dict[str, Path],
+) -> None:
+    client, _ = models_bucket
+    prefix = f"{ALLOWED_MODELS_PREFIX}/gguf"
+    for kind in ("stories", "text", "truncated"):
+        client.upload_file(str(gguf_files[kind]), MODELS_BUCKET, f"{prefix}/{gguf_files[kind].name}")
+    alice = keys["alice"]
+    model = f"s3://{MODELS_BUCKET}/{prefix}/stories260K.gguf"
+    job, events = run(api, alice, model)
+    assert job["model"] == model and job["result"]["source"]["file"] == "stories260K.gguf"
+    assert [e["message"] for e in events if e["stage"] == "download"][-1] == f"downloaded {model}: 1 file, 1.1 MB"
+
+    # At submit the API reads an object's first bytes: a text file, or no object, is refused there.
+    text = refusal(
+        api.post("/v1/jobs", json={**TINY_JOB, "model": f"s3://{MODELS_BUCKET}/{prefix}/notes.gguf"}, headers=alice)
+    )
+    assert text["param"] == "model" and text["message"] == f"model: {GGUF_REFUSALS['text']}", text
+    absent = f"s3://{MODELS_BUCKET}/{prefix}/absent.gguf"
+    error = refusal(api.post("/v1/jobs", json={**TINY_JOB, "model": absent}, headers=alice))
+    assert error["param"] == "model" and error["message"] == f"model: model_not_found: {absent}: no such object", error
+
+    # One cut short starts as GGUF: the worker checks its whole header once downloaded, before it enters the cache.
+    cache = distributed_settings.home / "model-cache"
+    cached = sorted(cache.iterdir())
+    created = api.post("/v1/jobs", json={**TINY_JOB, "model": f"s3://{MODELS_BUCKET}/{prefix}/cut.gguf"}, headers=alice)
+    assert created.status_code == 201, created.text
+    failed = wait_job(api, created.json()["id"], alice, finished, "the job to finish")
+    assert failed["status"] == "failed" and failed["error"]["code"] == "invalid_model_file", failed["error"]
+    assert failed["error"]["message"].startswith(GGUF_REFUSALS["truncated"].removeprefix("invalid_model_file: "))
+    assert refusal(api.get(f"/v1/jobs/{failed['id']}/artifacts", headers=alice), 409)["code"] == "conflict"
+    assert sorted(cache.iterdir()) == cached  # no entry, no partial folder left
