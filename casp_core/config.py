@@ -70,6 +70,8 @@ TARGET_FORMATS = ("gguf", "safetensors")
 DEFAULT_TARGET_FORMAT = "gguf"
 DEFAULT_SWEEP_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
 KEEP_CHOICES = ("best", "all")
+# all: the dense model in each variant may be the pick ("just quantize"); pruned: only a pruned candidate may.
+TARGET_CANDIDATES = ("all", "pruned")
 MAX_SWEEP_RATIOS = 32
 BUDGETS = ("max_bytes", "max_params", "max_perplexity_increase")
 MAX_PERPLEXITY_INCREASE = 100
@@ -342,6 +344,11 @@ class TargetConfig(ConfigPart):
         description="the smallest file whose perplexity on the first evaluation text rises by at most this "
         "fraction over the dense model's (0.1: 10 %)",
     )
+    candidates: Literal[TARGET_CANDIDATES] = Field(  # type: ignore[valid-type]
+        "all",
+        description="what the pick is chosen among: all, the pruned candidates and the dense model in each variant "
+        "(the dense q8_0 when it beats every pruned file within the budget); pruned, the pruned candidates only",
+    )
 
     @field_validator("format")
     @classmethod
@@ -519,7 +526,12 @@ class PruneConfig(PruneSettings):
     def candidate_config(self, ratio: float, fmt: str, variant: str) -> "PruneConfig":
         """The single-ratio job of one candidate of a sweep: `ratio`, written as GGUF type `variant` (fmt
         "gguf": a GGUF export, checkpoint unquantized) or quantized with scheme `variant` (fmt "safetensors")."""
-        chosen = {**self.model_dump(), "ratio": ratio, "target": None}
+        return self.written_as(fmt, variant, ratio=ratio, target=None)
+
+    def written_as(self, fmt: str, variant: str, **update: Any) -> "PruneConfig":
+        """These settings (with `update`), written as GGUF type `variant` (fmt "gguf": a GGUF export, checkpoint
+        unquantized) or quantized with scheme `variant` (fmt "safetensors"): a sweep's dense pick keeps its target."""
+        chosen = {**self.model_dump(), **update}
         if fmt == "gguf":
             chosen |= {"export": ["gguf"], "gguf_type": variant, "quantization": "none"}
         else:

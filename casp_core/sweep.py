@@ -16,10 +16,12 @@ candidate as a single-ratio job of that ratio and format would have written it.
    (llama.cpp for GGUF, transformers for safetensors); its points kept in the retry state, with the pruned model
    when it is the best so far, so that a retry resumes after the units already finished;
 5. the Pareto front and the pick: the lowest perplexity within a bytes or parameters budget, or the smallest file
-   whose perplexity rises by at most the target over the dense model's; `budget_unmet` when none qualifies once
-   measured (the estimates that chose the candidates are close, not exact);
+   whose perplexity rises by at most the target over the dense model's, among the pruned points and (with
+   `target.candidates` "all", the default) the dense ones; `budget_unmet` when none qualifies once measured (the
+   estimates that chose the candidates are close, not exact);
 6. the pick's files written as its single-ratio job writes them (checkpoint, its one export, report, model card),
-   with frontier.json and frontier.png; the other candidates' folders removed unless keep is "all".
+   with frontier.json and frontier.png; a dense pick is the dense model written alike, its report saying why in
+   one sentence beside the best pruned point; the other candidates' folders removed unless keep is "all".
 
 Perplexity, the front and the pick use the first evaluation text.
 """
@@ -37,8 +39,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from casp_core.checkpoint import save_pruned
-from casp_core.config import NO_QUANTIZATION, PruneConfig
+from casp_core.config import NO_QUANTIZATION, PruneConfig, TargetConfig
 from casp_core.errors import BudgetUnmet
 from casp_core.eval.dense_cache import evaluate_dense
 from casp_core.eval.engine import EngineFigures, artifact_table, engine_speed, gguf_perplexity, measure_exports
@@ -56,12 +57,12 @@ from casp_core.job_steps import (
     staged_output,
     write_job_report,
 )
-from casp_core.model import load_model, resolve_device
+from casp_core.model import load_model, prunable_parameters, resolve_device
 from casp_core.placement import Placement, choose_placement
 from casp_core.prune import prune_configs
 from casp_core.pruned_snapshot import PrunedSnapshot
 from casp_core.quantization import QuantizationInput, QuantizedCheckpoint, quantize, weight_bytes
-from casp_core.report.build import pruning_section
+from casp_core.report.build import pruning_section, unpruned_section
 from casp_core.report.publish import public_name
 from casp_core.results import PruneResult
 from casp_core.run import Run
@@ -264,9 +265,14 @@ class Target:
         return within_target(size, params, target)
 
     def pick(self, points: list[Point]) -> Point | None:
-        """The pruned point the job hands back: the lowest perplexity within a bytes or parameters budget (ties to
-        the smaller file); for a perplexity increase, the smallest file within it (ties to the lower perplexity)."""
-        qualified = [point for point in points if point.within_target and not point.dense]
+        """The point the job hands back: the lowest perplexity within a bytes or parameters budget (ties to the
+        smaller file); for a perplexity increase, the smallest file within it (ties to the lower perplexity). Among
+        the pruned points, and the dense ones too with `target.candidates` "all"."""
+        return self.best(points, dense=self.config.target.candidates == "all")
+
+    def best(self, points: list[Point], *, dense: bool) -> Point | None:
+        """`pick`'s rule among the pruned points, and the dense ones when `dense`."""
+        qualified = [point for point in points if point.within_target and (dense or not point.dense)]
         if not qualified:
             return None
         if self.config.target.max_perplexity_increase is not None:
@@ -311,8 +317,41 @@ class Target:
         return (
             f"the dense model ({best.name()}: {best.bytes:,} bytes, perplexity {first_perplexity(best):.4g}) is "
             f"within the target and {how} than the pick ({pick.name()}: {pick.bytes:,} bytes, perplexity "
-            f"{first_perplexity(pick):.4g}); see frontier.json"
+            f"{first_perplexity(pick):.4g}); target.candidates all would hand it back; see frontier.json"
         )
+
+    def dense_pick_reason(self, pick: Point, best_pruned: Point | None) -> str:
+        """Why a dense point is the pick, in one sentence, beside the best pruned point within the target (the
+        pick's rule among the pruned ones), or that none met it."""
+        target = self.config.target
+        variant = "unquantized" if pick.variant == NO_QUANTIZATION else f"in {pick.variant}"
+        if target.max_perplexity_increase is not None:
+            won, runner_up = f"is the smallest file within {self.describe()}", "the smallest pruned candidate"
+        else:
+            won, runner_up = f"beats every pruned candidate within {self.describe()}", "the best pruned candidate"
+        beside = (
+            f"{runner_up} within it is {best_pruned.name()}: {figures_of(best_pruned)}"
+            if best_pruned is not None
+            else "no pruned candidate is within it"
+        )
+        return f"the dense model {variant} {won}: {figures_of(pick)}; {beside}"
+
+    def describe(self) -> str:
+        """The target in a few words: `10,541,328 bytes of gguf`, `perplexity 121.3 (0.1 above ...)`."""
+        target: TargetConfig = self.config.target
+        if target.max_bytes is not None:
+            return f"{target.max_bytes:,} bytes of {target.format}"
+        if target.max_params is not None:
+            return f"{target.max_params:,} parameters"
+        limit = self.dense_perplexity * (1 + target.max_perplexity_increase)
+        return (
+            f"perplexity {limit:.4g} ({target.max_perplexity_increase:g} above the dense model's "
+            f"{self.dense_perplexity:.4g})"
+        )
+
+
+def figures_of(point: Point) -> str:
+    return f"perplexity {first_perplexity(point):.4g} at {point.bytes:,} bytes"
 
 
 def on_front(points: list[Point]) -> list[Point]:
@@ -387,6 +426,7 @@ class Sweep:
 
     model: str
     revision: str | None
+    cache_dir: Path
     config: PruneConfig
     tokenizer: PreTrainedTokenizerBase
     inputs: Inputs
@@ -446,6 +486,7 @@ def run_sweep(
         sweep = Sweep(
             model=model,
             revision=revision,
+            cache_dir=cache_dir,
             config=config,
             tokenizer=tokenizer,
             inputs=inputs,
@@ -460,8 +501,7 @@ def run_sweep(
             measure_dense(sweep, dense, run)
         with run.stage(SWEEP_STAGE):
             sweep_candidates_of(sweep, dense, units, placement, run)
-        del dense
-        report = write_pick(sweep, device, run)
+        report = write_pick(sweep, dense, device, run)
     run.report("report", 1.0, "report.json, report.md, frontier.json and the model card written")
     return report
 
@@ -507,9 +547,11 @@ def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
         variants = [point.variant for point in dense_points(dense.config, sweep.config)]
         run.report(DENSE_POINTS_STAGE, 0.0, f"the dense model in {', '.join(variants)}")
         folder = sweep.staging / CANDIDATES_DIR / DENSE_DIR
-        save_pruned(dense, sweep.tokenizer, folder)
-        measured = Measured(dense, folder, 0.0, state.dense_figures, seconds)
         within = reporting_as(run, DENSE_POINTS_STAGE)
+        # Saved as a dense pick is (its GGUF files named alike, so that the pick's file is the one measured).
+        config = sweep.config.model_copy(update={"export": []})
+        save_checkpoint(dense, sweep.tokenizer, sweep.model, sweep.revision, config, within, folder)
+        measured = Measured(dense, folder, 0.0, state.dense_figures, seconds)
         points = []
         for index, variant in enumerate(variants):
             point = measure_variant(measured, sweep.tokenizer, sweep.fmt, variant, sweep.inputs.plan, within)
@@ -605,22 +647,31 @@ def measure_unit(sweep: Sweep, unit: Unit, result: PruneResult, prune_seconds: f
     state.keep(sweep.retry)
 
 
-def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
-    """The front, the pick and its files, as the pick's single-ratio job writes them, with frontier.json and
-    frontier.png; the report written."""
+def write_pick(sweep: Sweep, dense: PreTrainedModel, device: Any, run: Run) -> dict[str, Any]:
+    """The front, the pick and its files, as the pick's single-ratio job writes them (a dense pick: the dense
+    model, written alike in the pick's variant), with frontier.json and frontier.png; the report written."""
     state, target = sweep.state, sweep.target
+    assert state.dense_figures is not None
     variants = [point.variant for point in state.points if point.dense]  # in the sweep's order
     points = on_front(sorted(state.points, key=lambda point: (point.ratio, variants.index(point.variant))))
     pick = target.pick(points)
     if pick is None:
         raise target.unmet(points)
-    assert sweep.best is not None, "the best unit's model is kept whenever a point qualifies"
     warning = target.better_dense(points, pick)
     if warning:
         run.warn(warning)
-    config = sweep.config.candidate_config(pick.ratio, pick.format, pick.variant)
+    if pick.dense:
+        # Its settings are the job's (the target kept: nothing was pruned), written as the pick's variant.
+        config = sweep.config.written_as(pick.format, pick.variant)
+        kept = PrunedSnapshot(
+            dense, sweep.tokenizer, state.dense_figures, state.dense_figures,
+            unpruned_section(prunable_parameters(dense)), sweep.dtype, [],
+        )  # fmt: skip
+    else:
+        assert sweep.best is not None, "the best unit's model is kept whenever a pruned point is the pick"
+        config, kept = sweep.config.candidate_config(pick.ratio, pick.format, pick.variant), sweep.best
     # Everything the pick's files take reports as the checkpoint stage, the last before the report.
-    files = write_pick_files(sweep, config, pick, reporting_as(run, "checkpoint"))
+    files = write_pick_files(sweep, config, pick, kept, reporting_as(run, "checkpoint"))
     points = [replace(point, path=files.path) if point == pick else point for point in points]
     frontier = {
         "target": sweep.config.target.to_dict(),
@@ -633,6 +684,10 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
         "candidates": [point.to_dict() for point in points],
         "pick": replace(pick, path=files.path).to_dict(),
     }
+    if pick.dense:
+        best_pruned = target.best(points, dense=False)
+        frontier["dense_pick"] = target.dense_pick_reason(pick, best_pruned)
+        frontier["best_pruned"] = best_pruned.to_dict() if best_pruned is not None else None
     (sweep.staging / FRONTIER_FILE).write_text(json.dumps(frontier, indent=2) + "\n")
     if not any((sweep.staging / CANDIDATES_DIR).iterdir()):
         (sweep.staging / CANDIDATES_DIR).rmdir()
@@ -640,7 +695,7 @@ def write_pick(sweep: Sweep, device: Any, run: Run) -> dict[str, Any]:
     return write_job_report(
         sweep.model,
         config,
-        Pruned(sweep.best.model, sweep.best.pruning, state.dense_figures, None),
+        Pruned(kept.model, kept.pruning, state.dense_figures, None),
         files.evaluation,
         None,
         files.exports,
@@ -665,13 +720,13 @@ class PickFiles:
     path: str  # the pick's file: its GGUF, or the checkpoint's weights
 
 
-def write_pick_files(sweep: Sweep, config: PruneConfig, pick: Point, run: Run) -> PickFiles:
-    """The pick's checkpoint and its export or quantization, from the kept model, as its single-ratio job (`config`)
-    writes them; its figures are those the sweep measured."""
-    assert sweep.best is not None and sweep.state.dense_figures is not None
-    model, plan = sweep.best.model, sweep.inputs.plan
+def write_pick_files(sweep: Sweep, config: PruneConfig, pick: Point, kept: PrunedSnapshot, run: Run) -> PickFiles:
+    """The pick's checkpoint and its export or quantization, from its model (`kept`: the best unit's, or the dense
+    one), as its single-ratio job (`config`) writes them; its figures are those the sweep measured."""
+    assert sweep.state.dense_figures is not None
+    model, plan = kept.model, sweep.inputs.plan
     exports = save_checkpoint(model, sweep.tokenizer, sweep.model, sweep.revision, config, run, sweep.staging)
-    evaluation = side_by_side(sweep.state.dense_figures, sweep.best.pruned_figures, plan.texts)
+    evaluation = side_by_side(sweep.state.dense_figures, kept.pruned_figures, plan.texts)
     quantized = None
     if config.quantization != NO_QUANTIZATION:
         with run.stage("quantization"):

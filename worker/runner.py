@@ -29,7 +29,7 @@ from casp_core.teacher import TEACHER_FILE
 from service import jobs
 from service.db import session_scope
 from service.logs import add_log_context, job_log_context
-from service.model_sources import local_model, locate
+from service.model_sources import local_folder, locate
 from service.paths import check_job_inputs, is_remote_model
 from service.security import decrypt_hub_token
 from service.settings import AUTO, Settings
@@ -212,7 +212,7 @@ class Heartbeat(threading.Thread):
 RETRY_STATE = "retry-state"
 RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE)
 RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step", "teacher")
-FRONTIER_SUMMARY = ("ratio", "format", "variant", "bytes", "params", "perplexity", "within_target")
+FRONTIER_SUMMARY = ("ratio", "format", "variant", "bytes", "params", "perplexity", "within_target", "dense")
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
@@ -229,9 +229,13 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
         front = [point for point in frontier["candidates"] if point["on_front"]]
         summary["frontier"] = {
             "target": frontier["target"],
-            "front": [{key: point[key] for key in (*FRONTIER_SUMMARY, "dense")} for point in front],
+            "front": [{key: point[key] for key in FRONTIER_SUMMARY} for point in front],
             "pick": {key: frontier["pick"][key] for key in FRONTIER_SUMMARY},
         }
+        if "dense_pick" in frontier:  # why the dense model was handed back, beside the best pruned point
+            best_pruned = frontier["best_pruned"]
+            summary["frontier"]["dense_pick"] = frontier["dense_pick"]
+            summary["frontier"]["best_pruned"] = best_pruned and {key: best_pruned[key] for key in FRONTIER_SUMMARY}
     return summary
 
 
@@ -314,8 +318,8 @@ class JobModel:
 
 @contextlib.contextmanager
 def model_folder(attempt: Attempt, model: JobModel, storage: Storage) -> Iterator[str]:
-    """What casp_core loads: a bucket's or an upload's model as a local folder or GGUF file (downloaded into the model
-    cache, its progress the "download" stage's), anything else as the job names it."""
+    """What casp_core loads: a bucket's or an upload's model as a local folder (downloaded into the model cache,
+    its progress the "download" stage's), anything else as the job names it."""
     if not is_remote_model(model.reference):
         yield model.reference
         return
@@ -325,8 +329,8 @@ def model_folder(attempt: Attempt, model: JobModel, storage: Storage) -> Iterato
     def progress(fraction: float, message: str) -> None:
         attempt.report("download", fraction, message, always_event=fraction >= 1.0)
 
-    with local_model(source, attempt.settings, progress, attempt.should_cancel) as local:
-        yield str(local)
+    with local_folder(source, attempt.settings, progress, attempt.should_cancel) as folder:
+        yield str(folder)
 
 
 def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, storage: Storage) -> str | None:

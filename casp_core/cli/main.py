@@ -91,6 +91,8 @@ def run_prune(args: argparse.Namespace) -> int:
             "candidates": len(report["frontier"]["candidates"]),
             "file": "frontier.json",
         }
+        if "dense_pick" in report["frontier"]:
+            summary["frontier"]["dense_pick"] = report["frontier"]["dense_pick"]
     if "exports" in report:
         summary["exports"] = [with_engine_perplexity(export, report["artifacts"]) for export in report["exports"]]
         for export in report["exports"]:

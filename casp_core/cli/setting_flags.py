@@ -55,6 +55,7 @@ FLAGS = {
     "target.max_bytes": "--target-bytes",
     "target.format": "--target-format",
     "target.max_params": "--target-params",
+    "target.candidates": "--target-candidates",
     "moe.prune_unreached": "--moe-prune-unreached",
     "moe.prune_experts": "--moe-prune-experts",
 }

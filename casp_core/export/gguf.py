@@ -306,10 +306,13 @@ def _sha256(path: Path) -> str:
 
 def _model_name(config: dict[str, Any], checkpoint_dir: Path) -> str:
     """general.name: a pruned checkpoint is named after its source model, since a job writes it in a staging
-    directory (`.pruned.partial`) that is renamed afterwards; a dense one after its directory."""
+    directory (`.pruned.partial`) that is renamed afterwards (a sweep's dense pick, unpruned, too); a dense one
+    after its directory."""
     casp = config.get("casp")
     if casp:
-        return f"{casp['source_model']} (CASP-pruned, ratio {casp['settings']['ratio']})"
+        ratio = casp["settings"]["ratio"]
+        done = f"CASP-pruned, ratio {ratio}" if ratio is not None else "dense, the pick of a CASP sweep"
+        return f"{casp['source_model']} ({done})"
     return checkpoint_dir.name
 
 

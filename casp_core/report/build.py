@@ -11,7 +11,7 @@ from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
 from casp_core.config import PruneConfig
 from casp_core.placement import byte_size
 from casp_core.report.evaluation_section import render_evaluation_section
-from casp_core.report.frontier_section import render_frontier_section
+from casp_core.report.frontier_section import dense_pick_reason, render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
 from casp_core.results import PruneResult
 from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
@@ -55,6 +55,23 @@ def pruning_section(result: PruneResult) -> dict[str, Any]:
             "max_relative_diff": result.verification_max_relative_diff,
         },
         "timings": result.timings,
+    }
+
+
+def unpruned_section(params: int) -> dict[str, Any]:
+    """`pruning_section`'s shape for a model handed back unpruned (a sweep's dense pick, casp_core.sweep): nothing
+    removed, no layer pruned, nothing to verify."""
+    return {
+        "achieved_ratio": 0.0,
+        "params": {"dense": params, "pruned": params, "counted": "decoder attention + MLP"},
+        "objective": None,
+        "compensation": None,
+        "alpha_auto": None,
+        "placement": None,
+        "rounding": None,
+        "layers": [],
+        "verification": None,
+        "timings": {},
     }
 
 
@@ -158,22 +175,11 @@ def _placement(placement: dict[str, Any] | None) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    settings = report["settings"]
-    calibration = settings["calibration"]
-    verification = report["verification"]
+    dense_pick = dense_pick_reason(report.get("frontier"))
     lines = [
         f"# CASP pruning report: {report['model']}",
         "",
-        f"- {'ratio picked by the sweep' if report.get('frontier') else 'target ratio'} {report['target_ratio']:.3f}, "
-        f"achieved {report['achieved_ratio']:.4f} "
-        f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
-        *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
-        f"- solver `{settings['solver']}`, {_budget(report)}, "
-        f"r_max {settings['r_max']}, compensation `{settings['compensation']}`",
-        f"- calibration: {calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, "
-        f"seed {calibration['seed']}, {calibration['mode']} statistics",
-        f"- pruned vs masked model: largest difference {verification['max_relative_diff']:.3g} of a stage's output "
-        f"({verification['max_abs_diff']:.3g} absolute); rule: {verification['rule']}",
+        *([f"- not pruned: {dense_pick}"] if dense_pick else pruning_lines(report)),
         f"- device {report['device']}{_placement(report.get('placement'))}, dtype {report['dtype']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
         *(f"- warning: {warning}" for warning in report.get("warnings", [])),
@@ -185,6 +191,41 @@ def render_markdown(report: dict[str, Any]) -> str:
         *render_frontier_section(report.get("frontier")),
         *recovery_section(report),
         *quantization_section(report),
+        *([] if dense_pick else pruning_tables(report)),
+    ]
+    if report.get("plots"):
+        lines += ["", "## Plots", "", *(f"![{Path(path).stem}]({path})" for path in report["plots"])]
+    lines += ["", "## Time and memory by stage", "", "| stage | seconds | peak memory (MB) |", "|---|---|---|"]
+    for name, record in report["timings"].items():
+        memory = record.get("peak_gpu_mb", record.get("peak_rss_mb"))
+        lines.append(f"| {name} | {record['seconds']:.2f} | {_number(memory, 6)} |")
+    return "\n".join(lines) + "\n"
+
+
+def pruning_lines(report: dict[str, Any]) -> list[str]:
+    """report.md's lines on how the model was pruned: the ratio, the rounding, the solver, the calibration, the
+    verification."""
+    settings = report["settings"]
+    calibration = settings["calibration"]
+    verification = report["verification"]
+    return [
+        f"- {'ratio picked by the sweep' if report.get('frontier') else 'target ratio'} {report['target_ratio']:.3f}, "
+        f"achieved {report['achieved_ratio']:.4f} "
+        f"({report['params']['dense']:,} -> {report['params']['pruned']:,} {report['params']['counted']} parameters)",
+        *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
+        f"- solver `{settings['solver']}`, {_budget(report)}, "
+        f"r_max {settings['r_max']}, compensation `{settings['compensation']}`",
+        f"- calibration: {calibration['n_samples']} x {calibration['seq_len']} tokens of `{calibration['dataset']}`, "
+        f"seed {calibration['seed']}, {calibration['mode']} statistics",
+        f"- pruned vs masked model: largest difference {verification['max_relative_diff']:.3g} of a stage's output "
+        f"({verification['max_abs_diff']:.3g} absolute); rule: {verification['rule']}",
+    ]
+
+
+def pruning_tables(report: dict[str, Any]) -> list[str]:
+    """report.md's tables of the pruning: the objective, the compensation's error, the layers."""
+    settings = report["settings"]
+    lines = [
         "## Objective z'Qz (sum over layers)",
         "",
         "| sub-layer | chosen solver | independent (diagonal) |",
@@ -220,13 +261,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{len(layer['pruned_channels'])}/{layer['mlp']['units']} | {layer['attn']['offdiag_ratio']:.3f} | "
             f"{layer['mlp']['offdiag_ratio']:.3f} | {layer['params_after']:,}/{layer['params_before']:,} |"
         )
-    if report.get("plots"):
-        lines += ["", "## Plots", "", *(f"![{Path(path).stem}]({path})" for path in report["plots"])]
-    lines += ["", "## Time and memory by stage", "", "| stage | seconds | peak memory (MB) |", "|---|---|---|"]
-    for name, record in report["timings"].items():
-        memory = record.get("peak_gpu_mb", record.get("peak_rss_mb"))
-        lines.append(f"| {name} | {record['seconds']:.2f} | {_number(memory, 6)} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def loss_words(settings: dict[str, Any]) -> str:

@@ -3,23 +3,31 @@ measured (`report["frontier"]`, casp_core.sweep), with the frontier plot."""
 
 from typing import Any
 
-from casp_core.report.plots import FRONTIER_PLOT
+from casp_core.report.plots import FRONTIER_PLOT, point_name
 
 
 def target_line(target: dict[str, Any], dense_perplexity: float) -> str:
-    """The target in words, and the rule the pick follows."""
+    """The target in words, and the rule the pick follows (among the pruned candidates and, with `candidates`
+    "all", the dense model in each variant)."""
+    among = "pruned candidates" if target.get("candidates") == "pruned" else "candidates, dense ones included,"
     if target.get("max_bytes") is not None:
         return (
-            f"at most {target['max_bytes']:,} bytes of {target['format']}: the lowest perplexity among the "
-            "candidates within it"
+            f"at most {target['max_bytes']:,} bytes of {target['format']}: the lowest perplexity among the {among} "
+            "within it"
         )
     if target.get("max_params") is not None:
-        return f"at most {target['max_params']:,} parameters: the lowest perplexity among the candidates within it"
+        return f"at most {target['max_params']:,} parameters: the lowest perplexity among the {among} within it"
     increase = target["max_perplexity_increase"]
     return (
         f"perplexity at most {increase:g} above the dense model's {dense_perplexity:.4g} (up to "
-        f"{dense_perplexity * (1 + increase):.4g}): the smallest file within it"
+        f"{dense_perplexity * (1 + increase):.4g}): the smallest file among the {among} within it"
     )
+
+
+def dense_pick_reason(frontier: dict[str, Any] | None) -> str | None:
+    """Why the sweep handed back the dense model (one sentence, the best pruned point beside it), or None when its
+    pick is pruned (or the job is no sweep)."""
+    return (frontier or {}).get("dense_pick")
 
 
 def _yes(value: bool) -> str:
@@ -32,12 +40,14 @@ def render_frontier_section(frontier: dict[str, Any] | None) -> list[str]:
         return []
     text = frontier["perplexity_text"]
     pick = frontier["pick"]
+    dense_pick = dense_pick_reason(frontier)
     lines = [
         "## Sweep: the candidates and the pick",
         "",
         f"- target: {target_line(frontier['target'], frontier['dense_perplexity'][text])}",
-        f"- the pick: ratio {pick['ratio']:g} in {pick['variant']}, {pick['bytes']:,} bytes, "
-        f"{pick['params']:,} parameters, perplexity {pick['perplexity'][text]:.4g} on {text}: this folder's model",
+        f"- the pick: {point_name(pick)} in {pick['variant']}, {pick['bytes']:,} bytes, {pick['params']:,} "
+        f"parameters, perplexity {pick['perplexity'][text]:.4g} on {text}: this folder's model",
+        *([f"- why the dense model: {dense_pick}"] if dense_pick else []),
         "- each candidate measured in its serving engine (GGUF in llama.cpp, safetensors in transformers); on the "
         "front: no other point is both smaller and lower in perplexity (frontier.json has every figure)",
         "",

@@ -19,7 +19,7 @@ from casp_core.errors import UnsupportedExport
 from casp_core.families import check_export, config_from_dict, is_pruned_model_type
 from casp_core.report.build import quantization_section, recovery_section, rounding_line
 from casp_core.report.evaluation_section import render_evaluation_section
-from casp_core.report.frontier_section import render_frontier_section
+from casp_core.report.frontier_section import dense_pick_reason, render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
 from casp_core.report.plots import RECOVERY_CURVE
 from casp_core.report.publish import public_name
@@ -30,9 +30,10 @@ PIPELINE_TAG = "text-generation"
 ZERO_SHOT_METRICS = ("acc", "acc_norm")
 
 
-def card_model_name(source_name: str, target_ratio: float) -> str:
-    """`stories260K` pruned by 30 % -> `stories260K-casp-30`."""
-    return f"{source_name}-casp-{round(target_ratio * 100)}"
+def card_model_name(source_name: str, target_ratio: float | None) -> str:
+    """`stories260K` pruned by 30 % -> `stories260K-casp-30`; a sweep's dense pick (no ratio) ->
+    `stories260K-casp-dense`."""
+    return f"{source_name}-casp-{'dense' if target_ratio is None else round(target_ratio * 100)}"
 
 
 def published_side(report: dict[str, Any]) -> str:
@@ -251,12 +252,15 @@ def render_model_card(
         **report.get("evaluation", {}),
         "artifacts": report.get("artifacts"),
     }
+    dense_pick = dense_pick_reason(report.get("frontier"))
     body = [
         f"# {data.model_name}",
         "",
-        "## What was pruned",
-        "",
-        *_what_was_pruned(report, base),
+        *(
+            ["## Not pruned", "", f"{base}, not pruned: {dense_pick}."]
+            if dense_pick
+            else ["## What was pruned", "", *_what_was_pruned(report, base)]
+        ),
         "",
         "## Settings",
         "",

@@ -132,6 +132,11 @@ def plot_recovery_curve(curve: list[dict[str, float]], path: Path) -> Path:
 FRONTIER_PLOT = "frontier.png"
 
 
+def point_name(point: dict[str, Any]) -> str:
+    """A frontier point as the plot and the report name it: `the dense model` or `ratio 0.3`."""
+    return "the dense model" if point["dense"] else f"ratio {point['ratio']:g}"
+
+
 def plot_frontier(frontier: dict[str, Any], path: Path) -> Path:
     """A sweep's candidates (`report["frontier"]`, casp_core.sweep): perplexity on the first text against the file
     size, one line per ratio across its variants (the dense points as ratio 0), the Pareto front and the pick
@@ -161,7 +166,7 @@ def plot_frontier(frontier: dict[str, Any], path: Path) -> Path:
     pick = frontier["pick"]
     axes.plot(
         [pick["bytes"] / 1e6], [_value(pick, "perplexity", text)], marker="*", color="gold", markersize=18,
-        markeredgecolor="black", linestyle="none", label=f"pick: ratio {pick['ratio']:g}, {pick['variant']}",
+        markeredgecolor="black", linestyle="none", label=f"pick: {point_name(pick)}, {pick['variant']}",
     )  # fmt: skip
     target = frontier["target"]
     if target.get("max_bytes") is not None:
@@ -184,14 +189,16 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     paths."""
     layers = sorted(report["layers"], key=lambda layer: layer["index"])
     plots_dir = Path(out_dir) / "plots"
-    plots_dir.mkdir(parents=True, exist_ok=True)
     solver_name = report.get("settings", {}).get("solver", "greedy")
-    plots = [
-        plot_ratios(layers, plots_dir / "layer_ratio.png"),
-        plot_sensitivity(layers, plots_dir / "layer_sensitivity.png"),
-        plot_offdiag_ratio(layers, plots_dir / "offdiag_ratio.png"),
-        plot_objectives(layers, plots_dir / "objective_solver_vs_diagonal.png", solver_name),
-    ]
+    plots = []
+    if layers:  # none for a sweep's dense pick, which nothing pruned
+        plots_dir.mkdir(parents=True, exist_ok=True)
+        plots += [
+            plot_ratios(layers, plots_dir / "layer_ratio.png"),
+            plot_sensitivity(layers, plots_dir / "layer_sensitivity.png"),
+            plot_offdiag_ratio(layers, plots_dir / "offdiag_ratio.png"),
+            plot_objectives(layers, plots_dir / "objective_solver_vs_diagonal.png", solver_name),
+        ]
     if report.get("recovery", {}).get("curve"):
         plots.append(plot_recovery_curve(report["recovery"]["curve"], Path(out_dir) / RECOVERY_CURVE))
     if report.get("frontier"):

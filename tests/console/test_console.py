@@ -11,6 +11,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,11 +21,14 @@ import pytest
 from playwright.sync_api import Browser, BrowserContext, Locator, Page, Playwright, expect, sync_playwright
 
 from casp_cli.app import service_app
+from casp_core.config import PruneConfig
 from casp_core.report.frontier_section import render_frontier_section
+from casp_core.sweep import Point, Target, first_perplexity, on_front
 from service import jobs
 from service.db import session_scope
 from service.settings import Settings
 from tests.service_fixtures import RUNS_UNTIL_CANCELLED, TINY_JOB, embedded_settings, finished, serving, wait_for
+from worker.runner import summary_of
 
 pytestmark = pytest.mark.service
 
@@ -468,3 +472,75 @@ def test_a_budget_job_s_frontier_renders_with_its_plot(page: Page, server: str) 
     assert rendered["rows"] == ["dense", "0.2 (pick)", "0.3"]
     assert rendered["images"] == ["/console/static/favicon.svg"]
     assert "elsewhere <img src=x onerror=alert(1)>" in rendered["text"]
+
+
+def budget_result(max_bytes: int, candidates: str) -> dict[str, Any]:
+    """A budget job's result as the worker writes it (`summary_of`), from the sweep's own front and pick over
+    points of known sizes: the dense f16 and q8_0, and ratios 0.2 and 0.4 in f16 and q8_0."""
+    goal = Target(PruneConfig(target={"max_bytes": max_bytes, "candidates": candidates}), 10.0)
+    sizes = [(0.0, "f16", 1000, 10.0), (0.0, "q8_0", 530, 10.1), (0.2, "f16", 800, 11.0), (0.2, "q8_0", 420, 11.2),
+             (0.4, "q8_0", 330, 13.0), (0.4, "f16", 600, 12.0)]  # fmt: skip
+    points = [
+        replace(point, within_target=goal.met_by(point.bytes, point.params, first_perplexity(point)))
+        for point in on_front(
+            [Point(r, "gguf", v, size, 1000, {"wikitext2": p}, 1.0, r == 0.0, False) for r, v, size, p in sizes]
+        )
+    ]
+    pick = goal.pick(points)
+    frontier = {
+        "target": goal.config.target.to_dict(),
+        "candidates": [p.to_dict() for p in points],
+        "pick": pick.to_dict(),
+    }
+    if pick.dense:
+        best_pruned = goal.best(points, dense=False)
+        frontier |= {"dense_pick": goal.dense_pick_reason(pick, best_pruned), "best_pruned": best_pruned.to_dict()}
+    return summary_of({"achieved_ratio": 0.0, "frontier": frontier})
+
+
+FRONT_OF = """async (frontier) => {
+    const { renderFront } = await import("/console/static/frontier.js");
+    const section = document.createElement("section");
+    section.append(...renderFront(frontier));
+    document.body.append(section);
+    const star = section.querySelector("polygon.pick");
+    const xs = star.getAttribute("points").split(" ").map((corner) => Number(corner.split(",")[0]));
+    return {
+        reason: section.querySelector("#dense-pick")?.textContent ?? null,
+        rows: [...section.querySelectorAll("tbody tr")].map((row) => row.cells[0].textContent),
+        marked: [...section.querySelectorAll("tbody tr.pick")].map((row) => row.cells[0].textContent),
+        circles: Object.fromEntries([...section.querySelectorAll("circle")].map(
+            (circle) => [circle.querySelector("title").textContent, Number(circle.getAttribute("cx"))])),
+        star: { x: (Math.min(...xs) + Math.max(...xs)) / 2, title: star.querySelector("title").textContent },
+        stars: section.querySelectorAll("polygon.pick").length,
+        front: section.querySelector("polyline.front").getAttribute("points").split(" ").length,
+        budget: Number(section.querySelector("line.budget").getAttribute("x1")),
+    };
+}"""
+
+
+def test_a_budget_job_s_front_is_drawn_with_its_pick_marked(page: Page, server: str) -> None:
+    """The job page's front (frontier.js) from a result as the worker writes it: the front's points joined, the
+    pick a star at its size, the budget a dashed line, a table with the pick's row marked; a dense pick with the
+    sentence that says why. A pick off the front (target.candidates "pruned", a dense point better) is drawn too."""
+    page.goto(f"{server}/console")
+    result = budget_result(700, "all")
+    shown = page.evaluate(FRONT_OF, result["frontier"])
+    assert shown["reason"] == f"Why the dense model: {result['frontier']['dense_pick']}."
+    assert "the best pruned candidate within it is ratio 0.2, q8_0" in shown["reason"]
+    # Smallest first: every point is on the front here, the dense q8_0 the pick (the lowest perplexity in 700).
+    assert shown["rows"] == ["ratio 0.4, q8_0", "ratio 0.2, q8_0", "dense, q8_0 (pick)", "dense, f16"]
+    assert shown["marked"] == ["dense, q8_0 (pick)"] and shown["front"] == 4
+    assert shown["stars"] == 1 and shown["star"]["title"] == "pick: dense, q8_0"
+    # The star sits at 530 bytes: between 420 and the budget's 700, on the same scale as the circles.
+    circles = shown["circles"]
+    scale = (circles["dense, f16"] - circles["ratio 0.4, q8_0"]) / (1000 - 330)
+    assert shown["star"]["x"] == pytest.approx(circles["ratio 0.4, q8_0"] + (530 - 330) * scale, abs=0.5)
+    assert shown["budget"] == pytest.approx(circles["ratio 0.4, q8_0"] + (700 - 330) * scale, abs=0.5)
+
+    result = budget_result(900, "pruned")
+    shown = page.evaluate(FRONT_OF, result["frontier"])
+    assert shown["reason"] is None
+    # 0.2 f16 (800 bytes, 11.0) is the best pruned point; the dense q8_0 beats it, so it is drawn off the front.
+    assert shown["marked"] == ["ratio 0.2, f16 (pick)"] and "ratio 0.2, f16 (pick)" in shown["rows"]
+    assert shown["front"] == 4 and len(shown["rows"]) == 5

@@ -24,7 +24,7 @@ def point(ratio: float, variant: str, size: int, perplexity: float, *, params: i
     return Point(ratio, "gguf", variant, size, params, {"wikitext2": perplexity}, 1.0, ratio == 0.0, False)
 
 
-def target(dense_perplexity: float = 10.0, **budget: float) -> Target:
+def target(dense_perplexity: float = 10.0, **budget: float | str) -> Target:
     return Target(PruneConfig(target=budget), dense_perplexity)
 
 
@@ -55,13 +55,15 @@ def test_the_front_is_the_points_no_other_beats_in_size_and_perplexity() -> None
 
 
 def test_the_pick_of_a_size_budget_is_the_lowest_perplexity_within_it() -> None:
-    goal = target(max_bytes=700)
+    goal = target(max_bytes=700, candidates="pruned")
     points = measured(goal, POINTS)
     assert [p.within_target for p in points] == [False, True, False, True, True, True]
     pick = goal.pick(points)
     assert (pick.ratio, pick.variant) == (0.2, "q8_0")  # 0.4 f16 is within too, but higher
-    # The dense q8_0 is within and lower: worth a warning that names it.
-    assert goal.better_dense(points, pick).startswith("the dense model (dense, q8_0: 530 bytes, perplexity 10.1)")
+    # The dense q8_0 is within and lower: worth a warning that names it, and the setting that would pick it.
+    warning = goal.better_dense(points, pick)
+    assert warning.startswith("the dense model (dense, q8_0: 530 bytes, perplexity 10.1)")
+    assert "target.candidates all would hand it back" in warning
     # Within 400 bytes only 0.4 q8_0 fits; within 300 none does, and the error names the smallest produced.
     goal = target(max_bytes=400)
     assert goal.pick(measured(goal, POINTS)).ratio == 0.4
@@ -74,15 +76,41 @@ def test_the_pick_of_a_size_budget_is_the_lowest_perplexity_within_it() -> None:
 
 
 def test_the_pick_of_a_perplexity_increase_is_the_smallest_file_within_it() -> None:
-    goal = target(10.0, max_perplexity_increase=0.15)  # perplexity up to 11.5
+    goal = target(10.0, max_perplexity_increase=0.15)  # perplexity up to 11.5: the dense points are larger
     points = measured(goal, POINTS)
     pick = goal.pick(points)
     assert (pick.ratio, pick.variant) == (0.2, "q8_0")  # the smallest of 0.2 f16 and 0.2 q8_0
     assert goal.better_dense(points, pick) is None  # the dense points are larger
-    goal = target(10.0, max_perplexity_increase=0.05)
+    goal = target(10.0, max_perplexity_increase=0.05, candidates="pruned")
     assert goal.pick(measured(goal, POINTS)) is None
     with pytest.raises(BudgetUnmet, match=r"lowest measured is 11 \(ratio 0.2, f16\)"):
         raise goal.unmet(measured(goal, POINTS))
+
+
+def test_by_default_the_pick_may_be_the_dense_model_and_says_why() -> None:
+    """target.candidates "all" (the default): a dense point that beats every pruned one within the target is the
+    pick, and the reason names the best pruned point beside it."""
+    goal = target(max_bytes=700)
+    points = measured(goal, POINTS)
+    pick = goal.pick(points)
+    assert (pick.ratio, pick.variant, pick.dense) == (0.0, "q8_0", True)  # 10.1 beats 0.2 q8_0's 11.2
+    assert goal.better_dense(points, pick) is None  # nothing better to warn of
+    assert goal.dense_pick_reason(pick, goal.best(points, dense=False)) == (
+        "the dense model in q8_0 beats every pruned candidate within 700 bytes of gguf: perplexity 10.1 at 530 "
+        "bytes; the best pruned candidate within it is ratio 0.2, q8_0: perplexity 11.2 at 420 bytes"
+    )
+    # A perplexity increase only the dense points meet: the smallest of them, and no pruned point beside it.
+    goal = target(10.0, max_perplexity_increase=0.05)
+    points = measured(goal, POINTS)
+    pick = goal.pick(points)
+    assert (pick.dense, pick.variant) == (True, "q8_0") and goal.best(points, dense=False) is None
+    assert goal.dense_pick_reason(pick, None) == (
+        "the dense model in q8_0 is the smallest file within perplexity 10.5 (0.05 above the dense model's 10): "
+        "perplexity 10.1 at 530 bytes; no pruned candidate is within it"
+    )
+    # Where a pruned point is better, it is the pick whatever the setting.
+    goal = target(max_bytes=450)
+    assert not goal.pick(measured(goal, POINTS)).dense
 
 
 def test_the_pick_of_a_parameter_budget_counts_parameters() -> None:
@@ -155,7 +183,10 @@ def test_keep_all_keeps_every_candidate_and_the_pick_of_a_perplexity_target_is_t
 def test_a_safetensors_budget_hands_back_the_quantized_checkpoint_it_measured(tmp_path: Path) -> None:
     out = tmp_path / "out"
     config = sweep_config(
-        target={"max_bytes": "100MB", "format": "safetensors"}, ratios=[0.3], quantizations=["none", "w8a8_int8"]
+        # Among the pruned candidates: the dense checkpoint, lower in perplexity, would be the pick by default.
+        target={"max_bytes": "100MB", "format": "safetensors", "candidates": "pruned"},
+        ratios=[0.3],
+        quantizations=["none", "w8a8_int8"],
     )
     report = run_job(str(STORIES), config, out)
     frontier = report["frontier"]
@@ -182,7 +213,8 @@ def test_a_safetensors_budget_hands_back_the_quantized_checkpoint_it_measured(tm
 
 
 def test_a_target_no_candidate_meets_fails_naming_the_closest(tmp_path: Path) -> None:
-    config = sweep_config(target={"max_perplexity_increase": 1e-6}, ratios=[0.3])
+    # Among the pruned candidates: the dense f16 file may measure as low as the dense model in transformers.
+    config = sweep_config(target={"max_perplexity_increase": 1e-6, "candidates": "pruned"}, ratios=[0.3])
     with pytest.raises(BudgetUnmet, match=r"^target.max_perplexity_increase: no candidate's perplexity is within"):
         run_job(str(STORIES), config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -190,7 +222,8 @@ def test_a_target_no_candidate_meets_fails_naming_the_closest(tmp_path: Path) ->
 
 def test_a_retry_resumes_after_the_candidates_already_measured(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    config = sweep_config(target={"max_bytes": "100MB"})
+    # Among the pruned candidates only: the dense f16 would beat both, and the retry is of the best one's model.
+    config = sweep_config(target={"max_bytes": "100MB", "candidates": "pruned"})
     reports: list[tuple[str, str]] = []
     saved: list[str] = []
 

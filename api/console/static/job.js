@@ -14,6 +14,7 @@ import {
   showError,
   start,
 } from "./api.js";
+import { renderFront } from "./frontier.js";
 import { renderMarkdown } from "./markdown.js";
 
 const jobId = document.body.dataset.jobId;
@@ -199,6 +200,11 @@ async function markdownOf(artifact) {
 async function showResults() {
   document.getElementById("results").hidden = false;
   document.querySelector("#summary tbody").replaceChildren(...summaryRows(job.result));
+  if (job.result.frontier) {
+    const front = document.getElementById("front");
+    front.append(...renderFront(job.result.frontier));
+    front.hidden = false;
+  }
   const note = document.getElementById("artifacts-note");
   let artifacts;
   try {
