@@ -2,12 +2,13 @@
 in each GGUF type beside the pruned ones, and which points are on the Pareto front.
 
 Each model is swept as a job with a target does it (`casp_core.job.run_job`, casp_core.sweep): the default
-ratios (0.1 to 0.6) times the default GGUF types (f16, q8_0, q5_k_m, q4_k_m, those whose block the hidden size
-fits), each pruned model written in each type and measured in llama.cpp. The target is a perplexity increase no
-candidate reaches (every candidate is tried and measured); the budget of the issue's "Done when", 70 % of the
-dense f16 GGUF, is then applied to the measured points: what a job with that budget picks, and the best dense
-file within it. Calibration `ptb:train`, 16 x 128 tokens; perplexity on the first 20 windows of 128 tokens of
-WikiText-2 (test) and PTB (test), as bench/quality.py and bench/quantized.py measure.
+ratios (0.1 to 0.6) times the default GGUF types (f16, q8_0, q5_k_m, q4_k_m; the results were measured when a
+K-quant was only taken where the hidden size fits its block), each pruned model written in each type and measured
+in llama.cpp. The target is a perplexity increase no candidate reaches (every candidate is tried and measured);
+the budget of the issue's "Done when", 70 % of the dense f16 GGUF, is then applied to the measured points: what a
+job with that budget picks, and the best dense file within it. Calibration `ptb:train`, 16 x 128 tokens;
+perplexity on the first 20 windows of 128 tokens of WikiText-2 (test) and PTB (test), as bench/quality.py and
+bench/quantized.py measure.
 
     PYTHONPATH=. .venv/bin/python -m bench.frontier    # bench/results/frontier.{json,md}, frontier-<model>.png
 """
@@ -127,7 +128,7 @@ def render(payload: dict[str, Any]) -> str:
         + concurrency_note(payload["machine"]),
         "",
         f"Each model swept as a job with a target sweeps it (casp_core.sweep): ratios "
-        f"{', '.join(f'{r:g}' for r in settings['ratios'])} times the GGUF types its hidden size fits, each file "
+        f"{', '.join(f'{r:g}' for r in settings['ratios'])} times the GGUF types asked for, each file "
         f"measured in llama.cpp (one thread); calibration `{settings['calibration_set']}`, {settings['n_samples']} "
         f"x {settings['seq_len']} tokens; perplexity on the first {settings['eval_windows']} windows of "
         f"{settings['eval_seq_len']} tokens of {' and '.join(settings['eval_sets'])}; the front and the pick use "
@@ -183,9 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
-    parser.add_argument(
-        "--gguf-types", nargs="+", default=None, help=f"default: {', '.join(DEFAULT_GGUF_TYPES)} where they fit"
-    )
+    parser.add_argument("--gguf-types", nargs="+", default=None, help=f"default: {', '.join(DEFAULT_GGUF_TYPES)}")
     parser.add_argument("--n-samples", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-windows", type=int, default=20)

@@ -46,7 +46,8 @@ MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 EXPORT_FORMATS = ("gguf",)  # written beside the checkpoint by casp_core.export
 # As llama.cpp spells them; the quantized ones are made by llama.cpp's own quantizer (casp_core.export.gguf_types).
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q4_0", "q5_0", "iq4_nl")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m", "q2_k")
+GGUF_TYPES += ("q4_0", "q5_0", "iq4_nl")  # blocks of 32, as q8_0
 # The checkpoint rewritten in compressed-tensors format for vLLM by casp_core.quantization (round to nearest).
 NO_QUANTIZATION = "none"
 QUANTIZATIONS = (NO_QUANTIZATION, "w8a8_int8", "fp8_dynamic", "w4a16")
@@ -391,8 +392,7 @@ class PruneSettings(ConfigPart):
         None,
         min_length=1,
         max_length=len(GGUF_TYPES),
-        description="with a GGUF target: the types tried; default f16, q8_0, q5_k_m, q4_k_m (those whose block "
-        "the model's hidden size fits)",
+        description="with a GGUF target: the types tried; default f16, q8_0, q5_k_m, q4_k_m",
     )
     quantizations: list[Literal[QUANTIZATIONS]] | None = Field(  # type: ignore[valid-type]
         None,

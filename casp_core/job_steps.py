@@ -20,7 +20,7 @@ from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, Figures
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
-from casp_core.export.gguf_types import check_gguf_type, quantizer_block
+from casp_core.export.gguf_types import quantizer_block
 from casp_core.families import check_export, projections
 from casp_core.gguf_source import is_gguf_reference
 from casp_core.model import decoder_layers, load_model
@@ -120,12 +120,10 @@ def load_dense(
 
 
 def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> None:
-    """Refuses, before any work, an export its family cannot take, a ratio the model cannot reach, a GGUF type or
-    quantization its widths cannot take;
+    """Refuses, before any work, an export its family cannot take, a ratio the model cannot reach, a quantization
+    its widths cannot take;
     warns of a rounding that forfeits the speedup or forces fallback types (once per warning)."""
     check_export(dense.config, config.export)
-    if "gguf" in config.export:
-        check_gguf_type(dense.config.hidden_size, config.gguf_type)
     check_reachable(dense, config)
     check_quantization(dense.config, config)
     widths = [projections(layer).down.in_features for layer in decoder_layers(dense)]

@@ -9,14 +9,14 @@ channels as the pruning takes them, layer by layer, from the plan; key/value hea
 (the fewest). What a real job removes is within half a rounding unit of the same total; which layers give more
 depends on the sensitivities, which the estimate cannot know.
 
-The files: a GGUF holds each tensor in the type llama.cpp's quantizer gives it (`llama_tensor_get_type` in
-llama.cpp's src/llama-quant.cpp, with `llama-quantize`'s defaults: the output and a tied embedding in Q6_K, some
-attn_v and ffn_down in Q6_K under q4_k_m and q5_k_m, a row that is not a multiple of the type's block in its
-fallback type), vectors in F32, each tensor padded to 32 bytes, plus the header and the tokenizer; key/value heads
-are written once per query head where pruning leaves uneven groups (casp_core.export.gguf). Safetensors hold the
-checkpoint's dtype, or compressed-tensors' packing of each decoder projection (casp_core.quantization).
-tests/core/test_size_estimate.py checks the estimates against written files (README, "Prune to a budget", states
-how close).
+The files: a GGUF holds each tensor in the type llama.cpp's quantizer gives it (casp_core.export.gguf_types'
+`llama_cpp_types`: llama.cpp's mix with `llama-quantize`'s defaults, and a row that is not a multiple of the type's
+block in its fallback type, as every q/k/v, gate/up and embedding row of a model whose hidden size is no multiple
+of 256 under a K-quant), vectors in F32, each tensor padded to 32 bytes, plus the header and the tokenizer;
+key/value heads are written once per query head where pruning leaves uneven groups (casp_core.export.gguf).
+Safetensors hold the checkpoint's dtype, or compressed-tensors' packing of each decoder projection
+(casp_core.quantization). tests/core/test_size_estimate.py checks the estimates against written files (README,
+"Prune to a budget", states how close).
 """
 
 import math
@@ -28,25 +28,11 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from casp_core.allocation import allocate_ratios, uniform_ratios
 from casp_core.budget import channels_to_prune, plan_budget, plan_uniform_shape
 from casp_core.config import AUTO_ALPHA, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig
-from casp_core.export.gguf_types import BASE_TYPE, FALLBACK, FLOAT_TYPES
+from casp_core.export.gguf_types import GGML_BLOCKS, Tensor, llama_cpp_types
 from casp_core.families import projections
 from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
 
 GGUF_ALIGNMENT = 32
-# Bytes of one block and the weights it holds, as ggml stores each type.
-GGML_BLOCKS = {
-    "F32": (4, 1),
-    "F16": (2, 1),
-    "BF16": (2, 1),
-    "Q8_0": (34, 32),
-    "Q4_0": (18, 32),
-    "Q5_0": (22, 32),
-    "Q5_1": (24, 32),
-    "IQ4_NL": (18, 32),
-    "Q4_K": (144, 256),
-    "Q5_K": (176, 256),
-    "Q6_K": (210, 256),
-}
 # The GGUF's header, its model keys and, per tokenizer entry, the token's text, score and type (measured on the
 # fixtures: tests/core/test_size_estimate.py).
 GGUF_HEADER_BYTES = 1_500
@@ -175,13 +161,6 @@ def planned_shape(model: PreTrainedModel, config: PruneConfig | None) -> Planned
     return PlannedShape(tuple(shapes), sizes.other_params + kept + added)
 
 
-@dataclass(frozen=True)
-class Tensor:
-    name: str  # as the GGUF names it
-    rows: int  # ne[1]: output features (1 for a vector)
-    row_length: int  # ne[0]: input features, what a block packs
-
-
 def gguf_tensors(geometry: Geometry, shape: PlannedShape) -> list[Tensor]:
     """The tensors of the GGUF file of `shape`, in casp_core.export.gguf's order."""
     h, d = geometry.hidden, geometry.head_dim
@@ -215,56 +194,6 @@ def gguf_tensors(geometry: Geometry, shape: PlannedShape) -> list[Tensor]:
     return tensors
 
 
-def _use_more_bits(index: int, count: int) -> bool:
-    return index < count // 8 or index >= 7 * count // 8 or (index - count // 8) % 3 == 2
-
-
-def _with_fallback(ggml_type: str, row_length: int) -> str:
-    """tensor_type_fallback: a type whose block the row is not a multiple of becomes a 32-block one, or F16."""
-    if row_length % GGML_BLOCKS[ggml_type][1] == 0:
-        return ggml_type
-    fallback = FALLBACK.get(ggml_type, ggml_type)
-    return fallback if row_length % GGML_BLOCKS[fallback][1] == 0 else "F16"
-
-
-def tensor_types(tensors: list[Tensor], gguf_type: str, layers: int) -> list[str]:
-    """The GGML type of each tensor, as llama.cpp's quantizer (with llama-quantize's defaults) chooses it."""
-    base = BASE_TYPE[gguf_type]
-    if gguf_type in FLOAT_TYPES:
-        return [base if tensor.rows > 1 else "F32" for tensor in tensors]
-    tied = not any(tensor.name == "output.weight" for tensor in tensors)
-    value_count = sum(tensor.name.endswith("attn_v.weight") for tensor in tensors)
-    first = next(tensor for tensor in tensors if tensor.name.endswith("attn_q.weight"))
-    first_kv = next(tensor for tensor in tensors if tensor.name.endswith("attn_k.weight"))
-    grouped = first.rows // first_kv.rows  # n_gqa of layer 0
-    values = downs = 0
-    types = []
-    for tensor in tensors:
-        chosen = base
-        if tensor.rows == 1 or tensor.name.endswith("_norm.weight"):
-            types.append("F32")
-            continue
-        if tensor.name == "output.weight" or (tied and tensor.name == "token_embd.weight"):
-            if tensor.row_length % GGML_BLOCKS[base][1]:
-                chosen = "Q8_0"
-            elif base != "Q8_0":
-                chosen = "Q6_K"
-        elif tensor.name.endswith("attn_v.weight"):
-            if gguf_type in ("q4_k_m", "q5_k_m") and _use_more_bits(values, value_count):
-                chosen = "Q6_K"
-            elif (gguf_type == "q4_k_s" and values < 4) or (gguf_type == "iq4_nl" and grouped >= 4):
-                chosen = "Q5_K"
-            values += 1
-        elif tensor.name.endswith("ffn_down.weight"):
-            if gguf_type in ("q4_k_m", "q5_k_m") and _use_more_bits(downs, layers):
-                chosen = "Q6_K"
-            elif gguf_type in ("q4_k_s", "iq4_nl") and downs < layers // 8:
-                chosen = "Q5_K"
-            downs += 1
-        types.append(_with_fallback(chosen, tensor.row_length))
-    return types
-
-
 def _padded(size: int) -> int:
     return -(-size // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
 
@@ -273,8 +202,8 @@ def gguf_bytes(geometry: Geometry, shape: PlannedShape, gguf_type: str) -> int:
     """The GGUF file of `shape` in `gguf_type`."""
     tensors = gguf_tensors(geometry, shape)
     data = 0
-    for tensor, ggml_type in zip(tensors, tensor_types(tensors, gguf_type, geometry.layers), strict=True):
-        block_bytes, block = GGML_BLOCKS[ggml_type]
+    for tensor, choice in zip(tensors, llama_cpp_types(tensors, gguf_type), strict=True):
+        block_bytes, block = GGML_BLOCKS[choice.type]
         data += _padded(tensor.rows * -(-tensor.row_length // block) * block_bytes)
     # Each tensor's entry: its name, dimensions, type and offset.
     entries = sum(8 + len(tensor.name) + 4 + 2 * 8 + 4 + 8 for tensor in tensors)

@@ -14,7 +14,6 @@ from transformers import PretrainedConfig
 from casp_core.budget import check_reachable
 from casp_core.config import PruneConfig, PruneSettings, TargetConfig
 from casp_core.errors import InvalidConfig
-from casp_core.export.gguf_types import check_gguf_type
 from casp_core.families import check_export
 from casp_core.quantization import check_quantization
 from casp_core.size_estimate import Geometry, gguf_bytes, meta_model, planned_shape, safetensors_bytes
@@ -44,7 +43,7 @@ def sweep_format(settings: PruneSettings) -> str:
 
 def sweep_variants(model_config: PretrainedConfig, settings: PruneSettings) -> list[str]:
     """The variants of the sweep's format: the ones asked for, each checked against the model; by default those of
-    the defaults the model's widths take."""
+    the defaults the model's widths take (every GGUF type: llama.cpp quantizes any width, with its fallbacks)."""
     if sweep_format(settings) == GGUF:
         check_export(model_config, [GGUF])
         return _variants(model_config, settings, "gguf_types", settings.gguf_types, DEFAULT_GGUF_TYPES)
@@ -68,11 +67,10 @@ def _variants(
 
 def _refusal(model_config: PretrainedConfig, settings: PruneSettings, name: str, variant: str) -> str | None:
     """Why this model cannot be written in `variant`, or None."""
+    if name == "gguf_types":
+        return None
     try:
-        if name == "gguf_types":
-            check_gguf_type(model_config.hidden_size, variant)
-        else:
-            check_quantization(model_config, settings.model_copy(update={"quantization": variant}))
+        check_quantization(model_config, settings.model_copy(update={"quantization": variant}))
     except InvalidConfig as refused:
         return refused.message.partition(": ")[2] or refused.message
     return None

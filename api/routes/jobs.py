@@ -31,7 +31,6 @@ from api.streams import StreamResponse, StreamSlots, event_stream
 from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
-from casp_core.export.gguf_types import check_gguf_type
 from casp_core.families import check_export, family_of
 from casp_core.gguf_source import is_gguf_reference
 from casp_core.model import is_local_reference, load_config
@@ -87,16 +86,13 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
             # An unsupported family is refused now, not after the worker loads it; so are an export the family
             # cannot take (unsupported_export, under `export`), settings it is not pruned with (a mixture of
             # experts: the uniform shape, alpha auto, ...), a uniform shape its own class cannot hold, a
-            # quantization its widths cannot take, a GGUF type whose block its hidden size does not fit, recovery
-            # windows longer than its context and a budget no candidate meets by the sizes estimated from the
-            # config (a hub model's, when the job starts).
+            # quantization its widths cannot take, recovery windows longer than its context and a budget no
+            # candidate meets by the sizes estimated from the config (a hub model's, when the job starts).
             model_config = load_config(model)
             check_export(model_config, body.export)
             family_of(model_config).check_settings(model_config, body)
             family_of(model_config).check_plain_shape(model_config, body)
             check_quantization(model_config, body)
-            if "gguf" in body.export:
-                check_gguf_type(model_config.hidden_size, body.gguf_type)
             if body.recovery.method != "none":
                 check_length(body.recovery.max_seq_len, model_config.max_position_embeddings)
             if body.target is not None:  # a budget no candidate meets, by the sizes estimated from the config

@@ -21,9 +21,10 @@ A checkpoint whose layers are all alike (a dense one) is written as plain `llama
   so the file's context length is capped at the window.
 - The quantized types (q8_0, the K-quants, q4_0, q5_0, iq4_nl) are made by llama.cpp's own quantizer
   (`llama_model_quantize`, its default parameters: the type mix of `llama-quantize`) from an F32 file written
-  first and removed after. A weight whose rows are not a multiple of its type's block gets llama.cpp's fallback
-  type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; F16 where no 32-block fits); the types are read back from the
-  file written, and every tensor whose type is such a fallback is named in `GgufExport.fallbacks`.
+  first and removed after, for any hidden size. A weight whose rows are not a multiple of its type's block gets
+  llama.cpp's fallback type (Q2_K and Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; F16 where no
+  32-block fits), as in llama.cpp's own quantization of such a model; the types are read back from the file
+  written, and every tensor whose type is not the one the mix gives it is named in `GgufExport.fallbacks`.
 """
 
 import hashlib
@@ -43,14 +44,7 @@ from safetensors import safe_open
 
 from casp_core.config import GGUF_TYPES
 from casp_core.errors import CaspError, InvalidConfig, ModelNotFound, UnsupportedExport
-from casp_core.export.gguf_types import (
-    BASE_TYPE,
-    FALLBACK,
-    SUPER_BLOCK,
-    check_gguf_type,
-    is_quantized,
-    require_llama_cpp,
-)
+from casp_core.export.gguf_types import GGML_BLOCKS, Tensor, is_quantized, llama_cpp_types, require_llama_cpp
 from casp_core.export.tokenizer import read_vocabulary, write_vocabulary
 from casp_core.families import Family, GgufScales, check_export, config_from_dict, family_of, is_pruned_model_type
 
@@ -64,8 +58,6 @@ _FILE_TYPE = {
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
 }
-# What a fallback type was before it fell back (casp_core.export.gguf_types.FALLBACK, the other way round).
-_FALLBACK_FROM = {fallback: base for base, fallback in FALLBACK.items()}
 
 
 class QuantizationFailed(CaspError):
@@ -80,9 +72,10 @@ class Fallback:
     weight's input width) are not a multiple of that type's block."""
 
     tensor: str
-    type: str  # what it got
-    wanted: str | None  # what the mix gives a weight of whole blocks there; None where no quantized type fits
+    type: str  # what it got: llama.cpp's fallback type for `wanted`, or F16 where no 32-block fits either
+    wanted: str  # what the mix gives a weight of whole blocks there
     row_length: int
+    block: int  # the weights in one block of `wanted`
 
 
 @dataclass(frozen=True)
@@ -96,7 +89,7 @@ class GgufExport:
     gguf_type: str
     tensor_types: dict[str, str]
     fallbacks: tuple[Fallback, ...] = ()  # weights whose rows did not fit their quantized type's block
-    bits_per_weight: float = 0.0  # the tensors' bytes x 8 over their weights, as llama.cpp counts it
+    bits_per_weight: float = 0.0  # llama.cpp's BPW: its model size (the tensors' bytes) x 8 over its parameters
     bytes: int = 0  # the file's size
     kv_repeated_layers: tuple[int, ...] = ()  # layers whose key/value heads are repeated for uneven groups
     context_length: int = 0
@@ -432,21 +425,20 @@ def _quantize(source: Path, out: Path, gguf_type: str) -> None:
 
 
 def fallbacks(tensors: list[Any], gguf_type: str) -> tuple[Fallback, ...]:
-    """The weights of a `gguf_type` file (GGUFReader tensors) whose type is llama.cpp's fallback for rows that
-    are not a multiple of a block: F16 on rows no 32-block fits, and a fallback type of a 256-block type on
-    rows of 32-blocks that are not 256-blocks, unless it is `gguf_type`'s own type."""
+    """The weights of a `gguf_type` file (GGUFReader tensors, in the file's order) whose type is not the one
+    llama.cpp's mix gives them (casp_core.export.gguf_types.llama_cpp_types): its fallback for rows that are not
+    whole blocks of that type."""
     if not is_quantized(gguf_type):
         return ()
-    found = []
-    for tensor in tensors:
-        row_length, type_name = int(tensor.shape[0]), tensor.tensor_type.name
-        if len(tensor.shape) < 2 or row_length % SUPER_BLOCK == 0:
-            continue
-        if type_name == "F16":
-            found.append(Fallback(tensor.name, type_name, None, row_length))
-        elif type_name in _FALLBACK_FROM and type_name != BASE_TYPE[gguf_type]:
-            found.append(Fallback(tensor.name, type_name, _FALLBACK_FROM[type_name], row_length))
-    return tuple(found)
+    shapes = [
+        Tensor(tensor.name, int(tensor.shape[1]) if len(tensor.shape) > 1 else 1, int(tensor.shape[0]))
+        for tensor in tensors
+    ]
+    return tuple(
+        Fallback(shape.name, tensor.tensor_type.name, choice.mix, shape.row_length, GGML_BLOCKS[choice.mix][1])
+        for shape, tensor, choice in zip(shapes, tensors, llama_cpp_types(shapes, gguf_type), strict=True)
+        if tensor.tensor_type.name != choice.mix and shape.row_length % GGML_BLOCKS[choice.mix][1]
+    )
 
 
 def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> GgufExport:
@@ -457,7 +449,6 @@ def export_gguf(checkpoint_dir: Path, out: Path, gguf_type: str = "f16") -> Gguf
     checkpoint = _Checkpoint(checkpoint_dir)
     model_config = config_from_dict(checkpoint.config)
     check_export(model_config, ["gguf"])
-    check_gguf_type(checkpoint.config["hidden_size"], gguf_type)
     quantized = is_quantized(gguf_type)
     if quantized:
         require_llama_cpp()

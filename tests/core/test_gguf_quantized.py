@@ -1,11 +1,15 @@
-"""Quantized GGUFs by llama.cpp's own quantizer, from checkpoints pruned for them (issue 22, items 1, 2 and 6).
+"""Quantized GGUFs by llama.cpp's own quantizer, from checkpoints pruned for them (issue 22, items 1, 2 and 6; issue
+37, item 2).
 
 Each fixture model is pruned once, by `casp prune` as a user runs it: ptbwiki-7M (hidden 256, head_dim 32, FFN
 704) for q4_k_m, whose block of 256 `round_to: auto` then fits the FFN widths to, and stories260K (hidden 64,
 head_dim 8, FFN 172) for q8_0 and its block of 32. Every type is then written from those two checkpoints, read
-back, loaded in llama.cpp (one thread) and asked for a few tokens.
+back, loaded in llama.cpp (one thread) and asked for a few tokens. A random model of SmolLM2's proportions, whose
+hidden size is no multiple of 256, gets the K-quants with llama.cpp's fallbacks, as llama.cpp's own quantizer
+gives them to a file of the same shapes.
 """
 
+import ctypes
 import json
 import os
 import subprocess
@@ -17,17 +21,32 @@ import gguf
 import llama_cpp
 import numpy as np
 import pytest
+from transformers import LlamaConfig
 
 from casp_core.cli.main import main
 from casp_core.export.gguf import export_gguf
 from casp_core.export.gguf_types import BLOCK_32_TYPES, K_QUANTS, LLAMA_CPP_MISSING
 from casp_core.rounding import fallback_warning
 from tests.conftest import DATASETS_DIR, PTBWIKI, REPO, STORIES
+from tests.core.families.helpers import small_run_arguments, write_dense
 
 SMALL = ["--datasets-dir", str(DATASETS_DIR), "--calibration-dataset", "wikitext2:validation"]
 SMALL += ["--n-samples", "8", "--seq-len", "64", "--perplexity", ""]
 PROMPT = "The company said"
 NEW_TOKENS = 8
+# SmolLM2-135M (hidden 576 = 9 heads of 64 over 3 key/value heads, FFN 1536 = 6 x 256, tied head) scaled down:
+# hidden 192 = 6 heads of 32 over 2, no multiple of 256 either; FFN 512, two super-blocks; 16 layers, so that
+# q3_k_m's first 1/16 of ffn_down gets more bits.
+SMOLLM2_LIKE = {
+    "vocab_size": 512,  # the stories260K tokenizer's
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -69,6 +88,15 @@ def generate(path: Path) -> list[int]:
     return tokens
 
 
+def llama_cpp_size(path: Path) -> tuple[int, int]:
+    """llama.cpp's model size (bytes) and parameter count of the file, whose ratio is the BPW it reports."""
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=16, n_threads=1, verbose=False)
+    try:
+        return llama_cpp.llama_model_size(llm.model), llama_cpp.llama_model_n_params(llm.model)
+    finally:
+        llm.close()
+
+
 def read_types(path: Path) -> tuple[dict[str, str], dict[str, int], float]:
     """Each tensor's type and row length, and the bits per weight, as the file has them."""
     tensors = gguf.GGUFReader(path).tensors
@@ -102,7 +130,13 @@ def test_q4_k_m_of_ptbwiki_gets_llama_cpps_mix_with_whole_blocks_in_every_ffn(pr
     # o_proj rows are heads x 32: only 0 or 8 heads fill blocks of 256, so the pruned layers' o_proj falls back
     # (two heads or more away), Q4_K -> Q5_0, each named.
     expected = [
-        {"tensor": f"blk.{layer}.attn_output.weight", "type": "Q5_0", "wanted": "Q4_K", "row_length": count * 32}
+        {
+            "tensor": f"blk.{layer}.attn_output.weight",
+            "type": "Q5_0",
+            "wanted": "Q4_K",
+            "row_length": count * 32,
+            "block": 256,
+        }
         for layer, count in enumerate(heads)
         if count % 8
     ]
@@ -110,6 +144,8 @@ def test_q4_k_m_of_ptbwiki_gets_llama_cpps_mix_with_whole_blocks_in_every_ffn(pr
     assert all(types[fallback["tensor"]] == "Q5_0" for fallback in expected)
     assert export["tensor_types"] == Counter(types.values())
     assert export["bits_per_weight"] == pytest.approx(bits) and 4.5 < bits < 6.5
+    size, params = llama_cpp_size(path)
+    assert export["bits_per_weight"] == pytest.approx(size * 8 / params)
     assert export["bytes"] == path.stat().st_size
     # The f32 file llama.cpp quantized is gone: the folder holds the checkpoint and the one GGUF.
     assert sorted(p.name for p in out.iterdir() if "gguf" in p.name) == ["model-q4_k_m.gguf"]
@@ -119,7 +155,9 @@ def test_q4_k_m_of_ptbwiki_gets_llama_cpps_mix_with_whole_blocks_in_every_ffn(pr
     card = (out / "README.md").read_text()
     for text in (markdown, card):
         assert "## GGUF files" in text and f"| model-q4_k_m.gguf | q4_k_m | {path.stat().st_size:,} |" in text
-        assert f"- `{expected[0]['tensor']}`: Q5_0 instead of Q4_K, its rows of {expected[0]['row_length']}" in text
+        assert (
+            f"whose rows of {expected[0]['row_length']} weights are not whole blocks of 256: `attn_output` in" in text
+        )
         assert "- rounding: FFN widths in multiples of 256 and 8-head multiples" in text
 
     assert len(generate(path)) == NEW_TOKENS
@@ -138,7 +176,7 @@ def test_q8_0_of_stories260k_rounds_ffn_to_32_and_names_the_o_proj_it_could_not_
     # o_proj rows are heads x 8: a multiple of 32 with 4 or 8 heads. Every other count is F16, named.
     expected = sorted(name for name, row in rows.items() if name.endswith("attn_output.weight") and row % 32)
     assert [fallback["tensor"] for fallback in export["fallbacks"]] == expected
-    assert all(fallback["type"] == "F16" and fallback["wanted"] is None for fallback in export["fallbacks"])
+    assert all(f["type"] == "F16" and (f["wanted"], f["block"]) == ("Q8_0", 32) for f in export["fallbacks"])
     assert {types[name] for name in types if name not in expected and not name.endswith("norm.weight")} == {"Q8_0"}
     assert export["bits_per_weight"] == pytest.approx(bits)
     assert len(generate(path)) == NEW_TOKENS
@@ -159,7 +197,7 @@ def test_every_quantized_type_is_written_by_llama_cpp_and_loads_and_generates(pr
     # Every fallback is a weight whose rows are not whole blocks of 256, and every such weight not of the
     # file's own block-32 type is named.
     for fallback in exported.fallbacks:
-        assert rows[fallback.tensor] % 256 and types[fallback.tensor] == fallback.type
+        assert rows[fallback.tensor] % fallback.block and types[fallback.tensor] == fallback.type
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
     tokens = generate(exported.path)
     assert len(tokens) == NEW_TOKENS
@@ -188,21 +226,73 @@ def test_the_quantized_files_follow_the_f32_file(pruned, tmp_path):
     assert 0.85 <= agreement["q4_0"] < agreement["q8_0"], agreement
 
 
-def test_a_k_quant_on_a_hidden_size_its_block_does_not_fit_is_refused_before_any_work(tmp_path, capsys):
+def same_shape_f32(source: Path, out: Path) -> Path:
+    """An F32 GGUF of `source`'s architecture, hyperparameters and tensor shapes, with random weights and no
+    tokenizer, written here without casp's writer: all llama.cpp's quantizer chooses a tensor's type from."""
+    reader = gguf.GGUFReader(source)
+    architecture = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(out, architecture)
+    for field in reader.fields.values():
+        if field.name.startswith(f"{architecture}."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if array else None)
+    generator = np.random.default_rng(0)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, generator.standard_normal(tuple(reversed(tensor.shape.tolist())), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def llama_cpp_quantized(source: Path, out: Path, gguf_type: str) -> Path:
+    """`llama-quantize source out gguf_type`, through llama-cpp-python's binding."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type.upper()}")
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    return out
+
+
+def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(tmp_path, capsys):
+    """SmolLM2's case: `casp prune --export gguf --gguf-type q4_k_m` works, and every file, pruned or dense, holds
+    each tensor in the type llama.cpp's own quantizer gives a file of the same shapes, fallbacks included; the
+    fallbacks are named, the bits per weight are llama.cpp's, and q4_k_m, q3_k_m and q2_k load and generate."""
+    dense = write_dense(LlamaConfig(**SMOLLM2_LIKE), tmp_path / "dense")
     out = tmp_path / "pruned"
-    arguments = ["prune", "--model", str(STORIES), "--ratio", "0.3", "--out", str(out), *SMALL]
-    assert main([*arguments, "--export", "gguf", "--gguf-type", "q4_k_m"]) == 2
-    errors = capsys.readouterr().err.strip().splitlines()
-    assert errors[-1] == (
-        "casp: error: invalid_config: gguf_type: q4_k_m packs rows in blocks of 256, and this model's hidden size "
-        "64 is not a multiple of 256 (use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32)"
-    )
-    assert not any("calibration" in line for line in errors)
-    assert not out.exists()
-    gguf_out = tmp_path / "model.gguf"
-    assert main(["export", str(STORIES), "--format", "gguf", "--gguf-type", "q6_k", "--out", str(gguf_out)]) == 2
-    assert "use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32" in capsys.readouterr().err
-    assert not gguf_out.exists()
+    arguments = ["prune", "--model", str(dense), "--ratio", "0.3", "--out", str(out), *small_run_arguments(tmp_path)]
+    assert main([*arguments, "--export", "gguf", "--gguf-type", "q4_k_m"]) == 0
+    (export,) = json.loads(capsys.readouterr().out)["exports"]
+    path = out / export["path"]
+    types, rows, _ = read_types(path)
+    widths = gguf.GGUFReader(path).get_field("deci.feed_forward_length").contents()
+    assert any(width < 512 for width in widths)  # pruned: the comparison below is on pruned shapes
+
+    # round_to auto still fits every FFN width to the block: ffn_down keeps its K-quant; the rows of hidden 192
+    # (q/k/v, gate/up, the tied embedding) and of 6 heads or fewer of 32 (o_proj) fall back.
+    assert all(width % 256 == 0 for width in widths)
+    assert {types[f"blk.{layer}.ffn_down.weight"] for layer in range(16)} == {"Q4_K", "Q6_K"}
+    fallen = {f["tensor"]: (f["type"], f["wanted"], f["row_length"], f["block"]) for f in export["fallbacks"]}
+    assert fallen["token_embd.weight"] == ("Q8_0", "Q6_K", 192, 256)
+    assert fallen["blk.0.ffn_up.weight"] == ("Q5_0", "Q4_K", 192, 256)
+    assert fallen["blk.0.attn_v.weight"] == ("Q8_0", "Q6_K", 192, 256)  # use_more_bits' layer
+    matrices = {name for name, row in rows.items() if not name.endswith("norm.weight") and row % 256}
+    assert set(fallen) == matrices
+    markdown = (out / "report.md").read_text()
+    assert "- Q5_0 instead of Q4_K: " in markdown
+    assert "whose rows of 192 weights are not whole blocks of 256: " in markdown
+    assert "`ffn_gate`, `ffn_up` in layers 0-15" in markdown
+
+    for gguf_type in ("q4_k_m", "q3_k_m", "q2_k"):
+        for name, checkpoint in (("pruned", out), ("dense", dense)):
+            exported = export_gguf(checkpoint, tmp_path / f"{name}-{gguf_type}.gguf", gguf_type)
+            reference = same_shape_f32(exported.path, tmp_path / f"{name}-{gguf_type}-reference-f32.gguf")
+            by_llama_cpp = llama_cpp_quantized(reference, tmp_path / f"{name}-{gguf_type}-reference.gguf", gguf_type)
+            assert exported.tensor_types == read_types(by_llama_cpp)[0], (name, gguf_type)
+            assert {fallback.tensor for fallback in exported.fallbacks} >= {"token_embd.weight"}
+            size, params = llama_cpp_size(exported.path)
+            assert exported.bits_per_weight == pytest.approx(size * 8 / params)
+        assert len(generate(exported.path)) == NEW_TOKENS
 
 
 WITHOUT_LLAMA_CPP = """

@@ -6,8 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from casp_core.budget import plan_budget, plan_uniform_shape
 from casp_core.config import GGUF_TYPES
-from casp_core.errors import InvalidConfig
-from casp_core.export.gguf_types import BLOCK_32_TYPES, FLOAT_TYPES, K_QUANTS, block_of, check_gguf_type
+from casp_core.export.gguf_types import BLOCK_32_TYPES, FLOAT_TYPES, K_QUANTS, block_of
 from casp_core.model import decoder_layers, load_model
 from casp_core.prune import prune
 from casp_core.rounding import (
@@ -113,30 +112,6 @@ def test_an_explicit_round_to_that_forces_fallbacks_warns_naming_the_block() -> 
     assert fallback_warning([704] * 8, 8, "f16", None) is None  # no quantizer
     assert fallback_warning([172] * 5, 1, "q4_k_m", 256) is None  # too narrow for the block: auto would not round
     assert fallback_warning([172] * 5, 1, "q8_0", 32) is not None
-
-
-@pytest.mark.parametrize(
-    ("hidden", "gguf_type", "refusal"),
-    [
-        (64, "q4_k_m", "use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32"),
-        (288, "q6_k", "use q8_0 / q4_0 / q5_0 / iq4_nl, whose block is 32"),
-        (100, "q5_k_s", "use f16"),
-        (100, "q8_0", "use f16"),
-        (64, "q8_0", None),
-        (256, "q4_k_s", None),
-        (100, "bf16", None),
-    ],
-)
-def test_a_gguf_type_the_hidden_size_does_not_fit_is_refused_naming_the_closest_valid_choice(
-    hidden, gguf_type, refusal
-) -> None:
-    if refusal is None:
-        check_gguf_type(hidden, gguf_type)
-        return
-    with pytest.raises(InvalidConfig) as refused:
-        check_gguf_type(hidden, gguf_type)
-    assert refused.value.message.startswith(f"gguf_type: {gguf_type} packs rows in blocks of ")
-    assert refused.value.message.endswith(f"({refusal})")
 
 
 def test_every_gguf_type_has_a_block_or_is_a_float_type() -> None:

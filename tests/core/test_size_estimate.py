@@ -1,6 +1,7 @@
 """The sizes a budget is turned into candidates by, estimated from the config alone (casp_core.size_estimate), against
-the files written from the fixtures: dense and pruned, GGUF in f16, q8_0, q5_k_m and q4_k_m (where the hidden size
-takes the type's block: not the K-quants on stories260K), safetensors unquantized and quantized.
+the files written from the fixtures: dense and pruned, GGUF in f16, q8_0, q5_k_m, q4_k_m, q3_k_m and q2_k (on
+stories260K, whose hidden size of 64 is no multiple of 256, the K-quants' weights nearly all in llama.cpp's fallback
+types), safetensors unquantized and quantized.
 
 Each pruned checkpoint is pruned as a job that exports that type prunes it (a quantized GGUF's block sets the
 rounding), once for the module. The estimate of a file is within ESTIMATE_TOLERANCE of its size (the README
@@ -19,12 +20,12 @@ from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.config import CalibrationConfig
 from casp_core.export.gguf import GgufExport, attention_layout, export_gguf
 from casp_core.export.gguf import LayerShape as GgufLayer
-from casp_core.export.gguf_types import quantizer_block
+from casp_core.export.gguf_types import llama_cpp_types, quantizer_block
 from casp_core.model import load_config, load_model
 from casp_core.prune import prune
 from casp_core.quantization import quantize_weights, weight_bytes
 from casp_core.rounding import round_to_for
-from casp_core.size_estimate import LayerShape, PlannedShape, gguf_tensors, meta_model, planned_shape, tensor_types
+from casp_core.size_estimate import LayerShape, PlannedShape, gguf_tensors, meta_model, planned_shape
 from casp_core.targets import Estimator
 from tests.conftest import PTBWIKI, STORIES, small_config
 
@@ -36,13 +37,17 @@ MODELS = {"stories260K": STORIES, "ptbwiki-7M": PTBWIKI}
 PRUNED = [
     ("stories260K", 0.3, ("f16",)),
     ("stories260K", 0.3, ("q8_0",)),
+    ("stories260K", 0.3, ("q4_k_m", "q3_k_m", "q2_k")),
     ("stories260K", 0.5, ("f16",)),
     ("stories260K", 0.5, ("q8_0",)),
     ("ptbwiki-7M", 0.3, ("f16",)),
     ("ptbwiki-7M", 0.3, ("q8_0",)),
-    ("ptbwiki-7M", 0.5, ("q5_k_m", "q4_k_m")),
+    ("ptbwiki-7M", 0.5, ("q5_k_m", "q4_k_m", "q3_k_m", "q2_k")),
 ]
-DENSE_TYPES = {"stories260K": ("f16", "q8_0"), "ptbwiki-7M": ("f16", "q8_0", "q5_k_m", "q4_k_m")}
+DENSE_TYPES = {
+    "stories260K": ("f16", "q8_0", "q4_k_m", "q3_k_m", "q2_k"),
+    "ptbwiki-7M": ("f16", "q8_0", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k"),
+}
 GGUF_CASES = [(name, 0.0, gguf_type) for name, types in DENSE_TYPES.items() for gguf_type in types] + [
     (name, ratio, gguf_type) for name, ratio, types in PRUNED for gguf_type in types
 ]
@@ -126,8 +131,11 @@ def test_each_tensor_gets_the_type_llama_cpp_gives_it(written, exported, name, r
     out = exported(name, ratio, gguf_type)
     geometry = estimator(name, ratio).geometry
     tensors = gguf_tensors(geometry, written_shape(folder))
-    estimated = dict(zip((t.name for t in tensors), tensor_types(tensors, gguf_type, geometry.layers), strict=True))
-    assert estimated == out.tensor_types
+    choices = dict(zip((tensor.name for tensor in tensors), llama_cpp_types(tensors, gguf_type), strict=True))
+    assert {tensor: choice.type for tensor, choice in choices.items()} == out.tensor_types
+    # What fell back is what the export names, each instead of the type the mix gives it.
+    fell_back = {tensor: (choice.type, choice.mix) for tensor, choice in choices.items() if choice.type != choice.mix}
+    assert fell_back == {fallback.tensor: (fallback.type, fallback.wanted) for fallback in out.fallbacks}
 
 
 @pytest.mark.parametrize(("name", "ratio", "scheme"), SAFETENSORS_CASES)
