@@ -29,7 +29,7 @@ from casp_core.teacher import TEACHER_FILE
 from service import jobs
 from service.db import session_scope
 from service.logs import add_log_context, job_log_context
-from service.model_sources import local_folder, locate
+from service.model_sources import local_model, locate
 from service.paths import check_job_inputs, is_remote_model
 from service.security import decrypt_hub_token
 from service.settings import AUTO, Settings
@@ -318,8 +318,8 @@ class JobModel:
 
 @contextlib.contextmanager
 def model_folder(attempt: Attempt, model: JobModel, storage: Storage) -> Iterator[str]:
-    """What casp_core loads: a bucket's or an upload's model as a local folder (downloaded into the model cache,
-    its progress the "download" stage's), anything else as the job names it."""
+    """What casp_core loads: a bucket's or an upload's model as a local folder or GGUF file (downloaded into the model
+    cache, its progress the "download" stage's), anything else as the job names it."""
     if not is_remote_model(model.reference):
         yield model.reference
         return
@@ -329,8 +329,8 @@ def model_folder(attempt: Attempt, model: JobModel, storage: Storage) -> Iterato
     def progress(fraction: float, message: str) -> None:
         attempt.report("download", fraction, message, always_event=fraction >= 1.0)
 
-    with local_folder(source, attempt.settings, progress, attempt.should_cancel) as folder:
-        yield str(folder)
+    with local_model(source, attempt.settings, progress, attempt.should_cancel) as local:
+        yield str(local)
 
 
 def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, storage: Storage) -> str | None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
+from botocore.exceptions import BotoCoreError
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse
@@ -28,6 +29,7 @@ from api.schemas import (
     JobOut,
 )
 from api.streams import StreamResponse, StreamSlots, event_stream
+from api.unavailable import RETRY_AFTER_SECONDS
 from casp_core.config import SERVER_SIDE, PruneConfig
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
@@ -81,6 +83,13 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
             check_gguf_object(bucket_location(model, settings))
         except CaspError as exc:
             raise invalid(("model",), f"{exc.code}: {exc.message}") from exc
+        except BotoCoreError as exc:  # the bucket's S3 server did not answer: no fault of the request's
+            raise ApiError(
+                status.HTTP_503_SERVICE_UNAVAILABLE,
+                f"the S3 server of {excerpt(model)} could not be reached ({type(exc).__name__}); retry later",
+                "s3_unreachable",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from exc
     elif is_local_reference(model):  # a GGUF file in a bucket is no local one, though its name says .gguf
         try:
             # An unsupported family is refused now, not after the worker loads it; so are an export the family

@@ -28,7 +28,7 @@ from casp_cli.client import CaspClient
 from casp_core.export.gguf import export_gguf
 from service.db import session_scope
 from service.reaper import sweep_expired_pending_uploads, sweep_expired_uploads
-from service.settings import Settings
+from service.settings import S3Credentials, Settings
 from service.storage import make_storage
 from service.tables import PendingUpload, UploadedModel, utcnow
 from tests.api.test_api import refusal
@@ -45,6 +45,7 @@ from tests.service_fixtures import (
     embedded_settings,
     expected_parameters,
     finished,
+    free_port,
     put_model,
     serving,
     settings_env,
@@ -429,6 +430,20 @@ def test_a_gguf_file_is_taken_at_submit_and_upload_and_one_changed_since_fails_i
     assert not (settings.home / "work").exists() or list((settings.home / "work").iterdir()) == []
     assert not (settings.home / "artifacts" / "jobs").exists()
     assert not (settings.cache_dir / "gguf").exists() or list((settings.cache_dir / "gguf").iterdir()) == []
+
+
+def test_a_gguf_object_whose_s3_server_does_not_answer_is_a_503_at_submit(tmp_path: Path) -> None:
+    nobody = S3Credentials(endpoint_url=f"http://127.0.0.1:{free_port()}", access_key_id="a", secret_access_key="b")
+    settings = embedded_settings(
+        tmp_path, allowed_model_buckets=[MODELS_BUCKET], model_bucket_credentials={MODELS_BUCKET: nobody}
+    )
+    model = f"s3://{MODELS_BUCKET}/stories260K.gguf"
+    with TestClient(service_app(settings)) as client:
+        answer = client.post("/v1/jobs", json={**TINY_JOB, "model": model})
+        error = refusal(answer, 503)
+        assert client.get("/v1/jobs").json()["data"] == []
+    assert error["code"] == "s3_unreachable" and answer.headers["Retry-After"] == "5"
+    assert error["message"] == f"the S3 server of {model} could not be reached (EndpointConnectionError); retry later"
 
 
 def test_casp_models_upload_of_a_gguf_file_is_pruned_and_its_artifacts_load(
