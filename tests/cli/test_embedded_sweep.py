@@ -1,6 +1,7 @@
 """A sweep to a file-size budget through POST /v1/jobs (issue #23's "Done when", the service's half): `casp serve`
 with an in-process worker prunes ptbwiki-7M to 70 % of its dense f16 GGUF; the job's result shows the front and
-the pick, and frontier.json, frontier.png and the pick's files are artifacts."""
+the pick (the dense q8_0, which beats every pruned file within the budget: issue #40), and frontier.json,
+frontier.png and the pick's files are artifacts that download and load."""
 
 import json
 import shutil
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from casp_core.checkpoint import load_pruned
 from casp_core.config import PruneConfig
 from casp_core.export.gguf import export_gguf, gguf_file_name
 from casp_core.job import job_stages
@@ -61,9 +63,15 @@ def test_a_sweep_to_a_byte_budget_through_the_service(tmp_path: Path) -> None:
     assert shown["pick"] == {key: pick[key] for key in FRONTIER_SUMMARY}
     front = [point for point in frontier["candidates"] if point["on_front"]]
     assert shown["front"] == [{key: point[key] for key in (*FRONTIER_SUMMARY, "dense")} for point in front]
-    within = [point for point in frontier["candidates"] if point["within_target"] and not point["dense"]]
+    within = [point for point in frontier["candidates"] if point["within_target"]]
     assert pick == min(within, key=lambda point: point["perplexity"]["wikitext2"]) and pick["bytes"] <= budget
+    assert pick["dense"] and pick["variant"] == "q8_0"
+    # Why, beside the best pruned point, in the result as in frontier.json.
+    assert shown["dense_pick"] == frontier["dense_pick"]
+    assert shown["best_pruned"] == {key: frontier["best_pruned"][key] for key in FRONTIER_SUMMARY}
     assert (out / gguf_file_name(pick["variant"])).stat().st_size == pick["bytes"]
+    model, _ = load_pruned(out)  # the dense model's checkpoint, as downloaded
+    assert sum(parameter.numel() for parameter in model.parameters()) == pick["params"]
     assert done["result"]["achieved_ratio"] == pytest.approx(pick["ratio"], abs=0.05)
     # Progress named each candidate, and went through the sweep's stages in order.
     messages = [event["message"] or "" for event in events]
