@@ -167,8 +167,9 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "The layer working set is led by the down_proj statistics (C and Q of FFN x FFN in float32 above a width "
         "of 4096, compensation's C_kk and its factor in float64) and one batch's activations; the head stage by "
-        "the head and allocation's float32 logits of one window (their log-softmax and gradient too), which grow "
-        "with the vocabulary: a 70B model offloaded needs a fraction of an 80 GiB device, resident it does not fit.",
+        "the head and allocation's float32 logits of one chunk of tokens (64 MiB, with their log-softmax and "
+        "gradient: casp_core.next_token): a 70B model offloaded needs a fraction of an 80 GiB device, resident it "
+        "does not fit.",
         "",
         "The mixtures of experts (docs/moe.md) hold every expert's weights in a layer (Mixtral-8x7B: 2.7 GiB a "
         "layer, against LLaMA2-7B's 0.38), and their layer working set is led by verification's float64 copies of "

@@ -3,10 +3,13 @@
 S_l = mean over calibration sequences of ||dJ/dZ_l||_F^2, where J is the dense model's next-token
 cross-entropy on the sequence and Z_l the output hidden state of decoder layer l.
 
-The gradients are taken one decoder layer at a time, so the device never holds more than one layer (plus the
-embedding, or the final norm and head): a forward pass through the layers keeps each layer's input on the host,
-then the backward pass goes from the head down, recomputing each layer's forward from its stored input to push
-the gradient through it.
+The gradients are taken one decoder layer at a time, on every device, the CPU included: a forward pass through the
+layers keeps each layer's input on the host, then the backward pass goes from the head down, recomputing each
+layer's forward from its stored input to push the gradient through it. The device never holds more than one layer
+(plus the embedding, or the final norm and head), and the host holds the stored inputs of a chunk of windows and
+one layer's graph for one batch, never a graph through the whole model (with one, a job on SmolLM2-135M peaked at
+8.5 GB, 15 x its weights, at batches of 8 x 512 tokens). The loss is taken from the last layer's output a chunk of tokens at a time
+(casp_core.next_token), never from a batch's vocabulary-wide logits.
 """
 
 import torch
@@ -15,12 +18,13 @@ from transformers import PreTrainedModel
 
 from casp_core.calibration import capture_first_layer_inputs, run_layer
 from casp_core.model import decoder_layers, on_device
+from casp_core.next_token import token_losses
 from casp_core.numerics import check_finite
 from casp_core.run import CPU, Run
 
 EPSILON = 1e-12
 # The layer inputs kept on the host for the backward pass take at most this share of the model's own size (at
-# least one batch's): the windows go through in chunks that fit, each layer moving to the device once per chunk
+# least one window's): the windows go through in chunks that fit, each layer moving to the device once per chunk
 # and direction.
 STORED_INPUTS_SHARE = 0.25
 
@@ -36,22 +40,16 @@ def layer_sensitivities(
     home: torch.device = CPU,
 ) -> list[float]:
     """S_l of every decoder layer; layer inputs wait on `store`, the weights rest at `home` between uses (the CPU,
-    or `device` when the model is resident there).
-
-    Where `device` is `store` (the CPU) nothing is offloaded, and one autograd graph per batch through the whole
-    model spares recomputing each layer's forward (the layer-by-layer pass takes x1.3 the time there); on any other
-    device the layers go there one at a time.
-    """
+    or `device` when the model is resident there)."""
     layers = decoder_layers(model)
     sums = torch.zeros(len(layers), dtype=torch.float64)
-    chunk = batch_size if device == store else windows_per_chunk(model, windows, batch_size)
-    squared_gradients = _squared_gradients_in_one_graph if device == store else _squared_gradients_layer_by_layer
+    chunk = windows_per_chunk(model, windows, batch_size)
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)  # gradients only with respect to the hidden states
     try:
         for start in range(0, len(windows), chunk):
             stop = min(start + chunk, len(windows))
-            sums += squared_gradients(model, windows, start, stop, batch_size, device, store, home, run)
+            sums += _squared_gradients(model, windows, start, stop, batch_size, device, store, home, run)
     finally:
         for name, p in model.named_parameters():
             p.requires_grad_(requires_grad[name])
@@ -59,13 +57,15 @@ def layer_sensitivities(
 
 
 def windows_per_chunk(model: PreTrainedModel, windows: torch.Tensor, batch_size: int) -> int:
-    """As many whole batches as keep the stored layer inputs within `STORED_INPUTS_SHARE` of the model's size."""
+    """As many windows as keep the stored layer inputs within `STORED_INPUTS_SHARE` of the model's size, at least
+    one: whole batches where a batch fits, else fewer windows than a batch (which then go through as one)."""
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     window_bytes = len(decoder_layers(model)) * windows.shape[1] * model.config.hidden_size * model.dtype.itemsize
-    return max(1, int(STORED_INPUTS_SHARE * model_bytes // (window_bytes * batch_size))) * batch_size
+    fitting = max(1, int(STORED_INPUTS_SHARE * model_bytes // window_bytes))
+    return fitting if fitting < batch_size else fitting // batch_size * batch_size
 
 
-def _squared_gradients_layer_by_layer(
+def _squared_gradients(
     model: PreTrainedModel,
     windows: torch.Tensor,
     start: int,
@@ -97,24 +97,19 @@ def _squared_gradients_layer_by_layer(
         progress(f"sequences {start}-{stop - 1}: forward through layer {index + 1} of {len(layers)}")
 
     gradients = []
+    first = start
     with on_device(nn.ModuleList([base.norm, model.lm_head]), device, home):
         for batch, hidden in enumerate(inputs.batches):
-            first = start + batch * batch_size
             tokens = windows[first : first + len(hidden)].to(device)
-            # One window at a time, each with its own backward pass: a batch's float32 logits (and their log-softmax
-            # and gradient) over a 128K vocabulary would outweigh a decoder layer on the device.
-            loss, window_gradients = torch.zeros((), device=device), []
-            for i, window in enumerate(hidden.to(device)):
-                window = window[None].requires_grad_(True)
-                with torch.enable_grad():
-                    window_loss = head_loss(model, window, tokens[i : i + 1])
-                window_gradients.append(torch.autograd.grad(window_loss, window)[0])
-                loss += window_loss.detach()
+            hidden = hidden.to(device).detach().requires_grad_(True)
+            with torch.enable_grad():
+                loss = head_loss(model, hidden, tokens)
             if not torch.isfinite(loss):
                 outputs = [batches[batch] for batches in stored[1:]] + [inputs.batches[batch]]
                 _name_first_non_finite_output(loss, outputs, first, first + len(hidden))
-            gradient = torch.cat(window_gradients)
+            (gradient,) = torch.autograd.grad(loss, hidden)
             gradients.append(gradient.to(store))
+            first += len(hidden)
 
     squared = torch.zeros(len(layers), dtype=torch.float64)
     # From the head down, each checked as it comes: the highest non-finite layer is where the overflow started.
@@ -133,47 +128,6 @@ def _squared_gradients_layer_by_layer(
     return squared
 
 
-def _squared_gradients_in_one_graph(
-    model: PreTrainedModel,
-    windows: torch.Tensor,
-    start: int,
-    stop: int,
-    _batch_size: int,
-    device: torch.device,
-    _store: torch.device,
-    _home: torch.device,
-    run: Run,
-) -> torch.Tensor:
-    """Sum of ||dJ/dZ_l||^2 over the batch windows[start:stop], from one forward and backward pass through the
-    model on `device`."""
-    layers = decoder_layers(model)
-    outputs: list[torch.Tensor] = []
-
-    def keep_output(_module: nn.Module, _args: tuple, output: torch.Tensor | tuple) -> None:
-        outputs.append(output[0] if isinstance(output, tuple) else output)
-
-    def make_differentiable(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        # No weight requires grad, so the graph starts at the first layer's input.
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        return (hidden.detach().requires_grad_(True), *args[1:]), kwargs
-
-    run.check_cancelled()
-    handles = [layers[0].register_forward_pre_hook(make_differentiable, with_kwargs=True)]
-    handles += [layer.register_forward_hook(keep_output) for layer in layers]
-    try:
-        batch = windows[start:stop].to(device)
-        loss = summed_sequence_losses(model(batch, use_cache=False).logits.float(), batch)
-        if not torch.isfinite(loss):
-            _name_first_non_finite_output(loss, outputs, start, stop)
-        squared = torch.stack([g.double().pow(2).sum() for g in torch.autograd.grad(loss, outputs)]).cpu()
-    finally:
-        for handle in handles:
-            handle.remove()
-    _check_finite_from_the_top(squared)
-    run.report("allocation", stop / len(windows), f"gradients of {stop} of {len(windows)} sequences")
-    return squared
-
-
 def _name_first_non_finite_output(loss: torch.Tensor, outputs: list[torch.Tensor], start: int, stop: int) -> None:
     """The loss says only that something overflowed: the first layer output that did names where."""
     check_finite(
@@ -184,32 +138,15 @@ def _name_first_non_finite_output(loss: torch.Tensor, outputs: list[torch.Tensor
     )
 
 
-def _check_finite_from_the_top(squared: torch.Tensor) -> None:
-    """Gradients flow from the last layer down: the highest non-finite layer is where it started."""
-    for index in reversed(range(len(squared))):
-        _check_squared_gradient(squared[index], index)
-
-
 def _check_squared_gradient(value: torch.Tensor, index: int) -> None:
     check_finite(value, "allocation", "S_l, the squared gradient of the loss at the output", index)
 
 
 def head_loss(model: PreTrainedModel, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The summed sequence losses of the last layer's output `hidden` through the final norm and the head, whose
-    logits are taken in float32. Callers on a device pass one window at a time (its logits are vocabulary-wide)."""
-    return summed_sequence_losses(model.lm_head(model.model.norm(hidden)).float(), tokens)
-
-
-def summed_sequence_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Sum over sequences of each sequence's mean loss: each sequence's gradient is its own dJ/dZ."""
-    return (
-        torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none"
-        )
-        .view(tokens.shape[0], -1)
-        .mean(dim=1)
-        .sum()
-    )
+    """Sum over the windows of each one's mean next-token loss, from the last decoder layer's output `hidden`
+    through the final norm and the head (a chunk of tokens' logits at a time): each window's gradient is its own
+    dJ/dZ."""
+    return token_losses(model, model.model.norm(hidden[:, :-1]), tokens[:, 1:]).mean(dim=1).sum()
 
 
 def _input_gradient(

@@ -21,8 +21,9 @@ weights and the router's; one batch's activations through one expert at a time (
 of the batch in one expert) and the router's logits; and the statistics of one expert only (C_e, Q_e, C_kk and its
 factor, at the expert's width), never two experts' at once (casp_core.moe); no attention statistics (heads stay).
 
-The head's stage (final norm and head) holds the head and one window's logits in float32 with their log-softmax and
-gradient (the head's pass goes window by window); the embedding's holds the embedding and one batch's hidden states.
+The head's stage (final norm and head) holds the head and one chunk of tokens' logits in float32 with their
+log-softmax and gradient (casp_core.next_token: at most `LOGITS_CHUNK_BYTES` of logits); the embedding's holds the
+embedding and one batch's hidden states.
 Resident, the device holds the whole model plus the largest stage's working set; offloaded, the largest of one
 layer's stage, the head's and the embedding's. The figures are upper bounds (each stage's tensors counted as if all
 alive at once), not yet checked against a GPU measurement.
@@ -54,6 +55,7 @@ from casp_core.config import (
 from casp_core.errors import DeviceMemoryTooSmall
 from casp_core.families import family_of
 from casp_core.families.moe import MixtureOfExperts
+from casp_core.next_token import tokens_per_chunk
 from casp_core.run import CPU
 
 RESIDENT, OFFLOAD = "resident", "offload"
@@ -167,7 +169,7 @@ class DeviceMemoryEstimate:
     model_weights: int
     layer_weights: int
     layer_working_set: int  # the largest stage of one layer: statistics, solver, compensation, allocation, ...
-    head_stage: int  # final norm, head and one window's logits (allocation, alpha "auto"), weights included
+    head_stage: int  # final norm, head and one chunk of logits (allocation, alpha "auto"), weights included
     embedding_stage: int  # embedding and one batch's hidden states, weights included
     resident_peak: int
     offload_peak: int
@@ -205,8 +207,9 @@ def estimate_device_memory(shape: ModelShape, job: JobShape) -> DeviceMemoryEsti
     verification_stage = 2 * shape.layer_parameters() * FLOAT64 - layer_weights  # beyond the layer's own weights
     layer_working_set = max(pruning_stage, gradient_stage, verification_stage)
 
-    # One window's logits at a time (allocation and alpha "auto" take the head's pass window by window).
-    logits = 3 * job.seq_len * shape.vocab * FLOAT32 if job.gradient_allocation or job.alpha_auto else 0
+    # One chunk of tokens' logits at a time (allocation and alpha "auto" take the loss through casp_core.next_token).
+    chunk = min(tokens, tokens_per_chunk(shape.vocab))
+    logits = 3 * chunk * shape.vocab * FLOAT32 if job.gradient_allocation or job.alpha_auto else 0
     head_stage = (shape.vocab + 1) * shape.hidden * s + logits + 2 * tokens * shape.hidden * s
     embedding_stage = shape.vocab * shape.hidden * s + tokens * shape.hidden * s
     model_weights = shape.model_parameters() * s

@@ -29,9 +29,11 @@ from casp_core.calibration import (
     LayerInputs,
     SecondMoment,
     StreamCrossMoment,
+    advance_layer,
     calibration_windows,
     capture_first_layer_inputs,
     check_finite_moments,
+    feed_layer,
     record_inputs,
     record_stream_pair,
     run_layer,
@@ -100,9 +102,10 @@ def prune_layer(
     cross_moments = None
     if stream.dense_inputs is None:
         with run.stage("statistics"), record_inputs(sublayers) as moments:
-            dense_outputs = run_layer(layer, stream.inputs, stream.device, stream.store)
-        if stream.sequential:
-            del dense_outputs  # the next layer must see this one as pruned: recomputed below
+            if stream.sequential:  # the next layer must see this one as pruned: its inputs come after masking
+                feed_layer(layer, stream.inputs, stream.device)
+            else:
+                dense_outputs = run_layer(layer, stream.inputs, stream.device, stream.store)
     else:
         with run.stage("statistics"), record_stream_pair(sublayers) as recording:
             stream.dense_inputs.batches = run_layer_on_stream_pair(
@@ -121,7 +124,7 @@ def prune_layer(
     del moments, cross_moments, q
     with run.stage("calibration_forward"):
         if stream.sequential:
-            stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)
+            advance_layer(layer, stream.inputs, stream.device, stream.store)
         else:
             stream.inputs.batches = dense_outputs
     layer.to(stream.home)
@@ -148,18 +151,18 @@ def prune_moe_layer(
     layer = decoder_layers(model)[index]
     params_before = sum(sublayer_parameters(layer))
     with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
-        run_layer(layer, stream.inputs, stream.device, stream.store)
+        feed_layer(layer, stream.inputs, stream.device)
     with run.stage("statistics"):
         removed = remove_experts(layer, batches, config.moe.prune_experts, stream.device)
     if removed:  # the channels' statistics from the tokens as the kept experts now take them
         with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
-            run_layer(layer, stream.inputs, stream.device, stream.store)
+            feed_layer(layer, stream.inputs, stream.device)
     mlp, experts = prune_experts_channels(
         layer, batches, plan, index, removed_before, config, run, stream.device, removed
     )
     del batches
     with run.stage("calibration_forward"):
-        stream.inputs.batches = run_layer(layer, stream.inputs, stream.device, stream.store)
+        advance_layer(layer, stream.inputs, stream.device, stream.store)
     geometry = attention_geometry(model, layer)
     return LayerReport(
         index=index,

@@ -128,8 +128,7 @@ def held_out_losses(
             total = 0.0
             for batch, hidden in enumerate(candidate.hidden):
                 tokens = held_out[batch * batch_size : batch * batch_size + len(hidden)].to(device)
-                for i, window in enumerate(hidden.to(device)):
-                    total += float(head_loss(model, window[None], tokens[i : i + 1]))
+                total += float(head_loss(model, hidden.to(device), tokens))
             losses[candidate.alpha] = total / len(held_out)
     return losses
 

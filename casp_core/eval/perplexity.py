@@ -1,7 +1,8 @@
 """Perplexity, by the convention in docs/method-notes.md (LLM-Pruner's, from GPTQ): the split's Hugging Face
 rows joined with "\n\n" (PTB: validation unless `ptb:test` is asked for), tokenized once with BOS once at the
 start, non-overlapping windows of `seq_len` (remainder dropped), exp(mean next-token NLL over every predicted
-token). docs/evaluation.md states it for users."""
+token). docs/evaluation.md states it for users. The NLL is taken from the final hidden states a chunk of tokens at
+a time (casp_core.next_token), never from a batch's logits."""
 
 import math
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.model import resolve_device
+from casp_core.next_token import final_hidden_states, token_losses
 from casp_core.run import Run
 
 BOS_POLICY = "once, at the start of the joined text"
@@ -79,12 +81,9 @@ def windows_perplexity(
     for start in range(0, len(windows), batch_size):
         run.check_cancelled()  # a full test split takes minutes on a CPU: stop between batches
         batch = windows[start : start + batch_size].to(target)
-        logits = model(batch, use_cache=False).logits.float()
-        total_nll += float(
-            torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-            )
-        )
+        # From the hidden states a chunk of tokens at a time: a batch's logits would be the largest thing in memory.
+        hidden = final_hidden_states(model, batch)
+        total_nll += float(token_losses(model, hidden[:, :-1], batch[:, 1:]).double().sum())
         total_tokens += batch[:, 1:].numel()
         run.report("evaluation", min(1.0, (start + batch_size) / len(windows)), f"perplexity {text.dataset}")
     return math.exp(total_nll / total_tokens)

@@ -1,17 +1,19 @@
-"""Layer-wise allocation: budget kept exactly, cap respected, monotone in sensitivity; S_l the same whether the
-model runs in one graph or one layer at a time, and then never more than one decoder layer on the device."""
+"""Layer-wise allocation: budget kept exactly, cap respected, monotone in sensitivity; S_l, taken one layer at a time
+from chunks of the head's logits, those of one graph through the whole model from its full logits, on the CPU and
+on the device, and then never more than one decoder layer there and one chunk of logits at a time."""
 
 import math
 
 import pytest
 import torch
 
-from casp_core import allocation, data
+from casp_core import allocation, data, next_token
 from casp_core.allocation import allocate_ratios, layer_sensitivities
 from casp_core.model import load_model
 from casp_core.run import Run
 from tests.conftest import PTBWIKI
 from tests.core.device_placement import OTHER_DEVICE, DevicePlacement
+from tests.core.full_logits import one_graph_sensitivities
 from tests.core.test_surgery import tiny_llama
 
 # Any device other than the CPU the model is stored on takes the layer-by-layer path (OTHER_DEVICE stands in).
@@ -77,44 +79,55 @@ def calibration(tokenizer, n_windows: int, seq_len: int) -> torch.Tensor:
     return data.sample_windows(tokens, n_windows, seq_len, seed=0)
 
 
-def both_ways(model, windows, batch_size: int) -> tuple[list[float], list[float]]:
-    cpu, other = torch.device("cpu"), OTHER_DEVICE
-    one_graph = layer_sensitivities(model, windows, batch_size=batch_size, device=cpu, run=Run())
-    layer_by_layer = layer_sensitivities(model, windows, batch_size=batch_size, device=other, run=Run())
-    return one_graph, layer_by_layer
+def three_ways(model, windows, batch_size: int) -> tuple[list[float], list[float], list[float]]:
+    """S_l from one graph through the whole model and its full logits, and as the allocation takes them on the
+    CPU and on the device."""
+    reference = one_graph_sensitivities(model, windows, batch_size)
+    on_cpu = layer_sensitivities(model, windows, batch_size=batch_size, device=torch.device("cpu"), run=Run())
+    on_device = layer_sensitivities(model, windows, batch_size=batch_size, device=OTHER_DEVICE, run=Run())
+    return reference, on_cpu, on_device
 
 
 @pytest.mark.parametrize("fixture", ["stories260K", "ptbwiki-7M"])
-def test_layer_by_layer_gives_the_sensitivities_of_one_graph(fixture, stories):
+def test_layer_by_layer_gives_the_sensitivities_of_one_graph(fixture, stories, monkeypatch):
+    """The head's logits in chunks of 100 tokens, so that a window's loss spans several (and a chunk two windows)."""
     model, tokenizer = stories if fixture == "stories260K" else load_model(str(PTBWIKI))
-    one_graph, layer_by_layer = both_ways(model, calibration(tokenizer, 10, 64), batch_size=4)  # last batch of 2
-    assert layer_by_layer == pytest.approx(one_graph, rel=1e-5)
+    monkeypatch.setattr(next_token, "LOGITS_CHUNK_BYTES", 100 * 4 * model.config.vocab_size)
+    reference, on_cpu, on_device = three_ways(model, calibration(tokenizer, 10, 64), batch_size=4)  # last batch of 2
+    assert on_cpu == pytest.approx(reference, rel=1e-5)
+    assert on_device == pytest.approx(reference, rel=1e-5)
     assert all(p.requires_grad for p in model.parameters())
 
 
 def test_random_model_in_chunks_gives_the_same_sensitivities(monkeypatch):
-    """GQA, untied head, the windows in several chunks of layer inputs (a tiny host share forces one batch each)."""
+    """GQA, untied head, the windows in chunks of one (a tiny host share keeps the stored layer inputs to a window's,
+    fewer than a batch), the head's logits 5 tokens at a time."""
     model = tiny_llama(heads=6, kv_heads=2, layers=4, seed=1)
     model.config.tie_word_embeddings = False
     windows = torch.randint(0, 97, (7, 24), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(allocation, "STORED_INPUTS_SHARE", 1e-9)
-    assert allocation.windows_per_chunk(model, windows, 3) == 3
-    one_graph, layer_by_layer = both_ways(model, windows, batch_size=3)
-    assert layer_by_layer == pytest.approx(one_graph, rel=1e-5)
-    assert len(set(layer_by_layer)) == 4  # each layer its own
+    monkeypatch.setattr(next_token, "LOGITS_CHUNK_BYTES", 5 * 4 * model.config.vocab_size)
+    assert allocation.windows_per_chunk(model, windows, 3) == 1
+    reference, on_cpu, on_device = three_ways(model, windows, batch_size=3)
+    assert on_cpu == pytest.approx(reference, rel=1e-5)
+    assert on_device == pytest.approx(reference, rel=1e-5)
+    assert len(set(on_cpu)) == 4  # each layer its own
 
 
-def test_layer_by_layer_takes_the_head_one_window_at_a_time(stories):
-    """On the device, the head's float32 logits are one window's: a batch's over a large vocabulary would outweigh
-    a decoder layer (casp_core.placement counts one window's)."""
+@pytest.mark.parametrize("device", [torch.device("cpu"), OTHER_DEVICE])
+def test_the_head_takes_one_chunk_of_tokens_at_a_time(stories, monkeypatch, device):
+    """On every device, the head's float32 logits are one chunk's, forward and backward: a batch's over a large
+    vocabulary would outweigh the model (SmolLM2's at 8 x 2048 tokens: 3.2 GB beside 0.5 GB of weights)."""
     model, tokenizer = stories
+    monkeypatch.setattr(next_token, "LOGITS_CHUNK_BYTES", 50 * 4 * model.config.vocab_size)
     rows: list[int] = []
     handle = model.lm_head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
     try:
-        layer_sensitivities(model, calibration(tokenizer, 8, 32), batch_size=4, device=OTHER_DEVICE, run=Run())
+        layer_sensitivities(model, calibration(tokenizer, 8, 32), batch_size=4, device=device, run=Run())
     finally:
         handle.remove()
-    assert rows == [1] * 8
+    # Each batch's 4 x 31 predicted tokens in chunks of 50, each computed again for its backward pass.
+    assert sorted(rows) == sorted([50, 50, 24] * 2 * 2)
 
 
 def test_layer_by_layer_keeps_one_decoder_layer_on_the_device(stories, monkeypatch):

@@ -72,9 +72,11 @@ def test_offloaded_prune_keeps_one_decoder_layer_on_the_device_in_every_stage(st
     assert {"allocation", "statistics", "calibration_forward", "verification"} <= recorder.stages_with_runs()
     layers = len(decoder_layers(model))
     in_stage = [s.layer for s in recorder.snapshots if s.event == "run" and s.stage == "allocation"]
-    # Forward 0..4 and the backward's recomputation 4..1, per chunk of 8 windows; alpha "auto" adds one pass of
-    # the 12 statistics windows and one of the held-out windows per temperature, through every layer.
-    gradient_runs = ([*range(layers), *range(layers - 1, 0, -1)]) * 2
+    # Forward 0..4 and the backward's recomputation 4..1, per chunk of windows (of one here: one window's layer
+    # inputs are the host's share for this tiny model); alpha "auto" adds one pass of the 12 statistics windows and
+    # one of the held-out windows per temperature, through every layer.
+    assert allocation.windows_per_chunk(model, windows, config.calibration.batch_size) == 1
+    gradient_runs = ([*range(layers), *range(layers - 1, 0, -1)]) * len(windows)
     assert in_stage[: len(gradient_runs)] == gradient_runs
     if "alpha" in overrides:
         assert len(in_stage) == len(gradient_runs) + layers * (2 * 1 + 6 * 1)  # one batch each
@@ -181,10 +183,10 @@ def test_memory_model_counts_llama2_7b():
     job = JobShape(batch_size=8, seq_len=2048, gradient_allocation=True, alpha_auto=False, dense_target=False)
     estimate = estimate_device_memory(LLAMA2_7B, job)
     assert estimate.layer_weights == 2 * 202_383_360
-    # The head's stage: the head, one window's float32 logits three times over (the head's pass goes window by
-    # window), one batch's hidden states and their gradient.
+    # The head's stage: the head, one chunk of tokens' float32 logits three times over (64 MiB of logits: 524
+    # tokens of this vocabulary), one batch's hidden states and their gradient.
     tokens = 8 * 2048
-    assert estimate.head_stage == (32000 + 1) * 4096 * 2 + 3 * 2048 * 32000 * 4 + 2 * tokens * 4096 * 2
+    assert estimate.head_stage == (32000 + 1) * 4096 * 2 + 3 * 524 * 32000 * 4 + 2 * tokens * 4096 * 2
     # One layer's working set is led by the down_proj statistics: C and Q of 11008 x 11008 in float32, C_kk and
     # its factor in float64, one batch's rows of the widest input in float32.
     activations = tokens * (3 * 4096 + 3 * 4096 + 4096 + 3 * 11008) * 2
@@ -259,10 +261,11 @@ def test_a_random_model_with_its_own_head_and_grouped_heads(monkeypatch, placeme
     assert result.placement.mode == placement
     if placement == OFFLOAD:
         assert recorder.offload_violations() == []
-        # The allocation goes in two chunks of windows here (the embedding and the head once each), alpha "auto"
-        # takes first layer inputs twice and the head once, then the pruning loop and verification the embedding.
-        assert allocation.windows_per_chunk(model, windows, 8) == 8
-        assert (recorder.arrivals["embedding"], recorder.arrivals["head"]) == (2 + 2 + 1 + 1, 2 + 1)
+        # The allocation goes in four chunks of windows here, fewer than a batch each (the embedding and the head
+        # once each), alpha "auto" takes first layer inputs twice and the head once, then the pruning loop and
+        # verification the embedding.
+        assert allocation.windows_per_chunk(model, windows, 8) == 3
+        assert (recorder.arrivals["embedding"], recorder.arrivals["head"]) == (4 + 2 + 1 + 1, 4 + 1)
     else:
         assert all(count == 1 for part, count in recorder.arrivals.items() if part != "embedding")
     assert recorder.on_device == set()

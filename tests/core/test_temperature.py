@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from casp_core.allocation import allocate_ratios, layer_sensitivities, summed_sequence_losses
+from casp_core.allocation import allocate_ratios, layer_sensitivities
 from casp_core.calibration import calibration_windows
 from casp_core.config import CalibrationConfig
 from casp_core.errors import InvalidConfig
@@ -15,6 +15,7 @@ from casp_core.report.build import build_report, pruning_section, render_markdow
 from casp_core.run import Run
 from casp_core.temperature import ALPHA_GRID, choose_alpha
 from tests.conftest import small_config
+from tests.core.full_logits import summed_sequence_losses
 
 CPU = torch.device("cpu")
 
