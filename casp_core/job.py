@@ -202,6 +202,7 @@ def run_job(
             device=str(device),
             dtype=dtype,
             out=staging,
+            cache_dir=cache_dir,
         )
     run.report("report", 1.0, "report.json, report.md and the model card written")
     return report

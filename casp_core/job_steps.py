@@ -21,8 +21,9 @@ from casp_core.eval.evaluate import EvaluationPlan, Figures
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
 from casp_core.export.gguf_types import quantizer_block
+from casp_core.export.tokenizer import keep_source_vocabulary
 from casp_core.families import check_export, projections
-from casp_core.gguf_source import is_gguf_reference
+from casp_core.gguf_source import gguf_source_for, is_gguf_reference
 from casp_core.model import decoder_layers, load_model
 from casp_core.pruned_snapshot import PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.quantization import QuantizedCheckpoint, check_quantization
@@ -177,6 +178,8 @@ def save_checkpoint(
             "settings": without_local_paths(config.to_dict()),
         }
         save_pruned(model, tokenizer, staging)
+        if is_gguf_reference(source):  # its GGUF exports keep the tokenizer llama.cpp served from the source
+            keep_source_vocabulary(Path(source).expanduser(), staging)
     if not config.export:
         return []
     with run.stage("export"):
@@ -208,6 +211,7 @@ def write_job_report(
     device: str,
     dtype: str,
     out: Path,
+    cache_dir: Path,
     frontier: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """report.json, report.md, the plots and the model card in `out`; returns the report written. A quantized
@@ -222,6 +226,7 @@ def write_job_report(
         evaluation=evaluation,
         device=device,
         dtype=dtype,
+        source=source.summary() if (source := gguf_source_for(model, dtype, cache_dir)) else None,
     )
     if recovery is not None:
         report["recovery"] = {

@@ -705,6 +705,7 @@ def write_pick(sweep: Sweep, dense: PreTrainedModel, device: Any, run: Run) -> d
         device=str(device),
         dtype=sweep.dtype,
         out=sweep.staging,
+        cache_dir=sweep.cache_dir,
         frontier=frontier,
     )
 

@@ -216,7 +216,7 @@ FRONTIER_SUMMARY = ("ratio", "format", "variant", "bytes", "params", "perplexity
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
-    keys = ("achieved_ratio", "params", "perplexity", "zero_shot", "quantization", "artifacts", "warnings")
+    keys = ("source", "achieved_ratio", "params", "perplexity", "zero_shot", "quantization", "artifacts", "warnings")
     summary = {key: report[key] for key in keys if key in report}
     # For display (0.30000000000000004 reads as a defect); report.json keeps the exact ratio.
     summary["achieved_ratio"] = round(report["achieved_ratio"], 6)

@@ -53,15 +53,16 @@ def prune_config(args: argparse.Namespace) -> PruneConfig:
 def run_prune(args: argparse.Namespace) -> int:
     # torch and transformers load only when needed
     from casp_core.families import check_export
+    from casp_core.gguf_source import is_gguf_reference
     from casp_core.job import run_job
     from casp_core.model import load_config
     from casp_core.run import Run
     from casp_core.targets import sweep_candidates
 
     config = prune_config(args)
-    # An export the family cannot take and a budget no candidate meets are refused before any work (before the
-    # weights load), from the model's config.
-    if config.is_sweep or config.export:
+    # A GGUF file that is no model to prune, an export the family cannot take and a budget no candidate meets are
+    # refused before any work (before the weights load), from the model's config.
+    if config.is_sweep or config.export or is_gguf_reference(args.model):
         model_config = load_config(args.model, revision=args.revision)
         check_export(model_config, config.export)
         if config.is_sweep:

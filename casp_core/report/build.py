@@ -84,10 +84,13 @@ def build_report(
     device: str,
     dtype: str,
     evaluation: dict[str, Any] | None = None,
+    source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`pruning` is `pruning_section`'s."""
+    """`pruning` is `pruning_section`'s; `source` is a GGUF source's summary (casp_core.gguf_source), None for a
+    model folder or hub id."""
     return {
         "model": model_name,
+        **({"source": source} if source is not None else {}),
         "target_ratio": config.ratio,
         **{key: pruning[key] for key in ("achieved_ratio", "params", "objective", "compensation", "alpha_auto")},
         "rounding": rounding_effect(pruning.get("rounding"), config.ratio, pruning["achieved_ratio"]),
@@ -174,11 +177,22 @@ def _placement(placement: dict[str, Any] | None) -> str:
     )
 
 
+def source_line(source: dict[str, Any] | None) -> list[str]:
+    """For report.md and the model card: the GGUF file the weights came from, and what that means for them."""
+    if source is None:
+        return []
+    types = ", ".join(f"{count} {kind}" for kind, count in sorted(source["tensor_types"].items()))
+    return [
+        f"- source: the GGUF file `{source['file']}` (sha256 `{source['sha256']}`; tensors {types}); {source['note']}"
+    ]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     dense_pick = dense_pick_reason(report.get("frontier"))
     lines = [
         f"# CASP pruning report: {report['model']}",
         "",
+        *source_line(report.get("source")),
         *([f"- not pruned: {dense_pick}"] if dense_pick else pruning_lines(report)),
         f"- device {report['device']}{_placement(report.get('placement'))}, dtype {report['dtype']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),

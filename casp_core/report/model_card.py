@@ -17,7 +17,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from casp_core.data import HUB_SOURCES, evaluation_source
 from casp_core.errors import UnsupportedExport
 from casp_core.families import check_export, config_from_dict, is_pruned_model_type
-from casp_core.report.build import quantization_section, recovery_section, rounding_line
+from casp_core.report.build import quantization_section, recovery_section, rounding_line, source_line
 from casp_core.report.evaluation_section import render_evaluation_section
 from casp_core.report.frontier_section import dense_pick_reason, render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
@@ -139,6 +139,7 @@ def _what_was_pruned(report: dict[str, Any], base: str) -> list[str]:
         f"achieved {report['achieved_ratio']:.4f}: "
         f"{params['dense']:,} -> {params['pruned']:,} parameters ({params['counted']})",
         *([f"- rounding: {rounding_line(report['rounding'])}"] if report.get("rounding") else []),
+        *source_line(report.get("source")),
     ]
     efficiency = report.get("evaluation", {}).get("efficiency") or {}
     if efficiency.get("dense") and efficiency.get("pruned"):
