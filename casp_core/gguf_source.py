@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 from pathlib import Path
@@ -85,7 +85,8 @@ def check_gguf_file(path: Path) -> GgufSource:
     if not path.is_file():
         raise ModelNotFound(f"model file {path.name!r} does not exist or is not a file")
     stat = path.stat()
-    return _read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)[0]
+    # Named as the caller names it: a link (a Hugging Face cache's) is the file people know, its target a digest.
+    return replace(_read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)[0], file=path.name)
 
 
 def gguf_config(path: Path) -> PretrainedConfig:
@@ -197,7 +198,8 @@ def gguf_source_for(name_or_path: str, dtype: str, cache_dir: Path) -> GgufSourc
     if not is_gguf_reference(name_or_path):
         return None
     path = Path(name_or_path).expanduser()
-    return source_of(_folder(path, dtype, cache_dir)) or check_gguf_file(path)
+    recorded = source_of(_folder(path, dtype, cache_dir))
+    return replace(recorded, file=path.name) if recorded else check_gguf_file(path)
 
 
 def _dequantize_into(path: Path, dtype: torch.dtype, folder: Path) -> None:

@@ -60,8 +60,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def is_local_reference(name_or_path: str) -> bool:
-    """Anything that starts like a path, or names a GGUF file, is one; everything else is a Hugging Face id."""
-    return name_or_path.startswith((".", "/", "~")) or is_gguf_reference(name_or_path)
+    """Anything that starts like a path, or names a GGUF file other than by a URL, is one; everything else is a
+    Hugging Face id."""
+    return name_or_path.startswith((".", "/", "~")) or (is_gguf_reference(name_or_path) and "://" not in name_or_path)
 
 
 def check_model_reference(name_or_path: str) -> None:
