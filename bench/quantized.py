@@ -272,7 +272,7 @@ def _fallback_summary(fallbacks: list[dict[str, Any]]) -> str:
         for f in fallbacks
     )
     return "; ".join(
-        f"{count} x {kind}: {got} for {wanted or 'any quantized type'} (rows of {length})"
+        f"{count} x {kind}: {got} for {wanted} (rows of {length})"
         for (kind, got, wanted, length), count in sorted(kinds.items())
     )
 

@@ -32,7 +32,10 @@ def _where(tensors: list[str]) -> str:
     kinds_of: dict[tuple[int, ...], list[str]] = {}
     for kind, layers in layers_of.items():
         kinds_of.setdefault(tuple(layers), []).append(f"`{kind}`")
-    parts = [f"{', '.join(kinds)} in layers {_layer_ranges(list(layers))}" for layers, kinds in kinds_of.items()]
+    parts = [
+        f"{', '.join(kinds)} in layer{'s' if len(layers) > 1 else ''} {_layer_ranges(list(layers))}"
+        for layers, kinds in kinds_of.items()
+    ]
     return "; ".join([*outside, *parts])
 
 

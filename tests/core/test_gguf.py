@@ -378,7 +378,7 @@ def test_casp_export_writes_the_file_and_prints_its_digest(tmp_path, capsys):
     assert printed["architecture"] == "llama" and printed["tensor_types"] == {"Q8_0": 31, "F16": 5, "F32": 11}
     # ffn_down's rows are the dense FFN width, 172: no multiple of 32.
     assert printed["fallbacks"] == [
-        {"tensor": f"blk.{layer}.ffn_down.weight", "type": "F16", "wanted": None, "row_length": 172}
+        {"tensor": f"blk.{layer}.ffn_down.weight", "type": "F16", "wanted": "Q8_0", "row_length": 172, "block": 32}
         for layer in range(5)
     ]
     assert main(["export", str(tmp_path), "--format", "gguf", "--out", str(out)]) == 2

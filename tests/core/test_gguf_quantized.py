@@ -282,6 +282,13 @@ def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(tmp
     assert "- Q5_0 instead of Q4_K: " in markdown
     assert "whose rows of 192 weights are not whole blocks of 256: " in markdown
     assert "`ffn_gate`, `ffn_up` in layers 0-15" in markdown
+    # The tied embedding and the attn_v that get more bits (Q6_K) take Q6_K's fallback, grouped on one line.
+    more_bits = [name for name, kind in types.items() if kind == "Q8_0"]
+    assert "token_embd.weight" in more_bits and len(more_bits) > 1
+    assert (
+        f"- Q8_0 instead of Q6_K: {len(more_bits)} tensors whose rows of 192 weights are not whole blocks of 256: "
+        "`token_embd`; `attn_v` in layers 0-1, "
+    ) in markdown
 
     for gguf_type in ("q4_k_m", "q3_k_m", "q2_k"):
         for name, checkpoint in (("pruned", out), ("dense", dense)):
