@@ -82,6 +82,8 @@ class Settings(BaseSettings):
     # Where workers keep models downloaded from buckets (and uploads on S3 storage), by the objects' ETags; the
     # least recently used go once the cache holds more than its bound.
     model_cache_dir: Path | None = None
+    # What casp_core computes once per model (`cache`).
+    cache_dir: Path | None = None
     model_cache_max_bytes: int = Field(default=100 << 30, ge=0)
     # A model upload (`POST /v1/models`, a tar of its folder) may be this large; other requests CASP_MAX_REQUEST_BYTES.
     max_upload_bytes: int = Field(default=50 << 30, ge=1024)
@@ -171,10 +173,10 @@ class Settings(BaseSettings):
         return self.model_cache_dir or self.home / "model-cache"
 
     @property
-    def cache_dir(self) -> Path:
+    def cache(self) -> Path:
         """What workers compute once per model and reuse (casp_core.caches): GGUF sources dequantized, the dense
-        models' evaluations."""
-        return self.home / "cache"
+        models' evaluations. CASP_CACHE_DIR, the variable casp_core and the CLI read, else `home`/cache."""
+        return self.cache_dir or self.home / "cache"
 
     @property
     def storage_credentials(self) -> S3Credentials:

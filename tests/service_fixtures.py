@@ -7,6 +7,7 @@ Redis database and bucket, so it can run beside other sessions on the same machi
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -267,7 +268,9 @@ def put_model(models_bucket: tuple[Any, Any], prefix: str, folder: Path = DEMO_M
 def distributed_settings(
     pg_database: Callable[[], str], s3_server: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Settings:
-    """PostgreSQL, Redis and S3, with short heartbeat and reaper periods so recovery shows within seconds."""
+    """PostgreSQL, Redis and S3, with short heartbeat and reaper periods so recovery shows within seconds. Its
+    workers share the run's per-model cache (CASP_CACHE_DIR, tests/conftest.py): the SmolLM2 GGUF is dequantized
+    once for the whole run."""
     redis.Redis.from_url(REDIS_URL).flushdb()
     database = pg_database()
     upgrade(database)
@@ -333,6 +336,7 @@ def private_broker_settings(root: Path, database: str, broker: RedisServer, **ch
     broker or must be sure no other worker takes their jobs."""
     defaults: dict[str, Any] = {
         "home": root / "home",
+        "cache_dir": root / "home" / "cache",
         "database_url": database,
         "broker_url": f"redis://127.0.0.1:{broker.port}/0",
         "storage_url": f"file://{root / 'artifacts'}",
@@ -345,8 +349,10 @@ def private_broker_settings(root: Path, database: str, broker: RedisServer, **ch
 
 
 def embedded_settings(home: Path, **changes: Any) -> Settings:
-    """The embedded mode (SQLite, local storage, no auth) with no worker threads: a test runs jobs by hand."""
+    """The embedded mode (SQLite, local storage, no auth) with no worker threads: a test runs jobs by hand. Its
+    per-model cache is its own (not the run's CASP_CACHE_DIR), so what it finds there is what it made."""
     defaults: dict[str, Any] = {
+        "cache_dir": home / "cache",
         "auth": "none",
         "allowed_model_roots": [REPO / "demo"],
         "datasets_dir": FIXTURE_DATA,
@@ -451,12 +457,13 @@ def wait_job(
     headers: dict[str, str],
     until: Callable[[dict[str, Any]], bool],
     what: str,
+    timeout: float = JOB_TIMEOUT,
 ) -> dict[str, Any]:
     def poll() -> dict[str, Any] | None:
         job = client.get(f"/v1/jobs/{job_id}", headers=headers).json()
         return job if until(job) else None
 
-    return wait_for(poll, JOB_TIMEOUT, what, interval=0.25)
+    return wait_for(poll, timeout, what, interval=0.25)
 
 
 def finished(job: dict[str, Any]) -> bool:
@@ -474,3 +481,18 @@ def expected_parameters(result: dict[str, Any]) -> int:
 
 def download(url: str) -> httpx.Response:
     return httpx.get(url, timeout=30)
+
+
+def download_artifacts(client: TestClient, job_id: str, headers: dict[str, str], folder: Path) -> list[dict[str, Any]]:
+    """Every artifact of the job into `folder` by its presigned URL (no API key, no S3 credentials), each checked
+    against its listed size and sha256; returns the listing."""
+    artifacts: list[dict[str, Any]] = client.get(f"/v1/jobs/{job_id}/artifacts", headers=headers).json()["data"]
+    for artifact in artifacts:
+        response = download(artifact["url"])
+        assert response.status_code == 200, artifact["name"]
+        assert len(response.content) == artifact["size"]
+        assert hashlib.sha256(response.content).hexdigest() == artifact["sha256"]
+        path = folder / artifact["name"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(response.content)
+    return artifacts

@@ -356,7 +356,7 @@ def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, 
                 retry_state=state_dir,
                 on_retry_state_saved=lambda path: _keep_retry_state(storage, attempt.job_id, path),
                 token=token,
-                cache_dir=attempt.settings.cache_dir,
+                cache_dir=attempt.settings.cache,
             )
         if attempt.should_cancel():
             raise Cancelled("the job was cancelled")

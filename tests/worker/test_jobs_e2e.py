@@ -1,6 +1,5 @@
 """Jobs through the real pipeline on stories260K: PostgreSQL, Redis, a Celery worker process, SeaweedFS S3."""
 
-import hashlib
 import json
 import math
 import re
@@ -30,6 +29,7 @@ from tests.service_fixtures import (
     SMALL_JOB,
     WorkerProcess,
     download,
+    download_artifacts,
     expected_parameters,
     finished,
     wait_for,
@@ -100,19 +100,11 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     assert not [e["message"] for e in events if "/" in (e["message"] or "")], events
     assert stages == list(Segments.of(job_stages(PruneConfig(ratio=0.3))).stages)
 
-    artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts", headers=alice).json()["data"]
+    checkpoint = tmp_path / "checkpoint"
+    artifacts = download_artifacts(api, job["id"], alice, checkpoint)  # presigned by S3 itself
     names = {a["name"] for a in artifacts}
     assert CHECKPOINT_FILES | {"README.md", "report.json", "report.md", "model-f16.gguf"} <= names  # gguf: llama.cpp
     assert any(name.startswith("tokenizer") for name in names)
-    checkpoint = tmp_path / "checkpoint"
-    for artifact in artifacts:
-        # Presigned by S3 itself: no API key, no S3 credentials needed.
-        response = download(artifact["url"])
-        assert response.status_code == 200, artifact["name"]
-        assert len(response.content) == artifact["size"]
-        assert hashlib.sha256(response.content).hexdigest() == artifact["sha256"]
-        (checkpoint / artifact["name"]).parent.mkdir(parents=True, exist_ok=True)
-        (checkpoint / artifact["name"]).write_bytes(response.content)
 
     report = json.loads((checkpoint / "report.json").read_text())
     assert round(report["achieved_ratio"], 6) == result["achieved_ratio"]  # the result rounds it for display
@@ -155,7 +147,7 @@ def test_job_succeeds_and_every_artifact_downloads_and_loads(
     # Another job on the same model, at another ratio: the worker keeps the dense evaluation in its cache
     # ($CASP_HOME/cache), so this one reuses it and says from when (the first job's own evaluation, or the one
     # it reused in turn when an earlier test ran the same model).
-    assert list((distributed_settings.cache_dir / DENSE_EVALUATIONS).glob("*.json"))
+    assert list((distributed_settings.cache / DENSE_EVALUATIONS).glob("*.json"))
     again = api.post("/v1/jobs", json={**SMALL_JOB, "ratio": 0.2}, headers=alice).json()
     again_done = wait_job(api, again["id"], alice, finished, "the second job to finish")
     assert again_done["status"] == "succeeded", (again_done, worker.log_tail())

@@ -429,7 +429,7 @@ def test_a_gguf_file_is_taken_at_submit_and_upload_and_one_changed_since_fails_i
             assert refusal(client.get(f"/v1/jobs/{job_id}/artifacts"), 409)["code"] == "conflict"
     assert not (settings.home / "work").exists() or list((settings.home / "work").iterdir()) == []
     assert not (settings.home / "artifacts" / "jobs").exists()
-    assert not (settings.cache_dir / "gguf").exists() or list((settings.cache_dir / "gguf").iterdir()) == []
+    assert not (settings.cache / "gguf").exists() or list((settings.cache / "gguf").iterdir()) == []
 
 
 def test_a_gguf_object_whose_s3_server_does_not_answer_is_a_503_at_submit(tmp_path: Path) -> None:
