@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from casp_core.config import CROSS_ENTROPY_LOSS, RecoveryConfig
 from casp_core.errors import DiskSpaceTooSmall
 from casp_core.model import resolve_device
+from casp_core.next_token import final_hidden_states, head_logits, tokens_per_chunk
 from casp_core.placement import byte_size
 from casp_core.recovery_data import IGNORED, TrainingData, collate
 from casp_core.run import Run
@@ -167,6 +168,7 @@ def compute_teacher(
     indices = torch.empty((rows, k), dtype=index_dtype(vocab))
     logprobs = torch.empty((rows, k), dtype=torch.float32)
     rest = torch.empty(rows, dtype=torch.float32)
+    chunk = tokens_per_chunk(vocab)
     target = resolve_device(device)
     model.to(target)
     was_training = model.training
@@ -176,14 +178,18 @@ def compute_teacher(
         sequences = list(range(start, min(start + config.batch_size, len(data))))
         # Padding (any id: it has no attention and no label) comes after every labelled position.
         batch = {name: tensor.to(target) for name, tensor in collate(data, sequences, 0).items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        # The batch's rows: its sequences' rows one after another, as the cache's offsets lay them out.
-        positions = logits[:, :-1][labelled_positions(batch["labels"])]
-        top, rest_of_mass = top_k_logprobs(positions.float(), k, config.temperature)
-        first, last = int(offsets[sequences[0]]), int(offsets[sequences[-1] + 1])
-        logprobs[first:last] = top.values.cpu()
-        indices[first:last] = top.indices.to(indices.dtype).cpu()
-        rest[first:last] = rest_of_mass.cpu()
+        hidden = final_hidden_states(model, batch["input_ids"], batch["attention_mask"])
+        # The batch's rows: its sequences' rows one after another, as the cache's offsets lay them out; their
+        # logits a chunk at a time (casp_core.next_token), never the batch's.
+        positions = hidden[:, :-1][labelled_positions(batch["labels"])]
+        first = int(offsets[sequences[0]])
+        for start in range(0, len(positions), chunk):
+            span = slice(first + start, first + min(start + chunk, len(positions)))
+            logits = head_logits(model, positions[start : start + chunk])
+            top, rest_of_mass = top_k_logprobs(logits, k, config.temperature)
+            logprobs[span] = top.values.cpu()
+            indices[span] = top.indices.to(indices.dtype).cpu()
+            rest[span] = rest_of_mass.cpu()
         run.report("evaluation", (sequences[-1] + 1) / len(data), f"teacher: top-{k} of {rows:,} tokens")
     model.to("cpu")
     model.train(was_training)
