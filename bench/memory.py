@@ -1,16 +1,26 @@
-"""Memory bench: the peak host RSS of a whole pruning job on a random LLaMA-shaped model of about 1B parameters
-in bfloat16, against the size of its weights.
+"""Memory bench: the peak host RSS of whole pruning jobs against the size of the model's weights.
 
-The model is written once with `save_pretrained` (safetensors) beside the ptbwiki-7M tokenizer; the job
-(`run_job`, CPU, a short calibration) runs in a fresh Python process, which reports its peak RSS (VmHWM) and the
-peak reached during each stage. Issue 15's goal: peak RSS <= `RSS_FACTOR` x the checkpoint's size plus the fixed
-`RSS_MARGIN_MIB`, asserted by tests/core/test_host_memory.py on `job_settings` (no compensation, which keeps
-it short) and measured here on those and on the default least-squares compensation. Writes
-bench/results/memory.json and memory.md.
+Random shapes (#15): a random LLaMA-shaped model of about 1B parameters in bfloat16, written once with
+`save_pretrained` (safetensors) beside the ptbwiki-7M tokenizer; the job (`run_job`, CPU, a short calibration, no
+evaluation) in a fresh Python process, which reports its peak RSS (VmHWM) and the peak reached during each stage.
+Bound: peak RSS <= `RSS_FACTOR` x the checkpoint's size plus the fixed `RSS_MARGIN_MIB`, asserted by
+tests/core/test_host_memory.py on `job_settings` (no compensation, which keeps it short) and measured here on those
+and on the default least-squares compensation.
+
+The real model (#37): SmolLM2-135M-Instruct from its GGUF file (dequantized to float32, as `casp prune --model
+file.gguf` loads it on the CPU), `casp prune --ratio 0.2` with every other setting at its default (gradient
+allocation, least squares, WikiText-2 and PTB perplexity of the dense and the pruned model at 8 windows of 2048
+tokens) and the WikiText-2 validation file as calibration text, at 32 x 512 and at the default 128 x 2048
+calibration tokens. Bound: `JOB_FACTOR` x the model's bytes at its dtype + `JOB_MARGIN_BYTES`, every stage; the
+slow test holds it at 32 x 512. Each job gets a cache folder of its own, so nothing is reused from an earlier run
+(the dequantized file, the dense evaluation).
+
+Writes bench/results/memory.json and memory.md; a run of one part (`--parts`) keeps the other's last figures.
 """
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -58,6 +68,22 @@ def rss_bound_mib(weights_mib: float) -> float:
     return RSS_FACTOR * weights_mib + RSS_MARGIN_MIB
 
 
+# The whole job's bound (#37), evaluation and gradient allocation included: the model twice (the dense weights and
+# the pruned model built beside them, at most) and 1.5 GB for the runtime (about 520 MiB), the calibration
+# activations and one batch's working memory.
+JOB_FACTOR = 2.0
+JOB_MARGIN_BYTES = 1.5e9
+
+
+def job_bound_mib(model_mib: float) -> float:
+    return JOB_FACTOR * model_mib + JOB_MARGIN_BYTES / 2**20
+
+
+SMOLLM2_GGUF = Path("smollm2-135m-instruct-gguf") / "SmolLM2-135M-Instruct.Q4_1.gguf"  # under the models folder
+# n_samples x seq_len: the issue's short calibration and the default.
+REAL_MODEL_CALIBRATIONS = ((32, 512), (128, 2048))
+
+
 # About 1B parameters (0.94 B): Llama-3.2-1B's layer (hidden 2048, 32 heads over 8 key/value heads), a
 # 5632-wide FFN, 18 layers and a 32000-token vocabulary (the tokenizer uses the first 4096).
 ONE_B = {"hidden": 2048, "layers": 18, "ffn": 5632, "heads": 32, "kv_heads": 8, "vocab": 32000}
@@ -80,6 +106,41 @@ def job_settings(datasets_dir: str, compensation: str = "none") -> dict[str, Any
     }
 
 
+def real_model_settings(
+    datasets_dir: str, n_samples: int, seq_len: int, evaluation_limit: int | None = None
+) -> dict[str, Any]:
+    """`casp prune --ratio 0.2 --calibration-dataset <WikiText-2 valid file> --n-samples N --seq-len L` on the CPU,
+    every other setting its default; `evaluation_limit` keeps that many perplexity windows per text (the slow
+    test's, for time: the batches, and so the memory, are the same)."""
+    settings: dict[str, Any] = {
+        "ratio": 0.2,
+        "device": "cpu",
+        "datasets_dir": datasets_dir,
+        "calibration": {
+            "dataset": str(Path(datasets_dir) / "wikitext-2" / "wiki.valid.tokens"),
+            "n_samples": n_samples,
+            "seq_len": seq_len,
+        },
+    }
+    if evaluation_limit is not None:
+        settings["evaluation"] = {"limit": evaluation_limit}
+    return settings
+
+
+def model_bytes(model: str) -> int:
+    """The bytes of the model's parameters at the dtype the job loads it in on the CPU (a GGUF file's: float32),
+    counted on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from casp_core.gguf_source import gguf_config, is_gguf_reference
+
+    config = gguf_config(Path(model)) if is_gguf_reference(model) else AutoConfig.from_pretrained(model)
+    dtype = torch.float32 if is_gguf_reference(model) else config.dtype
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return sum(p.numel() * p.element_size() for p in skeleton.parameters())
+
+
 def write_model(directory: Path, shape: dict[str, int], models_dir: str) -> int:
     """A random bfloat16 LLaMA of `shape` written with `save_pretrained`; returns the bytes of its weights."""
     torch.manual_seed(0)
@@ -90,19 +151,23 @@ def write_model(directory: Path, shape: dict[str, int], models_dir: str) -> int:
     return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
 
 
-def measure(model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """Runs the job in a fresh process: its peak RSS (MiB) and the peak reached by the end of each stage."""
+def measure(model: Path | str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Runs the job in a fresh process with a cache folder of its own: its peak RSS (MiB), the peak reached during
+    each stage, and the load average before and after (other work slows it, and its figures say when)."""
     with tempfile.TemporaryDirectory() as out:
+        load_before = os.getloadavg()
         completed = subprocess.run(
-            [sys.executable, "-m", "bench.memory", "--job", str(model_dir), json.dumps(settings), str(Path(out) / "o")],
+            [sys.executable, "-m", "bench.memory", "--job", str(model), json.dumps(settings), str(Path(out) / "o")],
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
             check=False,
+            env={**os.environ, "CASP_CACHE_DIR": str(Path(out) / "cache")},  # casp_core.caches
         )
     if completed.returncode != 0:
         raise RuntimeError(f"the job failed:\n{completed.stderr[-4000:]}")
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    figures = json.loads(completed.stdout.strip().splitlines()[-1])
+    return {**figures, "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
 
 
 class SampledRun(Run):
@@ -159,15 +224,46 @@ def run_job_here(model_dir: str, settings: str, out: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job", nargs=3, metavar=("MODEL", "SETTINGS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--parts", default="random,real", help="random (the random shape), real (SmolLM2), or both")
     parser.add_argument("--shape", choices=("1b", "0.5b"), default="1b")
+    parser.add_argument(
+        "--calibrations",
+        default=",".join(f"{n}x{length}" for n, length in REAL_MODEL_CALIBRATIONS),
+        help="the real model's calibrations, n_samples x seq_len, comma-separated",
+    )
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--models-dir", default=default_models_dir())
     args = parser.parse_args(argv)
     if args.job:
         run_job_here(*args.job)
         return
+    parts = args.parts.split(",")
+    random_shape = measure_random_shape(ONE_B if args.shape == "1b" else HALF_B, args) if "random" in parts else None
+    real_model = None
+    if "real" in parts:
+        calibrations = [tuple(int(n) for n in item.split("x")) for item in args.calibrations.split(",")]
+        real_model = measure_real_model(calibrations, args)
+    # Read only now: another run of the bench may have written its part meanwhile (a 128 x 2048 job takes hours).
+    path = RESULTS_DIR / "memory.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    if random_shape is not None:
+        result["random_shape"] = random_shape
+    if real_model is not None:
+        earlier_runs = result.get("real_model", {}).get("runs", {})
+        result["real_model"] = {**real_model, "runs": {**earlier_runs, **real_model["runs"]}}
+    write_json(path, result)
+    lines = [
+        "# Peak host memory of a pruning job",
+        "",
+        *(random_shape_lines(result["random_shape"]) if "random_shape" in result else []),
+        *(real_model_lines(result["real_model"]) if "real_model" in result else []),
+    ]
+    (RESULTS_DIR / "memory.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def measure_random_shape(shape: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_info()
-    shape = ONE_B if args.shape == "1b" else HALF_B
     model_dir = Path(tempfile.mkdtemp(prefix="casp-memory-"))
     runs = {}
     try:
@@ -179,28 +275,52 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     size_mib = size / 2**20
-    bound = rss_bound_mib(size_mib)
     for figures in runs.values():
         figures["peak_over_weights"] = figures["peak_rss_mib"] / size_mib
         figures["peak_minus_factor_x_weights_mib"] = figures["peak_rss_mib"] - RSS_FACTOR * size_mib
-    result = {
+    return {
         "machine": finish_machine_info(machine),
         "shape": shape,
         "weights_mib": size_mib,
-        "bound_mib": bound,
+        "bound_mib": rss_bound_mib(size_mib),
         "bound": f"{RSS_FACTOR} x weights + {RSS_MARGIN_MIB} MiB",
         "runs": runs,
     }
-    write_json(RESULTS_DIR / "memory.json", result)
-    stages = list(dict.fromkeys(name for figures in runs.values() for name in figures["stage_peak_rss_mib"]))
-    lines = [
-        "# Peak host memory of a pruning job",
+
+
+def measure_real_model(calibrations: list[tuple[int, ...]], args: argparse.Namespace) -> dict[str, Any]:
+    """Each calibration's job, its machine and load beside it."""
+    model = Path(args.models_dir) / SMOLLM2_GGUF
+    model_mib = model_bytes(str(model)) / 2**20
+    runs = {}
+    for n_samples, seq_len in calibrations:
+        machine = machine_info()
+        settings = real_model_settings(args.datasets_dir, n_samples, seq_len)
+        figures = measure(model, settings)
+        runs[f"{n_samples}x{seq_len}"] = {
+            "machine": finish_machine_info(machine),
+            "settings": {k: v for k, v in settings.items() if k != "datasets_dir"},
+            **figures,
+        }
+    return {
+        "model": str(SMOLLM2_GGUF),
+        "model_mib": model_mib,
+        "bound_mib": job_bound_mib(model_mib),
+        "bound": f"{JOB_FACTOR:g} x the model's bytes at its dtype + {JOB_MARGIN_BYTES / 1e9:g} GB",
+        "runs": runs,
+    }
+
+
+def random_shape_lines(part: dict[str, Any]) -> list[str]:
+    runs, size_mib = part["runs"], part["weights_mib"]
+    return [
+        "## A random 1B shape, no evaluation",
         "",
-        machine_line(result["machine"]),
+        machine_line(part["machine"]),
         "",
-        f"Random LLaMA {shape}, bfloat16, {size_mib:.0f} MiB of safetensors; `run_job` on the CPU, ratio 0.3, "
-        "diagonal solver, uniform allocation, 2 x 32 calibration tokens, no evaluation; in a fresh process. "
-        f"Bound: {result['bound']} = {bound:.0f} MiB.",
+        f"Random LLaMA {part['shape']}, bfloat16, {size_mib:.0f} MiB of safetensors; `run_job` on the CPU, ratio "
+        "0.3, diagonal solver, uniform allocation, 2 x 32 calibration tokens, no evaluation; in a fresh process. "
+        f"Bound: {part['bound']} = {part['bound_mib']:.0f} MiB.",
         "",
         *(
             f"- compensation {name}: peak RSS **{figures['peak_rss_mib']:.0f} MiB** = "
@@ -209,7 +329,37 @@ def main(argv: list[str] | None = None) -> None:
             for name, figures in runs.items()
         ),
         "",
-        f"| stage | {' | '.join(f'peak RSS sampled during it, compensation {name} (MiB)' for name in runs)} |",
+        *stage_table(runs, "compensation"),
+    ]
+
+
+def real_model_lines(part: dict[str, Any]) -> list[str]:
+    runs, bound = part["runs"], part["bound_mib"]
+    return [
+        "## SmolLM2-135M, the whole `casp prune`",
+        "",
+        f"`{part['model']}`, dequantized to float32: {part['model_mib']:.0f} MiB of weights. `casp prune --ratio 0.2` "
+        "on the CPU with the WikiText-2 validation file as calibration text, every other setting its default "
+        "(gradient allocation, least squares, perplexity of the dense and the pruned model on WikiText-2 and PTB in "
+        f"batches of 8 x 2048 tokens); in a fresh process with an empty cache. Bound: {part['bound']} = "
+        f"**{bound:.0f} MiB**, for every stage.",
+        "",
+        *(
+            f"- {name} calibration tokens: peak RSS **{figures['peak_rss_mib']:.0f} MiB** = "
+            f"{figures['peak_rss_mib'] / bound:.2f} x the bound, {figures['seconds'] / 60:.0f} min at load "
+            f"{figures['loadavg_before'][0]:.1f} before and {figures['loadavg_after'][0]:.1f} after (1-minute load "
+            f"averages). {machine_line(figures['machine'])}"
+            for name, figures in runs.items()
+        ),
+        "",
+        *stage_table(runs, "calibration"),
+    ]
+
+
+def stage_table(runs: dict[str, dict[str, Any]], varied: str) -> list[str]:
+    stages = list(dict.fromkeys(name for figures in runs.values() for name in figures["stage_peak_rss_mib"]))
+    return [
+        f"| stage | {' | '.join(f'peak RSS sampled during it, {varied} {name} (MiB)' for name in runs)} |",
         f"|---|{'---|' * len(runs)}",
         *(
             f"| {stage} | "
@@ -220,9 +370,8 @@ def main(argv: list[str] | None = None) -> None:
             + " |"
             for stage in stages
         ),
+        "",
     ]
-    (RESULTS_DIR / "memory.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
