@@ -167,14 +167,15 @@ def _start_seaweed(root: Path) -> tuple[subprocess.Popen[bytes], str]:
     identity = {"name": "casp", "credentials": [{"accessKey": S3_ACCESS, "secretKey": S3_SECRET}]}
     identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
     config.write_text(json.dumps({"identities": [identity]}))
-    # SeaweedFS grows several volumes at a time per bucket: room for 30 small ones (nothing is preallocated).
+    # SeaweedFS grows several volumes at a time per bucket: room for 30 of 128 MB (nothing is preallocated), for the
+    # run's jobs together with the real model's two checkpoints of about 0.5 GB each (tests/worker/test_real_model.py).
     ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
     grpc = {name: free_port() for name in ports}
     args = [
         weed, "server", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
         f"-master.port={ports['master']}", f"-master.port.grpc={grpc['master']}",
         f"-volume.port={ports['volume']}", f"-volume.port.grpc={grpc['volume']}", "-volume.max=30",
-        "-master.volumeSizeLimitMB=32", "-filer", f"-filer.port={ports['filer']}",
+        "-master.volumeSizeLimitMB=128", "-filer", f"-filer.port={ports['filer']}",
         f"-filer.port.grpc={grpc['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={grpc['s3']}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
     ]  # fmt: skip

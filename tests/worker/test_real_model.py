@@ -81,3 +81,17 @@ def test_a_real_gguf_is_pruned_through_the_service_and_its_artifacts_serve(
     finally:
         llm.close()
     assert completion["choices"][0]["text"].strip()
+
+    # A second job on the same file, at another ratio and a quick selection: the dense model's evaluation is the
+    # first job's (the worker's cache, by the file's sha256), and the report says so.
+    quick = {**REAL_JOB, "ratio": 0.1, "solver": "diagonal", "allocation": "uniform", "export": []}
+    quick["calibration"] = {**REAL_JOB["calibration"], "n_samples": 2}
+    second = api.post("/v1/jobs", json=quick, headers=alice).json()
+    again = wait_job(api, second["id"], alice, finished, "the second SmolLM2 job", timeout=REAL_JOB_TIMEOUT)
+    assert again["status"] == "succeeded", (again, worker.log_tail())
+    assert again["result"]["perplexity"]["wikitext2"]["dense"] == ppl["dense"]
+    report_again = tmp_path / "again"
+    download_artifacts(api, second["id"], alice, report_again)
+    second_report = json.loads((report_again / "report.json").read_text())
+    assert second_report["evaluation"]["dense_reused"]["measured_at"]
+    assert "evaluation_dense" not in second_report["timings"]  # the dense model was not evaluated again
