@@ -87,7 +87,14 @@ def test_an_impossible_budget_is_422_naming_the_smallest_reachable_size(
     assert response.status_code == 201, response.text
 
 
-NO_BUDGET = {"max_bytes": None, "format": None, "max_params": None, "max_perplexity_increase": None}
+# A target's settings when only some are given; the pick may be a dense point unless `candidates` says otherwise.
+NO_BUDGET = {
+    "max_bytes": None,
+    "format": None,
+    "max_params": None,
+    "max_perplexity_increase": None,
+    "candidates": "all",
+}
 
 
 @pytest.mark.parametrize(
