@@ -42,9 +42,10 @@ TEXT_SAMPLES: dict[str, Any] = {
 }
 # Settings valid only beside another one: a distillation loss trains, so it needs a recovery method.
 NEEDS: dict[str, dict[str, Any]] = {"recovery.loss": {"recovery.method": "lora"}}
-# A target replaces the ratio; its format goes with a bytes budget.
+# A target replaces the ratio; its format and its candidates go with a bytes budget.
 TARGET = "target."
 FORMAT_NEEDS = {"max_bytes": 10**9}
+WITH_A_BUDGET = ("target.format", "target.candidates")
 # moe.prune_experts removes experts, which the walk's dense model has none of (refused by name); it reaches the
 # pipeline in tests/core/families/test_moe.py (casp prune) and tests/api/test_model_families.py (the API).
 SETTINGS = [(name, info) for name, info in setting_fields(PruneSettings) if name != "moe.prune_experts"]
@@ -108,7 +109,7 @@ def job_with(name: str, value: Any) -> dict[str, Any]:
         for needed, needed_value in NEEDS.get(name, {}).items():
             body = merged(body, nested(needed, needed_value))
         return body
-    budget = FORMAT_NEEDS if name == "target.format" else {}
+    budget = FORMAT_NEEDS if name in WITH_A_BUDGET else {}
     sweep = {key: setting for key, setting in PARKED.items() if key != "ratio"}
     return {**sweep, "target": {**budget, name.removeprefix(TARGET): value}}
 
@@ -118,7 +119,7 @@ def base_flags(name: str) -> list[str]:
     if not name.startswith(TARGET):
         needed = [argument for need in NEEDS.get(name, {}).items() for argument in (flag_of(need[0]), str(need[1]))]
         return ["--ratio", "0.3", *needed]
-    return ["--target-bytes", str(FORMAT_NEEDS["max_bytes"])] if name == "target.format" else []
+    return ["--target-bytes", str(FORMAT_NEEDS["max_bytes"])] if name in WITH_A_BUDGET else []
 
 
 def flag_args(name: str, info: FieldInfo, value: Any) -> list[str]:

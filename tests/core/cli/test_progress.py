@@ -77,7 +77,7 @@ def test_the_interval_is_set_by_the_environment(monkeypatch: pytest.MonkeyPatch)
 def casp_prune_in_a_log(out: Path, interval: str) -> subprocess.CompletedProcess[str]:
     """`casp prune` of stories260K with stderr a pipe, as under nohup, cron or CI."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", LOG_INTERVAL_VARIABLE: interval}
-    # 8 windows in batches of 2: the allocation reports 4 times, the pruning once per layer.
+    # 8 windows in batches of 2: the allocation reports each layer of each chunk of windows, the pruning each layer.
     settings = ["--n-samples", "8", "--seq-len", "32", "--batch-size", "2", "--eval-seq-len", "32", "--eval-limit", "2"]
     return subprocess.run(
         [
@@ -101,9 +101,16 @@ def test_casp_prune_in_a_log_prints_the_counts_of_the_service_s_events(tmp_path:
     lines = [line for line in completed.stderr.splitlines() if line.startswith("casp: ")]
     counted = re.compile(r"casp: (\w+): (.+) \((\d+)%, (\d+):(\d\d) elapsed\)")
     progress = [match.groups()[:3] for match in map(counted.fullmatch, lines) if match]
-    assert [row for row in progress if row[0] == "allocation"] == [
-        ("allocation", f"gradients of {done} of 8 sequences", str(25 * done // 2)) for done in (2, 4, 6, 8)
-    ]
+    # The allocation goes a chunk of windows at a time, each forward through the 5 layers, then back from the head.
+    allocation = [(message, int(percent)) for stage, message, percent in progress if stage == "allocation"]
+    chunks = sorted({message.split(":")[0] for message, _ in allocation}, key=lambda c: int(c.split()[1].split("-")[0]))
+    steps = [f"forward through layer {layer} of 5" for layer in range(1, 6)]
+    steps += [f"gradient at the output of layer {layer}" for layer in range(5, 0, -1)]
+    assert [message for message, _ in allocation] == [f"{chunk}: {step}" for chunk in chunks for step in steps]
+    covered = [range(int(first), int(last) + 1) for first, last in (c.split()[1].split("-") for c in chunks)]
+    assert [window for windows in covered for window in windows] == list(range(8))
+    percents = [percent for _, percent in allocation]
+    assert percents == sorted(percents) and percents[-1] == 100
     assert [row for row in progress if row[0] == "pruning"] == [
         *(("pruning", f"layer {layer} of 5", str(20 * (layer - 1))) for layer in range(2, 6)),
         ("pruning", "all layers pruned", "100"),
