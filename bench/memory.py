@@ -231,6 +231,12 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(f"{n}x{length}" for n, length in REAL_MODEL_CALIBRATIONS),
         help="the real model's calibrations, n_samples x seq_len, comma-separated",
     )
+    parser.add_argument(
+        "--evaluation-limit",
+        type=int,
+        help="the real model's perplexity windows per text (default: every window); the batches, so the memory, "
+        "are the same, the time much shorter",
+    )
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--models-dir", default=default_models_dir())
     args = parser.parse_args(argv)
@@ -295,7 +301,7 @@ def measure_real_model(calibrations: list[tuple[int, ...]], args: argparse.Names
     runs = {}
     for n_samples, seq_len in calibrations:
         machine = machine_info()
-        settings = real_model_settings(args.datasets_dir, n_samples, seq_len)
+        settings = real_model_settings(args.datasets_dir, n_samples, seq_len, args.evaluation_limit)
         figures = measure(model, settings)
         runs[f"{n_samples}x{seq_len}"] = {
             "machine": finish_machine_info(machine),
