@@ -27,8 +27,16 @@ def tokens_per_chunk(vocab: int) -> int:
 def final_hidden_states(
     model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The decoder's output after the final norm, what the model's head takes: batch x tokens x hidden."""
-    return model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    """The decoder's output after the final norm, what the model's head takes: batch x tokens x hidden. Taken from
+    the model's own forward, with the head applied to the last position alone: a checkpoint in compressed-tensors
+    format runs its quantized layers only through the model's forward, not its decoder's."""
+    captured: list[torch.Tensor] = []
+    hook = model.model.register_forward_hook(lambda _, __, output: captured.append(output.last_hidden_state))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return captured[0]
 
 
 def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """NaN or infinity in C, Q, S_l or the calibration loss stops the job with `numerical_error`, naming the stage,
 the decoder layer and what to try."""
 
+import re
+
 import pytest
 import torch
 
@@ -37,8 +39,8 @@ def test_nan_in_a_weight_stops_at_q(stories):
     assert message.startswith("interaction: NaN in Q of the FFN channels of decoder layer 3. ")
 
 
-# The CPU under another name takes the allocation's layer-by-layer path (tests/core/test_allocation.py).
-ALLOCATION_PATHS = pytest.mark.parametrize("device", ["cpu", "cpu:0"], ids=["one-graph", "layer-by-layer"])
+# The CPU, and the CPU under another name, taken as an accelerator would be (tests/core/test_allocation.py).
+ALLOCATION_PATHS = pytest.mark.parametrize("device", ["cpu", "cpu:0"], ids=["cpu", "as-a-device"])
 
 
 @ALLOCATION_PATHS
@@ -46,7 +48,8 @@ def test_non_finite_calibration_loss_names_the_first_layer(stories, device):
     model, tokenizer = stories
     plant(model, 1, "self_attn.v_proj", float("inf"))
     message = prune_expecting_numerical_error(model, tokenizer, device=device)  # gradient allocation runs first
-    assert message.startswith("allocation: NaN in the calibration loss of sequences 0-7, first in the output of ")
+    # The allocation goes a chunk of windows at a time (as few as one): the first chunk holds the NaN.
+    assert re.match(r"allocation: NaN in the calibration loss of sequences 0-\d+, first in the output of ", message)
     assert "of decoder layer 1. " in message
 
 
