@@ -58,9 +58,10 @@ screenshots: $(DEV_STAMP)
 	bash scripts/chromium.sh
 	CASP_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(OFFLINE) $(BIN)/python -m pytest -q tests/console
 
-# The 1B-scale checks (tests/core/test_host_memory.py, minutes each: before a change to memory or placement) and
-# the load and quality benches' own runs (tests/test_bench.py, tests/service/test_load_bench.py), which `make test`
-# leaves out to stay under 20 minutes.
+# The 1B-scale checks and SmolLM2's whole-job memory bound (tests/core/test_host_memory.py, minutes each: before a
+# change to memory or placement), the load and quality benches' own runs (tests/test_bench.py,
+# tests/service/test_load_bench.py), distillation jobs on both toy fixtures and compensation's quality claim on
+# ptbwiki-7M, which `make test` leaves out to stay under 20 minutes.
 test-slow: $(DEV_STAMP)
 	$(OFFLINE) $(BIN)/python -m pytest -q -m slow
 

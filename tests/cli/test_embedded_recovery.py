@@ -61,6 +61,9 @@ def test_embedded_job_with_alpaca_recovery(tmp_path: Path) -> None:
     assert "## Recovery" in card.text and "![training loss](plots/recovery_loss.png)" in card.text
 
 
+# `make test-slow`: 60-100 s of recovery on the toy fixtures; make test keeps distillation in
+# tests/core/test_distillation.py and a recovery job through a worker in tests/worker/test_recovery_e2e.py.
+@pytest.mark.slow
 def test_embedded_distillation_jobs_on_both_fixtures(tmp_path: Path) -> None:
     """`{"method": "lora", "loss": "distill"}` through the API on stories260K and ptbwiki-7M: the dense model's
     top-k cache is computed before pruning, the report shows it, both loss terms and the three perplexities."""
