@@ -8,8 +8,8 @@ layers keeps each layer's input on the host, then the backward pass goes from th
 layer's forward from its stored input to push the gradient through it. The device never holds more than one layer
 (plus the embedding, or the final norm and head), and the host holds the stored inputs of a chunk of windows and
 one layer's graph for one batch, never a graph through the whole model (with one, a job on SmolLM2-135M peaked at
-8.5 GB, 15 x its weights, at batches of 8 x 512 tokens). The loss is taken from the last layer's output a chunk of tokens at a time
-(casp_core.next_token), never from a batch's vocabulary-wide logits.
+8.5 GB, 15 x its weights, at batches of 8 x 512 tokens). The loss is taken from the last layer's output a chunk of
+tokens at a time (casp_core.next_token), never from a batch's vocabulary-wide logits.
 """
 
 import torch
