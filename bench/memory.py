@@ -109,8 +109,8 @@ def job_settings(datasets_dir: str, compensation: str = "none") -> dict[str, Any
 def real_model_settings(
     datasets_dir: str, n_samples: int, seq_len: int, evaluation_limit: int | None = None
 ) -> dict[str, Any]:
-    """`casp prune --ratio 0.2 --calibration-dataset <WikiText-2 valid file> --n-samples N --seq-len L` on the CPU,
-    every other setting its default; `evaluation_limit` keeps that many perplexity windows per text (the slow
+    """`casp prune --ratio 0.2 --calibration-dataset <WikiText-2 valid file> --n-samples N --seq-len L --export gguf
+    --gguf-type q4_k_m` on the CPU (#37's command), every other setting its default; `evaluation_limit` keeps that many perplexity windows per text (the slow
     test's, for time: the batches, and so the memory, are the same)."""
     settings: dict[str, Any] = {
         "ratio": 0.2,
@@ -121,6 +121,8 @@ def real_model_settings(
             "n_samples": n_samples,
             "seq_len": seq_len,
         },
+        "export": ["gguf"],
+        "gguf_type": "q4_k_m",
     }
     if evaluation_limit is not None:
         settings["evaluation"] = {"limit": evaluation_limit}
@@ -208,6 +210,7 @@ def run_job_here(model_dir: str, settings: str, out: str) -> None:
     run = SampledRun()
     run_job(model_dir, PruneConfig(**json.loads(settings)), Path(out), run)
     run.done.set()
+    report = json.loads((Path(out) / "report.json").read_text())
     print(
         json.dumps(
             {
@@ -216,6 +219,8 @@ def run_job_here(model_dir: str, settings: str, out: str) -> None:
                 "peak_rss_mib": memory_status_mib("VmHWM"),
                 "seconds": time.perf_counter() - start,
                 "stage_peak_rss_mib": run.peaks,
+                # What the job's report says: the file it pruned, and the perplexities it measured.
+                "report": {key: report.get(key) for key in ("source", "perplexity", "achieved_ratio")},
             }
         )
     )
@@ -347,7 +352,8 @@ def real_model_lines(part: dict[str, Any]) -> list[str]:
         f"`{part['model']}`, dequantized to float32: {part['model_mib']:.0f} MiB of weights. `casp prune --ratio 0.2` "
         "on the CPU with the WikiText-2 validation file as calibration text, every other setting its default "
         "(gradient allocation, least squares, perplexity of the dense and the pruned model on WikiText-2 and PTB in "
-        f"batches of 8 x 2048 tokens); in a fresh process with an empty cache. Bound: {part['bound']} = "
+        f"batches of 8 x 2048 tokens), and, from the 128 x 2048 row on, `--export gguf --gguf-type q4_k_m` (#37's "
+        "command); in a fresh process with an empty cache. Bound: {part['bound']} = "
         f"**{bound:.0f} MiB**, for every stage.",
         "",
         *(
