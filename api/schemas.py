@@ -278,3 +278,25 @@ class PresignedUploadOut(BaseModel):
 class ModelList(BaseModel):
     data: list[ModelOut]
     has_more: bool
+
+
+class ModelChoice(BaseModel):
+    model: str = Field(description="what a job names as its `model` to prune this one")
+    name: str = Field(
+        description="an upload's name; a local model's path from its allowed root's folder on (`demo/stories260K`)"
+    )
+    source: Literal["upload", "local"] = Field(
+        description="upload: this key's (GET /v1/models); local: found under CASP_ALLOWED_MODEL_ROOTS"
+    )
+    format: Literal["folder", "gguf"]
+
+
+class ModelChoiceList(BaseModel):
+    data: list[ModelChoice] = Field(description="this key's uploads, newest first, then the local models by path")
+    truncated: bool = Field(description="more were found than listed (the newest 100 uploads, 200 local models)")
+
+
+class ModelCheckOut(BaseModel):
+    model: str = Field(
+        description="the model as a job would store it: a local path resolved, a bucket's prefix normalised"
+    )

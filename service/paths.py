@@ -147,6 +147,40 @@ def check_model(model: str, settings: Settings) -> str:
     return str(path)
 
 
+# How deep under an allowed root models are looked for (its folders, and theirs), and how many are listed at most.
+LISTING_DEPTH = 2
+LISTING_LIMIT = 200
+
+
+def local_models(roots: list[Path], limit: int = LISTING_LIMIT) -> tuple[list[tuple[Path, Path]], bool]:
+    """The models found under the allowed roots, as (root, path), by their names alone (nothing is read): each
+    root, its folders and theirs (LISTING_DEPTH), a folder holding config.json being a model (and not looked into),
+    a file named `.gguf` another; hidden names skipped. At most `limit`, and whether more were found."""
+    found: list[tuple[Path, Path]] = []
+
+    def walk(root: Path, folder: Path, depth: int) -> None:
+        if (folder / "config.json").is_file():
+            found.append((root, folder))
+            return
+        if depth == LISTING_DEPTH:
+            return
+        try:
+            entries = sorted(entry for entry in folder.iterdir() if not entry.name.startswith("."))
+        except OSError:  # unreadable: nothing to list there
+            return
+        for entry in entries:
+            if len(found) > limit:
+                return
+            if entry.is_dir():
+                walk(root, entry, depth + 1)
+            elif is_gguf_reference(entry.name) and entry.is_file():
+                found.append((root, entry))
+
+    for root in roots:
+        walk(root, root, 0)
+    return found[:limit], len(found) > limit
+
+
 def check_dataset(
     spec: str,
     loc: Loc,

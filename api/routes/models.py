@@ -7,19 +7,23 @@ import tarfile
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, BinaryIO
+from typing import Annotated, BinaryIO, Literal
 
-from fastapi import APIRouter, File, Form, HTTPException, Query, Response, UploadFile, status
+from fastapi import APIRouter, Body, File, Form, HTTPException, Query, Response, UploadFile, status
 from fastapi.exceptions import RequestValidationError
 from sqlalchemy.orm import Session
 
 from api.deps import CallerDep, SessionDep, SettingsDep, StorageDep
 from api.errors import responses
 from api.json_body import JsonRoute
-from api.routes.jobs import invalid, retention_of
+from api.routes.jobs import invalid, resolve_model, retention_of
 from api.schemas import (
     MODEL_NAME_PATTERN,
+    JobCreate,
     JobIdText,
+    ModelCheckOut,
+    ModelChoice,
+    ModelChoiceList,
     ModelId,
     ModelList,
     ModelOut,
@@ -30,7 +34,7 @@ from casp_core.errors import CaspError
 from casp_core.gguf_source import GGUF_MAGIC, GGUF_SUFFIX, is_gguf_reference
 from casp_core.model import check_model_folder, load_config
 from service import jobs
-from service.paths import UPLOAD_SCHEME
+from service.paths import UPLOAD_SCHEME, local_models
 from service.settings import Settings
 from service.storage import S3Storage, Storage, files_of
 from service.tables import PendingUpload, UploadedModel, new_id, utcnow
@@ -302,6 +306,49 @@ def list_models(
 ) -> ModelList:
     rows, has_more = jobs.list_uploaded_models(session, caller, limit=limit, after=after)
     return ModelList(data=[model_out(row) for row in rows], has_more=has_more)
+
+
+# The uploads a listing of choices names at most (a page of GET /v1/models).
+UPLOAD_CHOICES = 100
+
+
+def format_of(name: str) -> Literal["folder", "gguf"]:
+    return "gguf" if is_gguf_reference(name) else "folder"
+
+
+@router.get("/choices", response_model=ModelChoiceList)
+def model_choices(session: SessionDep, caller: CallerDep, settings: SettingsDep) -> ModelChoiceList:
+    """The models this key can name as a job's `model`: its uploads, then the models found under
+    CASP_ALLOWED_MODEL_ROOTS (a folder holding config.json, or a `.gguf` file; each root, its folders and theirs).
+    Found by their names: whether a job takes one, POST /v1/models/check says."""
+    rows, more_uploads = jobs.list_uploaded_models(session, caller, limit=UPLOAD_CHOICES, after=None)
+    found, more_local = local_models(settings.model_roots())
+    uploads = [
+        ModelChoice(model=model_out(row).model, name=row.name, source="upload", format=format_of(row.name))
+        for row in rows
+    ]
+    local = [
+        ModelChoice(
+            model=str(path), name=str(path.relative_to(root.parent)), source="local", format=format_of(path.name)
+        )
+        for root, path in found
+    ]
+    return ModelChoiceList(data=uploads + local, truncated=more_uploads or more_local)
+
+
+@router.post("/check", response_model=ModelCheckOut, responses=responses(503))
+def check_job_model(
+    body: Annotated[
+        JobCreate, Body(description="a job as POST /v1/jobs takes it; `model` alone checks the model by itself")
+    ],
+    session: SessionDep,
+    caller: CallerDep,
+    settings: SettingsDep,
+) -> ModelCheckOut:
+    """What POST /v1/jobs would say about the job's model, without making a job: 200 with the model as the job
+    would store it, or the very 422 the submit would answer (naming `model`, or the setting the model cannot take).
+    A Hugging Face id is checked for its form only, as at submit: the worker fetches it."""
+    return ModelCheckOut(model=resolve_model(body, settings, session, caller))
 
 
 @router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT, responses=responses(404))
