@@ -10,6 +10,7 @@ import hashlib
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, BrowserContext, Locator, Page, Playwright, expect, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Locator, Page, Playwright, Route, expect, sync_playwright
 
 from casp_cli.app import service_app
 from casp_core.config import PruneConfig
@@ -148,17 +149,23 @@ def screenshot(page: Page, name: str, height: int = 900) -> None:
 
 
 def form_field(page: Page, path: str) -> Locator:
-    """The form's input for `path` (`calibration.n_samples`), its group opened first."""
-    group, _, name = path.rpartition(".")
-    if group:
-        details = page.locator(f'details[data-group="{group}"]')
-        if details.get_attribute("open") is None:
-            details.locator("summary").click()
-    return page.locator(f'[data-field="{path}"]').get_by_label(re.compile(f"^{name}( \\(required\\))?$"))
+    """The form's input for `path` (`calibration.n_samples`), Advanced opened first when it is folded there."""
+    field = page.locator(f'[data-field="{path}"]')
+    folded = page.locator("details:not([open])", has=field)
+    if folded.count():
+        folded.locator("summary").first.click()
+    name = path.rpartition(".")[2]
+    return field.get_by_label(re.compile(f"^{name}( \\(required\\))?$"))
 
 
 def fill_field(page: Page, path: str, value: str) -> None:
     form_field(page, path).fill(value)
+
+
+def hold_load(route: Route, loads: list[str]) -> None:
+    loads.append(route.request.url)
+    time.sleep(1)
+    route.continue_()
 
 
 def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
@@ -177,12 +184,19 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     jobs_before = len(api_get(server, keys["alice"], "/v1/jobs")["data"])
     posts: list[dict[str, str]] = []
     page.on("request", lambda r: posts.append(r.headers) if r.method == "POST" and r.url.endswith("/v1/jobs") else None)
+    # The job page's load is held a second, so that the second click's answer comes while the first answer's
+    # navigation is under way (as it may on a busy machine): the page must not navigate again, which would abort
+    # the first navigation (net::ERR_ABORTED in wait_for_url).
+    loads: list[str] = []
+    page.route(re.compile(r"/console/jobs/[0-9a-f]{32}$"), lambda route: hold_load(route, loads))
     page.get_by_role("button", name="Submit the job").dblclick()
     page.wait_for_url(re.compile(r"/console/jobs/[0-9a-f]{32}$"))
+    page.unroute(re.compile(r"/console/jobs/[0-9a-f]{32}$"))
     job_id = page.url.rsplit("/", 1)[1]
 
-    # Two requests, one key: one job.
+    # Two requests, one key: one job, and one navigation to it.
     assert len(posts) == 2 and posts[0]["idempotency-key"] == posts[1]["idempotency-key"], posts
+    assert loads == [f"{server}/console/jobs/{job_id}"], loads
     listed = api_get(server, keys["alice"], "/v1/jobs")["data"]
     assert len(listed) == jobs_before + 1 and listed[0]["id"] == job_id
     assert listed[0]["metadata"] == {"source": "console test"}
@@ -288,8 +302,166 @@ def test_the_api_s_422_is_shown_beside_the_field_it_names(page: Page, server: st
     expect(form_field(page, "ratio")).to_have_attribute("aria-invalid", "true")
     expect(form_field(page, "ratio")).to_be_focused()
     expect(page.locator('[data-field="model"] .field-error')).to_be_empty()
-    screenshot(page, "new.png")
     assert api_get(server, keys["alice"], "/v1/usage")["submissions_last_minute"] == before  # no job made
+
+
+def new_user(settings: Settings) -> str:
+    """A key of its own, with no job yet."""
+    with session_scope(settings.database) as session:
+        return jobs.create_api_key(session, "newcomer")[1]
+
+
+def test_a_new_user_submits_a_gguf_budget_from_a_preset_without_opening_advanced(
+    page: Page, server: str, settings: Settings
+) -> None:
+    """Issue #40's "Done when": two presets, the model and a size, Submit; the job page shows the front and the
+    pick. Advanced stays folded throughout."""
+    key = new_user(settings)
+    sign_in(page, f"{server}/console/new", key)
+    page.get_by_role("button", name="Quick check").click()
+    page.get_by_role("button", name="For llama.cpp within a size").click()
+    expect(page.get_by_label("to a budget", exact=False)).to_be_checked()
+    max_bytes = page.locator('[data-field="target.max_bytes"]').get_by_label("max_bytes")
+    expect(max_bytes).to_be_focused()
+    expect(page.locator('[data-field="ratio"]')).to_be_hidden()
+    max_bytes.fill("400KB")
+    model = page.get_by_label("model (required)")
+    model.fill(TINY_JOB["model"])
+    model.press("Tab")
+    expect(page.locator("#check-model")).to_have_text(f"A job takes it: {TINY_JOB['model']}")
+    screenshot(page, "new.png")
+    assert page.locator("#advanced").evaluate("details => details.open") is False
+    page.get_by_role("button", name="Submit the job").click()
+    page.wait_for_url(re.compile(r"/console/jobs/[0-9a-f]{32}$"))
+    job_id = page.url.rsplit("/", 1)[1]
+
+    settings_sent = api_get(server, key, f"/v1/jobs/{job_id}")["settings"]
+    assert settings_sent["target"]["max_bytes"] == 400_000 and settings_sent["target"]["format"] == "gguf"
+    assert settings_sent["ratio"] is None and settings_sent["ratios"] == [0.2, 0.4]
+    assert settings_sent["calibration"]["n_samples"] == 16 and settings_sent["evaluation"]["limit"] == 8
+
+    expect(page.locator("#status")).to_have_text("succeeded", timeout=JOB_SECONDS)
+    frontier = api_get(server, key, f"/v1/jobs/{job_id}")["result"]["frontier"]
+    pick = frontier["pick"]
+    pick_name = f"{'dense' if pick['dense'] else 'ratio ' + str(pick['ratio'])}, {pick['variant']}"
+    # The file of lowest perplexity within the size: no point is both smaller and lower, so it is on the front.
+    assert pick in frontier["front"], frontier
+    front = page.locator("#front")
+    expect(front).to_be_visible()
+    expect(front.locator("polygon.pick")).to_have_count(1)
+    expect(front.locator("polygon.pick title")).to_have_text(f"pick: {pick_name}")
+    expect(front.locator("tbody tr.pick")).to_have_count(1)
+    expect(front.locator("tbody tr.pick th")).to_have_text(f"{pick_name} (pick)")
+    expect(front.locator("tbody tr")).to_have_count(len(frontier["front"]))
+    front.scroll_into_view_if_needed()
+    front.screenshot(path=str(SCREENSHOTS / "front.png"))
+
+
+def test_a_model_is_checked_when_it_loses_focus(page: Page, server: str, keys: dict[str, str]) -> None:
+    """The model field offers the key's choices, and says beside it what POST /v1/jobs would: the API's 422, or
+    the model as a job stores it. A check makes no job."""
+    sign_in(page, f"{server}/console/new", keys["bob"])
+    before = api_get(server, keys["bob"], "/v1/usage")["submissions_last_minute"]
+    expect(page.locator(f'#model-choices option[value="{TINY_JOB["model"]}"]')).to_have_count(1)
+    model = page.get_by_label("model (required)")
+    error = page.locator('[data-field="model"] .field-error')
+    for bad in ("/etc", "stories260K", f"{TINY_JOB['model']}/config.json.gguf"):
+        answer = httpx.post(
+            f"{server}/v1/models/check", json={"model": bad}, headers={"Authorization": f"Bearer {keys['bob']}"}
+        )
+        assert answer.status_code == 422 and answer.json()["error"]["param"] == "model", answer.text
+        model.fill(bad)
+        model.blur()
+        expect(error).to_have_text(answer.json()["error"]["message"].removeprefix("model: "))
+        expect(model).to_have_attribute("aria-invalid", "true")
+        expect(page.locator("#check-model")).to_be_empty()
+    model.fill(TINY_JOB["model"])
+    model.blur()
+    expect(page.locator("#check-model")).to_have_text(f"A job takes it: {TINY_JOB['model']}")
+    expect(error).to_be_empty()
+    expect(model).not_to_have_attribute("aria-invalid", "true")
+    assert api_get(server, keys["bob"], "/v1/usage")["submissions_last_minute"] == before
+
+
+# What each preset fills, as the fields show it (a select's empty value: its default).
+PRESET_VALUES = {
+    "Quick check": {"calibration.dataset": "wikitext2:validation", "calibration.n_samples": "16",
+                    "calibration.seq_len": "256", "evaluation.perplexity": "wikitext2", "evaluation.limit": "8",
+                    "ratios": "0.2, 0.4"},
+    "The paper's settings": {"alpha": "1", "solver": "greedy", "allocation": "gradient", "compensation": "none",
+                             "calibration.dataset": "wikitext2", "calibration.n_samples": "128",
+                             "calibration.seq_len": "2048", "calibration.seed": "0",
+                             "evaluation.perplexity": "wikitext2, ptb",
+                             "evaluation.limit": "",
+                             "evaluation.zero_shot": "boolq, piqa, hellaswag, winogrande, arc_easy, arc_challenge, "
+                                                     "openbookqa"},
+    "For llama.cpp within a size": {"target.format": "gguf", "target.max_params": "", "gguf_types": ""},
+}  # fmt: skip
+
+
+def test_the_presets_fill_their_fields_and_the_form_sends_the_aim_chosen(
+    page: Page, server: str, keys: dict[str, str]
+) -> None:
+    sign_in(page, f"{server}/console/new", keys["bob"])
+    form_field(page, "model").fill(TINY_JOB["model"])
+    form_field(page, "ratio").fill("0.3")
+    form_field(page, "calibration.batch_size").fill("4")
+    for preset, values in PRESET_VALUES.items():
+        page.get_by_role("button", name=preset).click()
+        for path, value in values.items():
+            expect(page.locator(f'[data-field="{path}"]').locator("input, select, textarea")).to_have_value(value)
+        expect(page.locator("#preset-note")).to_contain_text(f"{preset}: ")
+    # A field no preset names is kept; the budget's preset hid the ratio.
+    expect(form_field(page, "calibration.batch_size")).to_have_value("4")
+    expect(form_field(page, "ratio")).to_be_hidden()
+
+    # The budget chosen, the ratio typed before is not sent; a budget without a size is the API's to refuse.
+    sent: list[Any] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.method == "POST" and "/v1/jobs" in r.url else None)
+    page.get_by_role("button", name="Submit the job").click()
+    expect(page.locator('[data-field="target.format"] .field-error')).to_have_text("only goes with max_bytes")
+    assert "ratio" not in sent[0] and sent[0]["target"] == {"format": "gguf"}, sent
+    assert sent[0]["calibration"]["n_samples"] == 128 and sent[0]["ratios"] == [0.2, 0.4]
+    # A budget of nothing at all: the API's reason, naming `target`, which is no field, above the button.
+    form_field(page, "target.format").select_option("")
+    page.get_by_role("button", name="Submit the job").click()
+    expect(page.locator("#form-error")).to_have_text(
+        "invalid_request: target: give exactly one of max_bytes, max_params, max_perplexity_increase, got none"
+    )
+    assert sent[1]["target"] == {}, sent
+    # Back to a ratio: the budget's fields are not sent (a ratio out of range: no job is made).
+    page.get_by_label("by a ratio").check()
+    expect(form_field(page, "ratio")).to_have_value("0.3")
+    form_field(page, "ratio").fill("1.5")
+    page.get_by_role("button", name="Submit the job").click()
+    expect(page.locator('[data-field="ratio"] .field-error')).to_have_text("Input should be less than 1")
+    assert sent[2]["ratio"] == 1.5 and not {"target", "ratios", "gguf_types"} & set(sent[2]), sent[2]
+    assert sent[2]["calibration"]["batch_size"] == 4
+
+
+def test_a_field_the_console_does_not_name_still_shows_under_advanced(
+    page: Page, server: str, keys: dict[str, str]
+) -> None:
+    """The form comes from the OpenAPI document: a setting added to POST /v1/jobs lands in Advanced's "Other"
+    group with its description, while the stages keep their order."""
+
+    def with_a_new_setting(route: Route) -> None:
+        document = route.fetch().json()
+        document["components"]["schemas"]["JobCreate"]["properties"]["colour"] = {
+            "type": "string",
+            "description": "the job's colour",
+        }
+        route.fulfill(json=document)
+
+    page.route("**/openapi.json", with_a_new_setting)
+    sign_in(page, f"{server}/console/new", keys["bob"])
+    stages = page.locator("#advanced fieldset.stage").evaluate_all("sets => sets.map(s => s.dataset.stage)")
+    assert stages == ["calibration", "solver", "compensation", "evaluation", "recovery", "experts", "device", "job",
+                      "other"]  # fmt: skip
+    other = page.locator('fieldset[data-stage="other"]')
+    expect(other.locator("[data-field]")).to_have_count(1)
+    expect(other.locator('[data-field="colour"] .hint')).to_contain_text("the job's colour")
+    expect(page.locator("#advanced")).not_to_have_attribute("open", "")
 
 
 @pytest.fixture(scope="module")
