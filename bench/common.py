@@ -14,6 +14,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
+# The real pretrained model (#37, #38), under the models folder.
+SMOLLM2_GGUF = Path("smollm2-135m-instruct-gguf") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_datasets_dir() -> str:

@@ -37,6 +37,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from bench.common import (
     REPO_ROOT,
     RESULTS_DIR,
+    SMOLLM2_GGUF,
     default_datasets_dir,
     default_models_dir,
     finish_machine_info,
@@ -79,7 +80,6 @@ def job_bound_mib(model_mib: float) -> float:
     return JOB_FACTOR * model_mib + JOB_MARGIN_BYTES / 2**20
 
 
-SMOLLM2_GGUF = Path("smollm2-135m-instruct-gguf") / "SmolLM2-135M-Instruct.Q4_1.gguf"  # under the models folder
 # n_samples x seq_len: the issue's short calibration and the default.
 REAL_MODEL_CALIBRATIONS = ((32, 512), (128, 2048))
 
@@ -110,8 +110,9 @@ def real_model_settings(
     datasets_dir: str, n_samples: int, seq_len: int, evaluation_limit: int | None = None
 ) -> dict[str, Any]:
     """`casp prune --ratio 0.2 --calibration-dataset <WikiText-2 valid file> --n-samples N --seq-len L --export gguf
-    --gguf-type q4_k_m` on the CPU (#37's command), every other setting its default; `evaluation_limit` keeps that many perplexity windows per text (the slow
-    test's, for time: the batches, and so the memory, are the same)."""
+    --gguf-type q4_k_m` on the CPU (#37's command), every other setting its default; `evaluation_limit` keeps
+    that many perplexity windows per text (the slow test's, for time: the batches, and so the memory, are the
+    same)."""
     settings: dict[str, Any] = {
         "ratio": 0.2,
         "device": "cpu",

@@ -82,7 +82,7 @@ def engine_convention() -> dict[str, Any]:
     }
 
 
-def _load(path: Path, n_ctx: int, *, all_logits: bool) -> "llama_cpp.Llama":
+def _load(path: Path, n_ctx: int, *, all_logits: bool, threads: int = ENGINE_THREADS) -> "llama_cpp.Llama":
     llama_cpp = llama_cpp_module()
     assert llama_cpp is not None, "callers check llama_cpp_module() first"
     return llama_cpp.Llama(
@@ -91,8 +91,8 @@ def _load(path: Path, n_ctx: int, *, all_logits: bool) -> "llama_cpp.Llama":
         n_batch=n_ctx,  # a window is one batch, as it is one forward pass in transformers
         n_ubatch=n_ctx,
         logits_all=all_logits,
-        n_threads=ENGINE_THREADS,
-        n_threads_batch=ENGINE_THREADS,
+        n_threads=threads,
+        n_threads_batch=threads,
         verbose=False,
     )
 
@@ -118,10 +118,10 @@ def engine_perplexity(llm: "llama_cpp.Llama", text: EvaluationText, run: Run | N
     return math.exp(total_nll / text.windows[:, 1:].numel())
 
 
-def engine_speed(path: Path, repeats: int = SPEED_REPEATS) -> tuple[float, float]:
-    """(prefill, decode) tokens per second at one thread, the median of `repeats` timed runs; see the module
-    docstring."""
-    llm = _load(path, PREFILL_TOKENS + DECODE_TOKENS, all_logits=False)
+def engine_speed(path: Path, repeats: int = SPEED_REPEATS, threads: int = ENGINE_THREADS) -> tuple[float, float]:
+    """(prefill, decode) tokens per second at `threads` (the job's figures: one), the median of `repeats` timed
+    runs; see the module docstring."""
+    llm = _load(path, PREFILL_TOKENS + DECODE_TOKENS, all_logits=False, threads=threads)
     try:
         ids = np.random.default_rng(SPEED_SEED).integers(0, llm.n_vocab(), PREFILL_TOKENS + DECODE_TOKENS).tolist()
         prompt, continuation = ids[:PREFILL_TOKENS], ids[PREFILL_TOKENS:]

@@ -1,0 +1,684 @@
+"""SmolLM2-135M-Instruct: casp's claims, and the "prune, quantize or both?" answer, on a real pretrained model.
+
+`python -m bench.smollm2` (#38) measures the model of `../shared/fixtures/models/smollm2-135m-instruct-gguf/`, loaded
+from its Q4_1 GGUF file as `casp prune --model file.gguf` loads it on the CPU (dequantized to float32), in four
+parts:
+
+- `quality`: the defaults against each alternative the README claims they beat (`CONFIGS`) at `--ratios`.
+  Perplexity on WikiText-2 test and PTB test (`ptb:test`; casp's plain `ptb` is the validation split) at
+  128-token windows (LLM-Pruner's and FLAP's convention) and 2048-token ones (SliceGPT's and Wanda's), the first
+  `--windows-128` and `--windows-2048` windows of each, the same windows for every row. The seven zero-shot tasks
+  (`--zero-shot-limit` documents each; 0: every document) for the dense model and every row at
+  `ZERO_SHOT_RATIOS`. The prune's wall time and peak host memory, in a fresh process per row.
+- `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
+  same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
+  ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
+  weight and llama.cpp's prefill and decode speed at `SPEED_THREADS` threads. The equal-bytes table puts each
+  pruned file against the dense ladder interpolated at its size; smollm2.png draws the front.
+- `recovery`: the defaults' prune at `RECOVERY_RATIO`, recovered by each recipe of `RECIPES` on PTB train
+  (`ptb:train`, held out from both test texts) for `--recovery-steps` steps of the same batches, then its `q4_k_m`
+  file in llama.cpp against the dense front.
+
+Calibration is the same for every prune: `CALIBRATION` (the WikiText-2 validation file, 32 x 512 tokens, seed 0).
+
+Each row is measured in a child process (its peak RSS is the child's VmHWM) and written to
+bench/results/smollm2.json as it finishes, with its machine, commit, load before and after and the settings it was
+measured under. A rerun skips the rows already held under the same settings, so the bench can be stopped and
+resumed; `--rerun KEY` measures one row again beside the held one (the reproducibility check). smollm2.md and
+smollm2.png are rendered from the JSON after every row (`--render` alone renders).
+"""
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    SMOLLM2_GGUF,
+    default_datasets_dir,
+    default_models_dir,
+    finish_machine_info,
+    machine_info,
+    machine_line,
+    write_json,
+)
+from bench.memory import memory_status_mib
+from bench.quantized import _dense_at
+
+RATIOS = (0.2, 0.3, 0.1, 0.5)  # 0.2 first: the ratio the issue's figures and the README's headline are at
+# Name -> the settings that differ from casp prune's defaults.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "solver diagonal": {"solver": "diagonal"},
+    "solver wanda_sp": {"solver": "wanda_sp"},
+    "FLAP (UL-UM)": {"solver": "flap", "compensation": "bias", "allocation": "uniform"},
+    "FLAP, gradient allocation": {"solver": "flap", "compensation": "bias"},
+    "allocation uniform": {"allocation": "uniform"},
+    "compensation none (the paper's CASP)": {"compensation": "none"},
+    "alpha auto": {"alpha": "auto"},
+    "shape uniform (vLLM)": {"shape": "uniform"},
+}
+ZERO_SHOT_RATIOS = (0.2, 0.3)
+ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
+# Label -> the evaluation source: both test splits, held out from calibration and recovery text.
+EVAL_SETS = {"wikitext2": "wikitext2", "ptb:test": "ptb:test"}
+EVAL_SEQ_LENS = (128, 2048)
+CALIBRATION = {"dataset": "wikitext-2/wiki.valid.tokens", "n_samples": 32, "seq_len": 512, "seed": 0}
+DENSE_LADDER = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_nl", "q3_k_m", "q2_k")
+# The type a checkpoint is pruned for (round_to auto fits its block) -> the pruned files written from it.
+PRUNED_TYPES = {"q8_0": ("q8_0",), "q4_k_m": ("q5_k_m", "q4_k_m")}
+SPEED_THREADS = (1, 2)
+SPEED_REPEATS = 3
+FRONT_AXIS = ("wikitext2", 2048)  # the plot's perplexity and the equal-bytes table's first column
+RECOVERY_RATIO = 0.3
+RECIPES = {"distill_ce+lora": ("lora", "distill_ce"), "distill+full": ("full", "distill")}
+RECOVERY_SEQ_LEN = 256
+RESULT = "smollm2"
+
+
+def eval_key(dataset: str, seq_len: int) -> str:
+    return f"{dataset}@{seq_len}"
+
+
+# ---------------------------------------------------------------- what a child process measures
+
+
+def model_path(settings: dict[str, Any]) -> str:
+    return str(Path(settings["models_dir"]) / SMOLLM2_GGUF)
+
+
+def prune_config(settings: dict[str, Any], ratio: float, overrides: dict[str, Any]) -> Any:
+    from casp_core.config import CalibrationConfig, PruneConfig
+
+    calibration = {**CALIBRATION, "dataset": str(Path(settings["datasets_dir"]) / CALIBRATION["dataset"])}
+    return PruneConfig(
+        ratio=ratio,
+        calibration=CalibrationConfig(**calibration),
+        datasets_dir=settings["datasets_dir"],
+        device="cpu",
+        **overrides,
+    )
+
+
+def evaluation_texts(tokenizer: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    from casp_core.eval.perplexity import evaluation_text
+
+    return {
+        eval_key(name, seq_len): evaluation_text(
+            tokenizer,
+            source,
+            seq_len,
+            datasets_dir=settings["datasets_dir"],
+            max_windows=settings["windows"][str(seq_len)],
+        )
+        for seq_len in EVAL_SEQ_LENS
+        for name, source in EVAL_SETS.items()
+    }
+
+
+def pruned(settings: dict[str, Any], ratio: float, overrides: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """The model pruned at `ratio` with `overrides` (ratio 0: dense), with the prune's seconds and peak RSS."""
+    from casp_core.model import load_model
+    from casp_core.prune import prune
+
+    model, tokenizer = load_model(model_path(settings))
+    start = time.perf_counter()
+    achieved = 0.0
+    if ratio:
+        result = prune(model, tokenizer, prune_config(settings, ratio, overrides))
+        model, achieved = result.model, result.achieved_ratio
+    return (
+        model,
+        tokenizer,
+        {
+            "achieved_ratio": achieved,
+            "params": sum(parameter.numel() for parameter in model.parameters()),
+            "prune_seconds": time.perf_counter() - start,
+            # The process's peak so far: loading and pruning, before any evaluation.
+            "prune_peak_rss_mib": memory_status_mib("VmHWM"),
+        },
+    )
+
+
+def zero_shot(model: Any, tokenizer: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    from casp_core.eval.zeroshot import evaluate_zero_shot
+
+    result = evaluate_zero_shot(
+        model,
+        tokenizer,
+        list(ZERO_SHOT_TASKS),
+        limit=settings["zero_shot_limit"] or None,
+        datasets_dir=settings["datasets_dir"],
+        device="cpu",
+    )
+    return {"acc": {task: figures["acc"] for task, figures in result["tasks"].items()}, "mean": result["average_acc"]}
+
+
+def quality_row(settings: dict[str, Any], config: str, ratio: float) -> dict[str, Any]:
+    from casp_core.eval.perplexity import windows_perplexity
+
+    model, tokenizer, figures = pruned(settings, ratio, CONFIGS.get(config, {}))
+    texts = evaluation_texts(tokenizer, settings)
+    start = time.perf_counter()
+    ppl = {key: windows_perplexity(model, text, device="cpu") for key, text in texts.items()}
+    measured = settings["zero_shot_limit"] >= 0 and (ratio == 0 or ratio in ZERO_SHOT_RATIOS)
+    return {
+        **figures,
+        "ppl": ppl,
+        "zero_shot": zero_shot(model, tokenizer, settings) if measured else None,
+        "evaluation_seconds": time.perf_counter() - start,
+    }
+
+
+def gguf_rows(checkpoint: Path, gguf_types: tuple[str, ...], texts: dict[str, Any]) -> list[dict[str, Any]]:
+    from casp_core.export.gguf import export_gguf
+
+    rows = []
+    for gguf_type in gguf_types:
+        export = export_gguf(checkpoint, checkpoint / f"model-{gguf_type}.gguf", gguf_type)
+        rows.append(
+            {
+                "type": gguf_type,
+                **file_figures(export.path, texts),
+                "tensor_types": dict(Counter(export.tensor_types.values()).most_common()),
+                "fallbacks": [asdict(fallback) for fallback in export.fallbacks],
+            }
+        )
+        export.path.unlink()
+    return rows
+
+
+def file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
+    """A GGUF file's bytes, bits per weight, perplexity on `texts` and speed, in llama.cpp."""
+    from casp_core.eval import engine
+
+    start = time.perf_counter()
+    ppl = engine.gguf_perplexity(path, texts)
+    speed = {
+        str(threads): dict(zip(("prefill", "decode"), engine.engine_speed(path, SPEED_REPEATS, threads), strict=True))
+        for threads in SPEED_THREADS
+    }
+    return {
+        "bytes": path.stat().st_size,
+        "bits_per_weight": engine.gguf_bits_per_weight(path),
+        "ppl": ppl,
+        "tokens_per_s": speed,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def ladder_row(settings: dict[str, Any], ratio: float, planned_for: str) -> dict[str, Any]:
+    """Ratio 0: the dense ladder ("dense") or the source file ("source"); else the defaults' prune for
+    `planned_for`'s block and the files of its family."""
+    from casp_core.checkpoint import save_pruned
+    from casp_core.export.tokenizer import keep_source_vocabulary
+
+    if planned_for == "source":
+        _, tokenizer, _ = pruned(settings, 0, {})
+        texts = evaluation_texts(tokenizer, settings)
+        return {"files": [{"type": "q4_1 (source)", **file_figures(Path(model_path(settings)), texts)}]}
+    gguf_types = DENSE_LADDER if ratio == 0 else PRUNED_TYPES[planned_for]
+    overrides = {"export": ["gguf"], "gguf_type": planned_for}
+    model, tokenizer, figures = pruned(settings, ratio, overrides)
+    texts = evaluation_texts(tokenizer, settings)
+    with tempfile.TemporaryDirectory() as work:
+        checkpoint = Path(work) / "checkpoint"
+        save_pruned(model, tokenizer, checkpoint)
+        keep_source_vocabulary(Path(model_path(settings)), checkpoint)  # as a job does: the file's own vocabulary
+        del model
+        return {**figures, "files": gguf_rows(checkpoint, gguf_types, texts)}
+
+
+def recovery_row(settings: dict[str, Any], recipe: str) -> dict[str, Any]:
+    from casp_core.checkpoint import save_pruned
+    from casp_core.config import RecoveryConfig
+    from casp_core.eval.perplexity import windows_perplexity
+    from casp_core.export.tokenizer import keep_source_vocabulary
+    from casp_core.model import load_model
+    from casp_core.recovery import recover
+    from casp_core.recovery_data import load_training_data
+    from casp_core.teacher import compute_teacher, teacher_fingerprint
+
+    method, loss = RECIPES[recipe]
+    recovery = RecoveryConfig(
+        method=method,
+        loss=loss,
+        dataset="ptb:train",
+        max_steps=settings["recovery_steps"],
+        max_seq_len=RECOVERY_SEQ_LEN,
+    )
+    dense, tokenizer = load_model(model_path(settings))
+    data = load_training_data(
+        "ptb:train", tokenizer, max_seq_len=RECOVERY_SEQ_LEN, context=2048, datasets_dir=settings["datasets_dir"]
+    )
+    # The sequences the steps take, in order: the teacher's top-k is computed for those alone.
+    used = settings["recovery_steps"] * recovery.batch_size * recovery.grad_accum
+    data = replace(data, sequences=data.sequences[:used], labels=data.labels[:used])
+    texts = evaluation_texts(tokenizer, settings)
+    with tempfile.TemporaryDirectory() as work:
+        start = time.perf_counter()
+        fingerprint = teacher_fingerprint({"model": str(SMOLLM2_GGUF)}, data, recovery)
+        teacher = compute_teacher(dense, data, recovery, Path(work) / "teacher", fingerprint, device="cpu")
+        teacher_seconds = time.perf_counter() - start
+        model, _, figures = pruned(settings, RECOVERY_RATIO, {})
+        del dense
+        pruned_ppl = {key: windows_perplexity(model, text, device="cpu") for key, text in texts.items()}
+        start = time.perf_counter()
+        recovered, result = recover(model, tokenizer, data, recovery, device="cpu", teacher=teacher)
+        recovery_seconds = time.perf_counter() - start
+        checkpoint = Path(work) / "checkpoint"
+        save_pruned(recovered, tokenizer, checkpoint)
+        keep_source_vocabulary(Path(model_path(settings)), checkpoint)
+        return {
+            **figures,
+            "settings": recovery.to_dict(),
+            "train_sequences": len(data),
+            "train_tokens": sum(len(sequence) for sequence in data.sequences),
+            "pruned_ppl": pruned_ppl,
+            "ppl": {key: windows_perplexity(recovered, text, device="cpu") for key, text in texts.items()},
+            "zero_shot": zero_shot(recovered, tokenizer, settings) if settings["zero_shot_limit"] >= 0 else None,
+            "loss_first_last": [result.curve[0]["loss"], result.curve[-1]["loss"]],
+            "teacher_seconds": teacher_seconds,
+            "recovery_seconds": recovery_seconds,
+            "files": gguf_rows(checkpoint, ("q4_k_m",), texts),
+        }
+
+
+def measure_row(key: str, settings: dict[str, Any]) -> dict[str, Any]:
+    part, *rest = key.split("/")
+    if part == "quality":
+        return quality_row(settings, rest[0], float(rest[1]))
+    if part == "ladder":
+        return ladder_row(settings, float(rest[0]), rest[1])
+    return recovery_row(settings, rest[0])
+
+
+# ---------------------------------------------------------------- the plan and the parent process
+
+
+def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
+    """Each row's key: its part and what it varies."""
+    if "quality" in parts:
+        yield "quality/dense/0"
+        for ratio in ratios:
+            for config in CONFIGS:
+                yield f"quality/{config}/{ratio:g}"
+    if "ladder" in parts:
+        yield "ladder/0/dense"
+        yield "ladder/0/source"
+        for ratio in ratios:
+            for planned_for in PRUNED_TYPES:
+                yield f"ladder/{ratio:g}/{planned_for}"
+    if "recovery" in parts:
+        for recipe in RECIPES:
+            yield f"recovery/{recipe}"
+
+
+def measure_in_child(key: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """One row in a fresh process: its peak RSS is its own, and nothing is shared between rows."""
+    machine = machine_info()
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.smollm2", "--row", key, json.dumps(settings)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"{key} failed:\n{completed.stderr[-4000:]}")
+    figures = json.loads(completed.stdout.strip().splitlines()[-1])
+    return {"key": key, "settings": settings, "machine": finish_machine_info(machine), **figures}
+
+
+def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a row's figures depend on; a held row is reused only under the same."""
+    return {
+        "models_dir": args.models_dir,
+        "datasets_dir": args.datasets_dir,
+        "calibration": CALIBRATION,
+        "windows": {"128": args.windows_128, "2048": args.windows_2048},
+        "zero_shot_limit": args.zero_shot_limit,
+        "recovery_steps": args.recovery_steps,
+    }
+
+
+def same_settings(row: dict[str, Any], settings: dict[str, Any]) -> bool:
+    held = {key: value for key, value in row["settings"].items() if key not in ("models_dir", "datasets_dir")}
+    return held == {key: value for key, value in settings.items() if key not in ("models_dir", "datasets_dir")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--row", nargs=2, metavar=("KEY", "SETTINGS"), help=argparse.SUPPRESS)
+    parser.add_argument("--parts", default="quality,ladder,recovery", help="quality, ladder, recovery, comma-separated")
+    parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
+    parser.add_argument("--windows-128", type=int, default=128, help="128-token windows per test text")
+    parser.add_argument("--windows-2048", type=int, default=8, help="2048-token windows per test text")
+    parser.add_argument(
+        "--zero-shot-limit", type=int, default=100, help="documents per zero-shot task (0: all of them, -1: none)"
+    )
+    parser.add_argument(
+        "--recovery-steps",
+        type=int,
+        default=10,
+        help="optimizer steps per recovery recipe, each 8 x 16 sequences of 256 tokens of PTB train (10: about an "
+        "hour a recipe on 2 cores)",
+    )
+    parser.add_argument("--only", nargs="+", metavar="KEY", help="measure only these rows of the plan (their keys)")
+    parser.add_argument("--rerun", help="measure this row again (its key), beside the one held")
+    parser.add_argument("--render", action="store_true", help="only render smollm2.md and smollm2.png from the JSON")
+    parser.add_argument("--models-dir", default=default_models_dir())
+    parser.add_argument("--datasets-dir", default=default_datasets_dir())
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if args.row:
+        key, settings = args.row
+        print(json.dumps(measure_row(key, json.loads(settings))))
+        return
+    path = args.out / f"{RESULT}.json"
+    payload = json.loads(path.read_text()) if path.is_file() else {"rows": [], "reruns": []}
+    if not args.render:
+        settings = recorded_settings(args)
+        keys = [args.rerun] if args.rerun else planned_rows(args.parts.split(","), args.ratios)
+        for key in keys:
+            if args.only and key not in args.only:
+                continue
+            held = [row for row in payload["rows"] if row["key"] == key]
+            if held and same_settings(held[0], settings) and not args.rerun:
+                continue
+            row = measure_in_child(key, settings)
+            if args.rerun:
+                payload["reruns"].append(row)
+            else:
+                payload["rows"] = [*(r for r in payload["rows"] if r["key"] != key), row]
+            print(f"{key}: {row.get('ppl') or row.get('files')}", flush=True)
+            write_json(path, payload)
+            render(payload, args.out)
+    render(payload, args.out)
+
+
+# ---------------------------------------------------------------- the tables and the plot
+
+
+def render(payload: dict[str, Any], out: Path) -> None:
+    rows = {row["key"]: row for row in payload["rows"]}
+    files = ladder_files(rows)
+    if files:
+        plot(files, out / f"{RESULT}.png")
+    (out / f"{RESULT}.md").write_text("\n".join(markdown(rows, files, payload["reruns"])) + "\n")
+
+
+def ladder_files(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every measured GGUF file, with the ratio and block family it came from."""
+    files = []
+    for key, row in rows.items():
+        if key.startswith("ladder/"):
+            _, ratio, planned_for = key.split("/")
+            files += [{**file, "ratio": float(ratio), "planned_for": planned_for} for file in row["files"]]
+        elif key.startswith("recovery/"):
+            files += [{**file, "ratio": RECOVERY_RATIO, "planned_for": key} for file in row["files"]]
+    return files
+
+
+def on_front(files: list[dict[str, Any]]) -> set[int]:
+    """Indices of the files no other file beats in both bytes and perplexity (the front's axis)."""
+    axis = eval_key(*FRONT_AXIS)
+    return {
+        index
+        for index, file in enumerate(files)
+        if not any(
+            (other["bytes"] <= file["bytes"] and other["ppl"][axis] < file["ppl"][axis])
+            or (other["bytes"] < file["bytes"] and other["ppl"][axis] <= file["ppl"][axis])
+            for other in files
+        )
+    }
+
+
+def plot(files: list[dict[str, Any]], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    axis = eval_key(*FRONT_AXIS)
+    figure = Figure(figsize=(7, 5))
+    axes = figure.add_subplot()
+    groups = dict.fromkeys((file["ratio"], file["planned_for"]) for file in files)
+    for index, (ratio, planned_for) in enumerate(groups):
+        points = sorted(
+            (file["bytes"], file["ppl"][axis], file["type"])
+            for file in files
+            if (file["ratio"], file["planned_for"]) == (ratio, planned_for)
+        )
+        label = "dense" if ratio == 0 else f"pruned {ratio:g} ({planned_for})"
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{index}", label=label)
+        for size, value, gguf_type in points:
+            axes.annotate(gguf_type, (size, value), fontsize=6, xytext=(2, 2), textcoords="offset points")
+    front = sorted((files[index]["bytes"], files[index]["ppl"][axis]) for index in on_front(files))
+    axes.plot([p[0] for p in front], [p[1] for p in front], color="black", linewidth=0.8, label="front")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("GGUF file bytes")
+    axes.set_ylabel(f"{FRONT_AXIS[0]} perplexity at {FRONT_AXIS[1]}-token windows (llama.cpp)")
+    axes.set_title("SmolLM2-135M-Instruct: pruned and quantized")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, format="png", dpi=120)
+
+
+def _ppl(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
+def _load(row: dict[str, Any]) -> str:
+    machine = row["machine"]
+    return f"{machine['loadavg_start'][0]:.1f}/{machine['loadavg_end'][0]:.1f}"
+
+
+def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], reruns: list[dict[str, Any]]) -> list[str]:
+    any_row = next(iter(rows.values()), None)
+    lines = [
+        "# SmolLM2-135M-Instruct: casp on a real pretrained model",
+        "",
+        "Produced by `python -m bench.smollm2` (bench/smollm2.py says what each part measures). The model: "
+        f"`{SMOLLM2_GGUF}`, dequantized to float32 on the CPU. Calibration for every prune: the WikiText-2 "
+        f"validation file (`{CALIBRATION['dataset']}`), {CALIBRATION['n_samples']} x {CALIBRATION['seq_len']} "
+        f"tokens, seed {CALIBRATION['seed']}. Perplexity on WikiText-2 test and `ptb:test` (PTB's test split), "
+        "both held out.",
+    ]
+    if any_row is not None:
+        settings = any_row["settings"]
+        windows = settings["windows"]
+        lines += [
+            "",
+            f"Evaluation: the first {windows['128']} windows of 128 tokens and the first {windows['2048']} of 2048 "
+            "tokens of each text, the same for every row; zero-shot on the first "
+            f"{settings['zero_shot_limit'] or 'all'} documents of each task. Each row was measured in its own "
+            "process; its machine, commit and load (1-minute load average before/after) are in smollm2.json, the "
+            "load also below.",
+            "",
+            f"Machine of the first row: {machine_line(any_row['machine'])}.",
+        ]
+    lines += quality_tables(rows)
+    lines += ladder_tables(rows, files)
+    lines += recovery_table(rows, files)
+    if reruns:
+        lines += ["", "## Reruns from the recorded settings", "", "| row | perplexity held | rerun | change |"]
+        lines.append("|---|---|---|---|")
+        for rerun in reruns:
+            held = rows.get(rerun["key"])
+            if held is None or "ppl" not in held:
+                continue
+            for name, value in rerun["ppl"].items():
+                change = value / held["ppl"][name] - 1
+                lines.append(f"| {rerun['key']} {name} | {_ppl(held['ppl'][name])} | {_ppl(value)} | {change:+.2%} |")
+    return lines
+
+
+def quality_tables(rows: dict[str, dict[str, Any]]) -> list[str]:
+    dense = rows.get("quality/dense/0")
+    quality = {key: row for key, row in rows.items() if key.startswith("quality/") and key != "quality/dense/0"}
+    if dense is None:
+        return []
+    columns = [eval_key(name, seq_len) for seq_len in EVAL_SEQ_LENS for name in EVAL_SETS]
+    lines = [
+        "",
+        "## 1. Quality: the defaults against each alternative",
+        "",
+        f"| ratio | configuration | {' | '.join(columns)} | prune s | peak RSS MiB | load |",
+        f"|---|---|{'---|' * len(columns)}---|---|---|",
+        f"| 0 | dense | {' | '.join(_ppl(dense['ppl'][c]) for c in columns)} | - | "
+        f"{dense['prune_peak_rss_mib']:.0f} | {_load(dense)} |",
+    ]
+    ratios = sorted({float(key.split("/")[2]) for key in quality})
+    for ratio in ratios:
+        at_ratio = {key.split("/")[1]: row for key, row in quality.items() if float(key.split("/")[2]) == ratio}
+        best = {c: min(row["ppl"][c] for row in at_ratio.values()) for c in columns}
+        for config in CONFIGS:
+            row = at_ratio.get(config)
+            if row is None:
+                continue
+            cells = [f"**{_ppl(row['ppl'][c])}**" if row["ppl"][c] == best[c] else _ppl(row["ppl"][c]) for c in columns]
+            lines.append(
+                f"| {ratio:g} | {config} | {' | '.join(cells)} | {row['prune_seconds']:.0f} | "
+                f"{row['prune_peak_rss_mib']:.0f} | {_load(row)} |"
+            )
+    lines += ["", "Bold: the best of the ratio's measured rows in that column.", *defaults_verdict(quality, columns)]
+    lines += zero_shot_table(dense, quality)
+    return lines
+
+
+def defaults_verdict(quality: dict[str, dict[str, Any]], columns: list[str]) -> list[str]:
+    """Where the defaults lose: each alternative that beats them, by how much, in which column."""
+    losses, compared = [], 0
+    for key, row in quality.items():
+        _, config, ratio = key.split("/")
+        defaults = quality.get(f"quality/defaults/{ratio}")
+        if config == "defaults" or defaults is None:
+            continue
+        compared += 1
+        for column in columns:
+            if row["ppl"][column] < defaults["ppl"][column]:
+                losses.append(
+                    f"- at {ratio}, {config} beats the defaults on {column}: {_ppl(row['ppl'][column])} against "
+                    f"{_ppl(defaults['ppl'][column])} ({row['ppl'][column] / defaults['ppl'][column] - 1:+.1%})"
+                )
+    if not compared:
+        return ["", "No alternative is measured beside the defaults yet."]
+    if not losses:
+        return ["", f"The defaults win every column against the {compared} alternative rows measured."]
+    return ["", "Where the defaults lose:", "", *losses]
+
+
+def zero_shot_table(dense: dict[str, Any], quality: dict[str, dict[str, Any]]) -> list[str]:
+    measured = {key: row for key, row in quality.items() if row.get("zero_shot")}
+    if not dense.get("zero_shot"):
+        return []
+    tasks = list(dense["zero_shot"]["acc"])
+    lines = [
+        "",
+        "### Zero-shot accuracy",
+        "",
+        f"| ratio | configuration | {' | '.join(tasks)} | mean |",
+        f"|---|---|{'---|' * len(tasks)}---|",
+    ]
+    labelled = [("0 | dense", dense)]
+    for key, row in measured.items():
+        _, config, ratio = key.split("/")
+        labelled.append((f"{ratio} | {config}", row))
+    for label, row in labelled:
+        accuracies = [row["zero_shot"]["acc"][task] for task in tasks]
+        cells = " | ".join(f"{value:.3f}" for value in accuracies)
+        lines.append(f"| {label} | {cells} | {row['zero_shot']['mean']:.3f} |")
+    return lines
+
+
+def ladder_tables(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]]) -> list[str]:
+    ladder = [file for file in files if not file["planned_for"].startswith("recovery/")]
+    if not ladder:
+        return []
+    columns = [eval_key(name, seq_len) for seq_len in EVAL_SEQ_LENS for name in EVAL_SETS]
+    front = on_front(ladder)
+    lines = [
+        "",
+        "## 2. Prune x quantize in llama.cpp, and 3. its speed",
+        "",
+        f"Every file made by llama.cpp's quantizer and measured in llama.cpp. Front: no other file is both smaller "
+        f"and better on {eval_key(*FRONT_AXIS)} (the plot's axis). Speed: tokens per second of a 128-token prefill "
+        f"and of 64 tokens decoded one at a time, the median of {SPEED_REPEATS} runs, at 1 and 2 threads.",
+        "",
+        f"| file | bytes | bpw | {' | '.join(columns)} | front | prefill 1t | decode 1t | prefill 2t | decode 2t |",
+        f"|---|---|---|{'---|' * len(columns)}---|---|---|---|---|",
+    ]
+    for index, file in sorted(enumerate(ladder), key=lambda pair: pair[1]["bytes"]):
+        name = "dense" if file["ratio"] == 0 else f"pruned {file['ratio']:g}"
+        speed = file["tokens_per_s"]
+        lines.append(
+            f"| {name} {file['type']} | {file['bytes']:,} | {file['bits_per_weight']:.2f} | "
+            f"{' | '.join(_ppl(file['ppl'][c]) for c in columns)} | {'yes' if index in front else ''} | "
+            f"{speed['1']['prefill']:.0f} | {speed['1']['decode']:.1f} | {speed['2']['prefill']:.0f} | "
+            f"{speed['2']['decode']:.1f} |"
+        )
+    dense = [file for file in ladder if file["ratio"] == 0 and "source" not in file["type"]]
+    lines += [
+        "",
+        "### At equal bytes",
+        "",
+        "Each pruned file against the dense ladder interpolated (linear in log bytes) at its size.",
+        "",
+        f"| file | bytes | {' | '.join(f'{c}: pruned / dense at its bytes' for c in columns)} |",
+        f"|---|---|{'---|' * len(columns)}",
+    ]
+    for file in sorted((f for f in ladder if f["ratio"] > 0), key=lambda f: f["bytes"]):
+        cells = []
+        for column in columns:
+            at = _dense_at([{"bytes": d["bytes"], "ppl": d["ppl"]} for d in dense], file["bytes"], column)
+            cells.append(
+                "outside the dense range"
+                if at is None
+                else f"{_ppl(file['ppl'][column])} / {_ppl(at)} ({file['ppl'][column] / at - 1:+.1%})"
+            )
+        lines.append(f"| pruned {file['ratio']:g} {file['type']} | {file['bytes']:,} | {' | '.join(cells)} |")
+    lines += ["", f"![perplexity against bytes]({RESULT}.png)"]
+    return lines
+
+
+def recovery_table(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]]) -> list[str]:
+    recovered = {key.split("/")[1]: row for key, row in rows.items() if key.startswith("recovery/")}
+    dense = rows.get("quality/dense/0")
+    if not recovered or dense is None:
+        return []
+    columns = [eval_key(name, seq_len) for seq_len in EVAL_SEQ_LENS for name in EVAL_SETS]
+    lines = [
+        "",
+        f"## 4. Recovery at {RECOVERY_RATIO:g} on `ptb:train`",
+        "",
+        "Share of the pruning's perplexity loss recovered: (pruned - recovered) / (pruned - dense).",
+        "",
+        f"| recipe | steps | tokens | {' | '.join(f'{c}: pruned -> recovered (share)' for c in columns)} | "
+        "zero-shot mean | seconds |",
+        f"|---|---|---|{'---|' * len(columns)}---|---|",
+    ]
+    for recipe, row in recovered.items():
+        cells = []
+        for column in columns:
+            before, after, base = row["pruned_ppl"][column], row["ppl"][column], dense["ppl"][column]
+            cells.append(f"{_ppl(before)} -> {_ppl(after)} ({(before - after) / (before - base):.0%})")
+        zero = row["zero_shot"]["mean"] if row.get("zero_shot") else None
+        lines.append(
+            f"| {recipe} | {row['settings']['max_steps']} | {row['train_tokens']:,} | {' | '.join(cells)} | "
+            f"{'-' if zero is None else f'{zero:.3f}'} | {row['recovery_seconds']:.0f} |"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    main()
