@@ -77,18 +77,18 @@ def first_perplexity(point: dict[str, Any]) -> float:
 
 
 def at_budget(frontier: dict[str, Any]) -> dict[str, Any]:
-    """The issue's budget (70 % of the dense f16 file) applied to the measured points: what a job with it picks,
-    and the best dense file within it."""
+    """The issue's budget (70 % of the dense f16 file) applied to the measured points: what a job with it picks
+    (`target.candidates: all`, the default: the lowest perplexity within, the dense files included, ties to the
+    smaller), and the best pruned file within it (what `candidates: pruned` picks)."""
     points = frontier["candidates"]
     dense_f16 = next(point for point in points if point["dense"] and point["variant"] == "f16")
     budget = int(BUDGET_SHARE * dense_f16["bytes"])
     within = [point for point in points if point["bytes"] <= budget]
     pruned = [point for point in within if not point["dense"]]
-    dense = [point for point in within if point["dense"]]
     return {
         "max_bytes": budget,
-        "pick": min(pruned, key=first_perplexity) if pruned else None,
-        "best_dense": min(dense, key=first_perplexity) if dense else None,
+        "pick": min(within, key=lambda point: (first_perplexity(point), point["bytes"])) if within else None,
+        "best_pruned": min(pruned, key=lambda point: (first_perplexity(point), point["bytes"])) if pruned else None,
     }
 
 
@@ -109,13 +109,14 @@ def _name(point: dict[str, Any]) -> str:
     return f"dense {point['variant']}" if point["dense"] else f"{point['ratio']:g} {point['variant']}"
 
 
-def _dense_within(best_dense: dict[str, Any] | None, pick: dict[str, Any]) -> str:
-    if best_dense is None:
-        return "no dense file fits in it."
-    better = first_perplexity(best_dense) < first_perplexity(pick)
+def _pruned_within(best_pruned: dict[str, Any] | None, pick: dict[str, Any]) -> str:
+    if best_pruned is None:
+        return "no pruned file fits in it."
+    if best_pruned is pick:
+        return "a pruned file."
     return (
-        f"the best dense file within it is {_name(best_dense)} ({best_dense['bytes']:,} bytes, "
-        f"{first_perplexity(best_dense):.3f}), {'better than the pick: the job warns so' if better else 'worse'}."
+        f"the best pruned file within it is {_name(best_pruned)} ({best_pruned['bytes']:,} bytes, "
+        f"{first_perplexity(best_pruned):.3f}), which `target.candidates: pruned` would pick."
     )
 
 
@@ -136,7 +137,7 @@ def render(payload: dict[str, Any]) -> str:
         "",
     ]
     for run in payload["models"]:
-        frontier, budget = run["frontier"], run["budget"]
+        frontier = run["frontier"]
         texts = list(frontier["dense_perplexity"])
         front = [point for point in frontier["candidates"] if point["on_front"]]
         beaten = dense_beats(frontier["candidates"])
@@ -169,12 +170,13 @@ def render(payload: dict[str, Any]) -> str:
                 else "."
             ),
         ]
-        pick, best_dense = budget["pick"], budget["best_dense"]
+        budget = run["budget"]
+        pick = budget["pick"]
         if pick is not None:
             lines.append(
                 f"- Within {BUDGET_SHARE:.0%} of the dense f16 file ({budget['max_bytes']:,} bytes) a job picks "
                 f"{_name(pick)} ({pick['bytes']:,} bytes, perplexity {first_perplexity(pick):.3f}); "
-                + _dense_within(best_dense, pick)
+                + _pruned_within(budget["best_pruned"], pick)
             )
         lines.append("")
     return "\n".join(lines)
@@ -192,7 +194,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models-dir", default=default_models_dir())
     parser.add_argument("--datasets-dir", default=default_datasets_dir())
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="no sweep: the budget applied again to the points in frontier.json (the pick's rule changed), rewritten",
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        payload = json.loads((args.out / "frontier.json").read_text())
+        for run in payload["models"]:
+            run["budget"] = at_budget(run["frontier"])
+        write_json(args.out / "frontier.json", payload)
+        (args.out / "frontier.md").write_text(render(payload))
+        return payload
     start = time.perf_counter()
     machine = machine_info()
     with tempfile.TemporaryDirectory() as work:

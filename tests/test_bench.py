@@ -332,12 +332,15 @@ def test_frontier_tiny(tmp_path: Path) -> None:
         (ratio, variant) for ratio in (0.0, 0.3, 0.5) for variant in ("f16", "q8_0")
     }
     assert set(points[0]["perplexity"]) == {"wikitext2", "ptb:test"}
-    # The budget applied to the measured points: the pick is the best pruned file within 70 % of dense f16.
+    # The budget applied to the measured points: the pick is the best file within 70 % of dense f16, the
+    # dense ones included (target.candidates all, the default), and the best pruned one is beside it.
     dense_f16 = next(point for point in points if point["dense"] and point["variant"] == "f16")
     budget = run["budget"]
     assert budget["max_bytes"] == int(0.7 * dense_f16["bytes"])
-    within = [p for p in points if not p["dense"] and p["bytes"] <= budget["max_bytes"]]
+    within = [p for p in points if p["bytes"] <= budget["max_bytes"]]
     assert budget["pick"] == min(within, key=lambda point: point["perplexity"]["wikitext2"])
+    pruned = [p for p in within if not p["dense"]]
+    assert budget["best_pruned"] == min(pruned, key=lambda point: point["perplexity"]["wikitext2"])
     beaten = frontier.dense_beats(points)
     assert all(dense["bytes"] <= point["bytes"] for point, dense in beaten)
     markdown = (tmp_path / "frontier.md").read_text()
