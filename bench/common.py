@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -101,3 +102,14 @@ def all_finite(value: Any) -> bool:
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def run_child(module: str, args: list[str], what: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`python -m <module> <args>` in a fresh process from the repository root (its peak memory is its own): the
+    JSON of the last line it prints; a failure raises, naming `what`, with the end of its stderr."""
+    completed = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False, env=env
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{completed.stderr[-4000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])

@@ -22,8 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,7 +33,6 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from bench.common import (
-    REPO_ROOT,
     RESULTS_DIR,
     SMOLLM2_GGUF,
     default_datasets_dir,
@@ -43,6 +40,7 @@ from bench.common import (
     finish_machine_info,
     machine_info,
     machine_line,
+    run_child,
     write_json,
 )
 from bench.shapes import llama_config
@@ -159,17 +157,12 @@ def measure(model: Path | str, settings: dict[str, Any]) -> dict[str, Any]:
     each stage, and the load average before and after (other work slows it, and its figures say when)."""
     with tempfile.TemporaryDirectory() as out:
         load_before = os.getloadavg()
-        completed = subprocess.run(
-            [sys.executable, "-m", "bench.memory", "--job", str(model), json.dumps(settings), str(Path(out) / "o")],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
+        figures = run_child(
+            "bench.memory",
+            ["--job", str(model), json.dumps(settings), str(Path(out) / "o")],
+            "the job",
             env={**os.environ, "CASP_CACHE_DIR": str(Path(out) / "cache")},  # casp_core.caches
         )
-    if completed.returncode != 0:
-        raise RuntimeError(f"the job failed:\n{completed.stderr[-4000:]}")
-    figures = json.loads(completed.stdout.strip().splitlines()[-1])
     return {**figures, "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
 
 

@@ -31,8 +31,6 @@ smollm2.png are rendered from the JSON after every row (`--render` alone renders
 import argparse
 import json
 import math
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -42,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    REPO_ROOT,
     RESULTS_DIR,
     SMOLLM2_GGUF,
     default_datasets_dir,
@@ -50,6 +47,7 @@ from bench.common import (
     finish_machine_info,
     machine_info,
     machine_line,
+    run_child,
     write_json,
 )
 from bench.memory import memory_status_mib
@@ -327,16 +325,7 @@ def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
 def measure_in_child(key: str, settings: dict[str, Any]) -> dict[str, Any]:
     """One row in a fresh process: its peak RSS is its own, and nothing is shared between rows."""
     machine = machine_info()
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench.smollm2", "--row", key, json.dumps(settings)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if completed.returncode != 0:
-        raise RuntimeError(f"{key} failed:\n{completed.stderr[-4000:]}")
-    figures = json.loads(completed.stdout.strip().splitlines()[-1])
+    figures = run_child("bench.smollm2", ["--row", key, json.dumps(settings)], key)
     return {"key": key, "settings": settings, "machine": finish_machine_info(machine), **figures}
 
 

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    REPO_ROOT,
     RESULTS_DIR,
     all_finite,
     concurrency_note,
@@ -39,6 +37,7 @@ from bench.common import (
     finish_machine_info,
     machine_info,
     machine_line,
+    run_child,
     write_json,
 )
 from bench.memory import ONE_B, memory_status_mib, write_model
@@ -123,26 +122,13 @@ def measure_here(model_dir: str, settings: str, ratios: str, how: str) -> None:
 
 def measure(model_dir: Path, settings: dict[str, Any], ratios: list[float], how: str) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.sweep",
-            "--measure",
-            str(model_dir),
-            json.dumps(settings),
-            json.dumps(ratios),
-            how,
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
+    figures = run_child(
+        "bench.sweep",
+        ["--measure", str(model_dir), json.dumps(settings), json.dumps(ratios), how],
+        f"the {how} measurement",
     )
-    if completed.returncode != 0:
-        raise RuntimeError(f"the {how} measurement failed:\n{completed.stderr[-4000:]}")
     # The 1-minute load average as this measurement started and ended: other work on the machine inflates it.
-    return {**json.loads(completed.stdout.strip().splitlines()[-1]), "loadavg": [load_before, os.getloadavg()[0]]}
+    return {**figures, "loadavg": [load_before, os.getloadavg()[0]]}
 
 
 def _mean_stages(runs: list[dict[str, float]]) -> dict[str, float]:
