@@ -21,7 +21,7 @@ from casp_core.eval.evaluate import EvaluationPlan, Figures
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.export.gguf import GgufExport, export_checkpoint
 from casp_core.export.gguf_types import quantizer_block
-from casp_core.export.tokenizer import keep_source_vocabulary
+from casp_core.export.tokenizer import keep_source_vocabulary, vocabulary_of
 from casp_core.families import check_export, projections
 from casp_core.gguf_source import gguf_source_for, is_gguf_reference
 from casp_core.model import decoder_layers, load_model
@@ -117,7 +117,17 @@ def load_dense(
         model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
     )
     check_settings(dense, config, run)
+    if "gguf" in config.export:
+        check_gguf_tokenizer(model, dense, tokenizer)
     return dense, tokenizer, str(dense.dtype).removeprefix("torch.")
+
+
+def check_gguf_tokenizer(model: str, dense: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuses, before any work, a tokenizer llama.cpp cannot reproduce: the GGUF file's tokenizer is otherwise
+    read at export, after the prune. A GGUF source passes: its file's own tokenizer keys are written unchanged."""
+    if not is_gguf_reference(model):
+        embedding_rows = dense.get_input_embeddings().weight.shape[0]
+        vocabulary_of(tokenizer, embedding_rows, Path(tokenizer.name_or_path))
 
 
 def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> None:

@@ -50,6 +50,7 @@ from casp_core.job_steps import (
     Inputs,
     Pruned,
     RetryState,
+    check_gguf_tokenizer,
     check_settings,
     checkpoint_perplexity,
     read_inputs,
@@ -478,7 +479,7 @@ def run_sweep(
             )
             candidates = sweep_candidates(dense.config, config)
             units = sweep_units(candidates, config)
-            check_candidates(dense, config, candidates, run)
+            check_candidates(model, dense, tokenizer, config, candidates, run)
             placement = choose_placement(dense, unit_config(config, units[0], candidates[0].format), device)
             state, best = resume(retry, run)
         with run.stage("calibration_data"):
@@ -511,11 +512,19 @@ def unit_config(config: PruneConfig, unit: Unit, fmt: str) -> PruneConfig:
     return config.candidate_config(unit.ratio, fmt, unit.variants[0])
 
 
-def check_candidates(dense: PreTrainedModel, config: PruneConfig, candidates: list[Candidate], run: Run) -> None:
+def check_candidates(
+    model: str,
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    config: PruneConfig,
+    candidates: list[Candidate],
+    run: Run,
+) -> None:
     """Each candidate's settings checked as its single-ratio job checks them, before any work; llama.cpp, which
-    measures the GGUF candidates, must be there."""
+    measures the GGUF candidates, must be there, and the GGUF files' tokenizer must be one it reproduces."""
     if candidates[0].format == GGUF:
         require_llama_cpp()
+        check_gguf_tokenizer(model, dense, tokenizer)
     for candidate in candidates:
         check_settings(dense, config.candidate_config(candidate.ratio, candidate.format, candidate.variant), run)
 

@@ -194,7 +194,13 @@ def read_vocabulary(checkpoint: Path, vocab_size: int) -> Vocabulary | SourceVoc
     checkpoint pruned from a GGUF file has that file's (`SOURCE_VOCABULARY`)."""
     if (checkpoint / SOURCE_VOCABULARY).is_file():
         return _source_vocabulary(checkpoint / SOURCE_VOCABULARY, vocab_size)
-    loaded = load_tokenizer(str(checkpoint))
+    return vocabulary_of(load_tokenizer(str(checkpoint)), vocab_size, checkpoint)
+
+
+def vocabulary_of(loaded: Any, vocab_size: int, checkpoint: Path) -> Vocabulary:
+    """`loaded` (a transformers tokenizer, read from `checkpoint`) as llama.cpp will hold it; refused as
+    `read_vocabulary` refuses. A job calls it on its source's tokenizer before any work, so that a tokenizer no GGUF
+    can carry is refused then, not after the prune."""
     backend = getattr(loaded, "backend_tokenizer", None)
     if backend is None:
         raise _refuse(f"{type(loaded).__name__} has no tokenizers backend (tokenizer.json)")
