@@ -20,6 +20,9 @@ parts:
   file in llama.cpp against the dense front.
 
 Calibration is the same for every prune: `CALIBRATION` (the WikiText-2 validation file, 32 x 512 tokens, seed 0).
+The gradient sensitivities S_l depend only on the dense model and those windows, not on the ratio, solver or
+compensation: they are measured once (the row `allocation/sensitivities`, its time and peak beside it) and given
+to every prune, as bench/quality.py does, so a row's prune time and peak exclude them.
 
 Each row is measured in a child process (its peak RSS is the child's VmHWM) and written to
 bench/results/smollm2.json as it finishes, with its machine, commit, load before and after and the settings it was
@@ -82,6 +85,7 @@ RECOVERY_RATIO = 0.3
 RECIPES = {"distill_ce+lora": ("lora", "distill_ce"), "distill+full": ("full", "distill")}
 RECOVERY_SEQ_LEN = 256
 RESULT = "smollm2"
+SENSITIVITIES_ROW = "allocation/sensitivities"
 
 
 def eval_key(dataset: str, seq_len: int) -> str:
@@ -124,8 +128,34 @@ def evaluation_texts(tokenizer: Any, settings: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def pruned(settings: dict[str, Any], ratio: float, overrides: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-    """The model pruned at `ratio` with `overrides` (ratio 0: dense), with the prune's seconds and peak RSS."""
+def sensitivities_row(settings: dict[str, Any]) -> dict[str, Any]:
+    """The gradient allocation's S_l on the calibration windows, as `prune` measures them, with their seconds."""
+    import torch
+
+    from casp_core.allocation import layer_sensitivities
+    from casp_core.calibration import calibration_windows
+    from casp_core.model import load_model
+    from casp_core.run import Run
+
+    model, tokenizer = load_model(model_path(settings))
+    config = prune_config(settings, RATIOS[0], {})
+    windows = calibration_windows(model, tokenizer, config)
+    start = time.perf_counter()
+    sensitivities = layer_sensitivities(
+        model, windows, batch_size=config.calibration.batch_size, device=torch.device("cpu"), run=Run()
+    )
+    return {
+        "sensitivities": sensitivities,
+        "seconds": time.perf_counter() - start,
+        "peak_rss_mib": memory_status_mib("VmHWM"),
+    }
+
+
+def pruned(
+    settings: dict[str, Any], ratio: float, overrides: dict[str, Any], sensitivities: list[float] | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The model pruned at `ratio` with `overrides` (ratio 0: dense), given the S_l (measured inside when None),
+    with the prune's seconds and peak RSS."""
     from casp_core.model import load_model
     from casp_core.prune import prune
 
@@ -133,7 +163,7 @@ def pruned(settings: dict[str, Any], ratio: float, overrides: dict[str, Any]) ->
     start = time.perf_counter()
     achieved = 0.0
     if ratio:
-        result = prune(model, tokenizer, prune_config(settings, ratio, overrides))
+        result = prune(model, tokenizer, prune_config(settings, ratio, overrides), sensitivities=sensitivities)
         model, achieved = result.model, result.achieved_ratio
     return (
         model,
@@ -142,6 +172,7 @@ def pruned(settings: dict[str, Any], ratio: float, overrides: dict[str, Any]) ->
             "achieved_ratio": achieved,
             "params": sum(parameter.numel() for parameter in model.parameters()),
             "prune_seconds": time.perf_counter() - start,
+            "sensitivities_given": sensitivities is not None,
             # The process's peak so far: loading and pruning, before any evaluation.
             "prune_peak_rss_mib": memory_status_mib("VmHWM"),
         },
@@ -162,10 +193,12 @@ def zero_shot(model: Any, tokenizer: Any, settings: dict[str, Any]) -> dict[str,
     return {"acc": {task: figures["acc"] for task, figures in result["tasks"].items()}, "mean": result["average_acc"]}
 
 
-def quality_row(settings: dict[str, Any], config: str, ratio: float) -> dict[str, Any]:
+def quality_row(
+    settings: dict[str, Any], config: str, ratio: float, sensitivities: list[float] | None
+) -> dict[str, Any]:
     from casp_core.eval.perplexity import windows_perplexity
 
-    model, tokenizer, figures = pruned(settings, ratio, CONFIGS.get(config, {}))
+    model, tokenizer, figures = pruned(settings, ratio, CONFIGS.get(config, {}), sensitivities)
     texts = evaluation_texts(tokenizer, settings)
     start = time.perf_counter()
     ppl = {key: windows_perplexity(model, text, device="cpu") for key, text in texts.items()}
@@ -215,19 +248,21 @@ def file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def ladder_row(settings: dict[str, Any], ratio: float, planned_for: str) -> dict[str, Any]:
+def ladder_row(
+    settings: dict[str, Any], ratio: float, planned_for: str, sensitivities: list[float] | None
+) -> dict[str, Any]:
     """Ratio 0: the dense ladder ("dense") or the source file ("source"); else the defaults' prune for
     `planned_for`'s block and the files of its family."""
     from casp_core.checkpoint import save_pruned
     from casp_core.export.tokenizer import keep_source_vocabulary
 
     if planned_for == "source":
-        _, tokenizer, _ = pruned(settings, 0, {})
+        _, tokenizer, _ = pruned(settings, 0, {}, None)
         texts = evaluation_texts(tokenizer, settings)
         return {"files": [{"type": "q4_1 (source)", **file_figures(Path(model_path(settings)), texts)}]}
     gguf_types = DENSE_LADDER if ratio == 0 else PRUNED_TYPES[planned_for]
     overrides = {"export": ["gguf"], "gguf_type": planned_for}
-    model, tokenizer, figures = pruned(settings, ratio, overrides)
+    model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
     texts = evaluation_texts(tokenizer, settings)
     with tempfile.TemporaryDirectory() as work:
         checkpoint = Path(work) / "checkpoint"
@@ -237,7 +272,7 @@ def ladder_row(settings: dict[str, Any], ratio: float, planned_for: str) -> dict
         return {**figures, "files": gguf_rows(checkpoint, gguf_types, texts)}
 
 
-def recovery_row(settings: dict[str, Any], recipe: str) -> dict[str, Any]:
+def recovery_row(settings: dict[str, Any], recipe: str, sensitivities: list[float] | None) -> dict[str, Any]:
     from casp_core.checkpoint import save_pruned
     from casp_core.config import RecoveryConfig
     from casp_core.eval.perplexity import windows_perplexity
@@ -268,7 +303,7 @@ def recovery_row(settings: dict[str, Any], recipe: str) -> dict[str, Any]:
         fingerprint = teacher_fingerprint({"model": str(SMOLLM2_GGUF)}, data, recovery)
         teacher = compute_teacher(dense, data, recovery, Path(work) / "teacher", fingerprint, device="cpu")
         teacher_seconds = time.perf_counter() - start
-        model, _, figures = pruned(settings, RECOVERY_RATIO, {})
+        model, _, figures = pruned(settings, RECOVERY_RATIO, {}, sensitivities)
         del dense
         pruned_ppl = {key: windows_perplexity(model, text, device="cpu") for key, text in texts.items()}
         start = time.perf_counter()
@@ -292,20 +327,23 @@ def recovery_row(settings: dict[str, Any], recipe: str) -> dict[str, Any]:
         }
 
 
-def measure_row(key: str, settings: dict[str, Any]) -> dict[str, Any]:
+def measure_row(key: str, settings: dict[str, Any], sensitivities: list[float] | None) -> dict[str, Any]:
     part, *rest = key.split("/")
+    if part == "allocation":
+        return sensitivities_row(settings)
     if part == "quality":
-        return quality_row(settings, rest[0], float(rest[1]))
+        return quality_row(settings, rest[0], float(rest[1]), sensitivities)
     if part == "ladder":
-        return ladder_row(settings, float(rest[0]), rest[1])
-    return recovery_row(settings, rest[0])
+        return ladder_row(settings, float(rest[0]), rest[1], sensitivities)
+    return recovery_row(settings, rest[0], sensitivities)
 
 
 # ---------------------------------------------------------------- the plan and the parent process
 
 
 def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
-    """Each row's key: its part and what it varies."""
+    """Each row's key: its part and what it varies; first the S_l every prune is given."""
+    yield SENSITIVITIES_ROW
     if "quality" in parts:
         yield "quality/dense/0"
         for ratio in ratios:
@@ -322,10 +360,11 @@ def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
             yield f"recovery/{recipe}"
 
 
-def measure_in_child(key: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """One row in a fresh process: its peak RSS is its own, and nothing is shared between rows."""
+def measure_in_child(key: str, settings: dict[str, Any], sensitivities: list[float] | None) -> dict[str, Any]:
+    """One row in a fresh process: its peak RSS is its own, and nothing but the S_l is shared between rows."""
     machine = machine_info()
-    figures = run_child("bench.smollm2", ["--row", key, json.dumps(settings)], key)
+    arguments = ["--row", key, json.dumps(settings), "--sensitivities", json.dumps(sensitivities)]
+    figures = run_child("bench.smollm2", arguments, key)
     return {"key": key, "settings": settings, "machine": finish_machine_info(machine), **figures}
 
 
@@ -349,6 +388,7 @@ def same_settings(row: dict[str, Any], settings: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--row", nargs=2, metavar=("KEY", "SETTINGS"), help=argparse.SUPPRESS)
+    parser.add_argument("--sensitivities", help=argparse.SUPPRESS)
     parser.add_argument("--parts", default="quality,ladder,recovery", help="quality, ladder, recovery, comma-separated")
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument("--windows-128", type=int, default=128, help="128-token windows per test text")
@@ -372,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.row:
         key, settings = args.row
-        print(json.dumps(measure_row(key, json.loads(settings))))
+        print(json.dumps(measure_row(key, json.loads(settings), json.loads(args.sensitivities or "null"))))
         return
     path = args.out / f"{RESULT}.json"
     payload = json.loads(path.read_text()) if path.is_file() else {"rows": [], "reruns": []}
@@ -380,17 +420,20 @@ def main(argv: list[str] | None = None) -> None:
         settings = recorded_settings(args)
         keys = [args.rerun] if args.rerun else planned_rows(args.parts.split(","), args.ratios)
         for key in keys:
-            if args.only and key not in args.only:
+            if args.only and key not in (*args.only, SENSITIVITIES_ROW):  # every prune is given the S_l
                 continue
             held = [row for row in payload["rows"] if row["key"] == key]
             if held and same_settings(held[0], settings) and not args.rerun:
                 continue
-            row = measure_in_child(key, settings)
+            held_sensitivities = next(
+                (r["sensitivities"] for r in payload["rows"] if r["key"] == SENSITIVITIES_ROW), None
+            )
+            row = measure_in_child(key, settings, held_sensitivities if key != SENSITIVITIES_ROW else None)
             if args.rerun:
                 payload["reruns"].append(row)
             else:
                 payload["rows"] = [*(r for r in payload["rows"] if r["key"] != key), row]
-            print(f"{key}: {row.get('ppl') or row.get('files')}", flush=True)
+            print(f"{key}: {row.get('ppl') or row.get('files') or row.get('sensitivities')}", flush=True)
             write_json(path, payload)
             render(payload, args.out)
     render(payload, args.out)
@@ -495,6 +538,15 @@ def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], rerun
             "load also below.",
             "",
             f"Machine of the first row: {machine_line(any_row['machine'])}.",
+        ]
+    sensitivities = rows.get(SENSITIVITIES_ROW)
+    if sensitivities is not None:
+        lines += [
+            "",
+            f"The gradient sensitivities S_l on the calibration windows took {sensitivities['seconds']:.0f} s (peak "
+            f"RSS {sensitivities['peak_rss_mib']:.0f} MiB, load {_load(sensitivities)}), measured once and given to "
+            "every prune: the prune seconds and peaks below exclude them (a `casp prune` measures them inside, "
+            "once).",
         ]
     lines += quality_tables(rows)
     lines += ladder_tables(rows, files)

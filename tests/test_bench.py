@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import device_memory, engines, frontier, load, quality, quantized, recovery, speed, sweep
+from bench import device_memory, engines, frontier, load, quality, quantized, recovery, smollm2, speed, sweep
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 
 pytestmark = pytest.mark.skipif(
@@ -346,3 +346,53 @@ def test_frontier_tiny(tmp_path: Path) -> None:
     markdown = (tmp_path / "frontier.md").read_text()
     assert f"- A dense file beats {len(beaten)} of the 4 pruned points" in markdown
     assert (tmp_path / "frontier-stories260K.png").stat().st_size > 0
+
+
+def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_front(tmp_path: Path) -> None:
+    """bench.smollm2's tables from rows of the shape its children write (its measurements take hours: not here)."""
+    columns = ("wikitext2@128", "ptb:test@128", "wikitext2@2048", "ptb:test@2048")
+    machine = {"date": "2026-11-28", "cpu_model": "a CPU", "nproc": 2, "torch": "2.13.0", "torch_threads": 2}
+    machine |= {"transformers": "5.24.0", "loadavg_start": [1.0, 1.0, 1.0], "loadavg_end": [1.5, 1.0, 1.0]}
+    settings = {"windows": {"128": 4, "2048": 1}, "zero_shot_limit": -1}
+
+    def quality_row(key: str, ppl: tuple[float, ...]) -> dict:
+        figures = {"prune_seconds": 60.0, "prune_peak_rss_mib": 1500.0, "zero_shot": None}
+        return {
+            "key": key,
+            "settings": settings,
+            "machine": machine,
+            "ppl": dict(zip(columns, ppl, strict=True)),
+            **figures,
+        }
+
+    def gguf_file(gguf_type: str, size: int, ppl: float) -> dict:
+        speed = {"prefill": 100.0, "decode": 10.0}
+        figures = {"bits_per_weight": 8 * size / 135e6, "tokens_per_s": {"1": speed, "2": speed}}
+        return {"type": gguf_type, "bytes": size, "ppl": dict.fromkeys(columns, ppl), **figures}
+
+    rows = [
+        {"key": smollm2.SENSITIVITIES_ROW, "settings": settings, "machine": machine, "seconds": 240.0}
+        | {"peak_rss_mib": 1400.0, "sensitivities": [0.1] * 30},
+        quality_row("quality/dense/0", (20.0, 30.0, 15.0, 25.0)),
+        quality_row("quality/defaults/0.2", (30.0, 45.0, 22.0, 35.0)),
+        quality_row("quality/solver wanda_sp/0.2", (31.0, 44.0, 23.0, 36.0)),
+        {"key": "ladder/0/dense", "settings": settings, "machine": machine, "files": [
+            gguf_file("f16", 270_000_000, 15.0), gguf_file("q8_0", 145_000_000, 15.1),
+            gguf_file("q4_k_m", 105_000_000, 16.0),
+        ]},
+        {"key": "ladder/0.2/q4_k_m", "settings": settings, "machine": machine, "files": [
+            gguf_file("q5_k_m", 100_000_000, 21.0), gguf_file("q4_k_m", 90_000_000, 22.0),
+        ]},
+    ]  # fmt: skip
+    smollm2.render({"rows": rows, "reruns": []}, tmp_path)
+    markdown = (tmp_path / "smollm2.md").read_text()
+    assert "The gradient sensitivities S_l on the calibration windows took 240 s (peak RSS 1400 MiB" in markdown
+    assert "Where the defaults lose:" in markdown
+    assert "- at 0.2, solver wanda_sp beats the defaults on ptb:test@128: 44.00 against 45.00 (-2.2%)" in markdown
+    assert markdown.count("beats the defaults") == 1
+    front = {line.split(" |")[0] for line in markdown.splitlines() if line.startswith("| ") and "| yes |" in line}
+    # Both pruned files are smaller than every dense one, so nothing beats them in both bytes and perplexity.
+    assert front == {"| dense f16", "| dense q8_0", "| dense q4_k_m", "| pruned 0.2 q5_k_m", "| pruned 0.2 q4_k_m"}
+    assert "| pruned 0.2 q4_k_m | 90,000,000 | outside the dense range |" in markdown
+    assert (tmp_path / "smollm2.png").stat().st_size > 0
+    assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
