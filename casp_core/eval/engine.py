@@ -3,8 +3,12 @@
 Perplexity follows the transformers evaluation exactly (casp_core.eval.perplexity, docs/evaluation.md): the same
 windows of the same token ids (the transformers tokenizer's, BOS once at the start of the stream, so llama.cpp's
 own tokenizer plays no part), each window scored on its own from an empty KV cache, exp(mean next-token NLL)
-over `n_windows x (seq_len - 1)` tokens. llama.cpp runs on one thread with every position's logits and its
-default KV cache (f16); the NLL is taken from its float32 logits as the transformers evaluation takes it.
+over `n_windows x (seq_len - 1)` tokens. llama.cpp runs on one thread with its default KV cache (f16); the NLL is
+taken from its float32 logits as the transformers evaluation takes it. A window goes through llama.cpp a chunk of
+`tokens_per_chunk` positions at a time (64 MiB of logits, as casp_core.next_token's), each chunk's logits read from
+llama.cpp's own buffer: one pass over a 2048-token window with every position's logits held them three times
+over (llama.cpp's graph, its output buffer, llama-cpp-python's copy; 0.4 GB each at SmolLM2's 49K vocabulary,
+1 GB at 128K), beside the pruned model a job still holds.
 
 Speed is llama.cpp's at one thread: a prefill of `PREFILL_TOKENS` tokens, then `DECODE_TOKENS` tokens decoded
 one at a time after it, each the median of `SPEED_REPEATS` runs after one untimed run.
@@ -32,6 +36,7 @@ import torch
 from casp_core.eval.perplexity import EvaluationText
 from casp_core.export.gguf import GgufExport
 from casp_core.export.gguf_types import LLAMA_CPP_MISSING, llama_cpp_module
+from casp_core.next_token import tokens_per_chunk
 from casp_core.run import Run
 
 if TYPE_CHECKING:
@@ -82,29 +87,53 @@ def engine_convention() -> dict[str, Any]:
     }
 
 
-def _load(path: Path, n_ctx: int, *, all_logits: bool, threads: int = ENGINE_THREADS) -> "llama_cpp.Llama":
+def _load(path: Path, n_ctx: int, n_batch: int, threads: int = ENGINE_THREADS) -> "llama_cpp.Llama":
     llama_cpp = llama_cpp_module()
     assert llama_cpp is not None, "callers check llama_cpp_module() first"
     return llama_cpp.Llama(
         model_path=str(path),
         n_ctx=n_ctx,
-        n_batch=n_ctx,  # a window is one batch, as it is one forward pass in transformers
-        n_ubatch=n_ctx,
-        logits_all=all_logits,
+        n_batch=n_batch,
+        n_ubatch=n_batch,
         n_threads=threads,
         n_threads_batch=threads,
         verbose=False,
     )
 
 
+def vocabulary_size(path: Path) -> int:
+    """The number of tokens in the GGUF file's vocabulary, from its header."""
+    return len(gguf.GGUFReader(path).fields[gguf.Keys.Tokenizer.LIST].data)
+
+
 def window_nll(llm: "llama_cpp.Llama", window: list[int]) -> float:
-    """Summed next-token NLL of one window, from an empty KV cache."""
-    llm.reset()
-    llm.eval(window)
-    # A view of llama-cpp-python's buffer (no copy: it is n_ctx x the vocabulary), scored as the transformers
-    # evaluation scores its float32 logits.
-    logits = torch.from_numpy(llm.scores[: len(window) - 1])
-    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum"))
+    """Summed next-token NLL of one window, from an empty KV cache, `llm.n_batch` positions at a time: each chunk
+    decoded with every position's logits, scored from llama.cpp's buffer (a view, no copy) as the transformers
+    evaluation scores its float32 logits."""
+    llama_cpp = llama_cpp_module()
+    assert llama_cpp is not None, "callers check llama_cpp_module() first"
+    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), -1, 0, -1)
+    batch = llama_cpp.llama_batch_init(llm.n_batch, 0, 1)
+    total = 0.0
+    try:
+        for start in range(0, len(window) - 1, llm.n_batch):
+            chunk = window[start : start + llm.n_batch]
+            batch.n_tokens = len(chunk)
+            for index, token in enumerate(chunk):
+                batch.token[index] = token
+                batch.pos[index] = start + index
+                batch.n_seq_id[index] = 1
+                batch.seq_id[index][0] = 0
+                batch.logits[index] = True
+            if llama_cpp.llama_decode(llm.ctx, batch) != 0:
+                raise RuntimeError(f"llama_decode failed at position {start}")
+            targets = torch.tensor(window[start + 1 : start + len(chunk) + 1])
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(len(chunk), llm.n_vocab()))
+            scored = torch.from_numpy(logits[: len(targets)])
+            total += float(torch.nn.functional.cross_entropy(scored, targets, reduction="sum"))
+    finally:
+        llama_cpp.llama_batch_free(batch)
+    return total
 
 
 def engine_perplexity(llm: "llama_cpp.Llama", text: EvaluationText, run: Run | None = None) -> float:
@@ -121,7 +150,7 @@ def engine_perplexity(llm: "llama_cpp.Llama", text: EvaluationText, run: Run | N
 def engine_speed(path: Path, repeats: int = SPEED_REPEATS, threads: int = ENGINE_THREADS) -> tuple[float, float]:
     """(prefill, decode) tokens per second at `threads` (the job's figures: one), the median of `repeats` timed
     runs; see the module docstring."""
-    llm = _load(path, PREFILL_TOKENS + DECODE_TOKENS, all_logits=False, threads=threads)
+    llm = _load(path, PREFILL_TOKENS + DECODE_TOKENS, PREFILL_TOKENS + DECODE_TOKENS, threads)
     try:
         ids = np.random.default_rng(SPEED_SEED).integers(0, llm.n_vocab(), PREFILL_TOKENS + DECODE_TOKENS).tolist()
         prompt, continuation = ids[:PREFILL_TOKENS], ids[PREFILL_TOKENS:]
@@ -146,7 +175,8 @@ def gguf_perplexity(path: Path, texts: dict[str, EvaluationText], run: Run | Non
     run = run or Run()
     perplexity = {}
     if texts:
-        llm = _load(path, max(text.windows.shape[1] for text in texts.values()), all_logits=True)
+        n_ctx = max(text.windows.shape[1] for text in texts.values())
+        llm = _load(path, n_ctx, min(n_ctx, tokens_per_chunk(vocabulary_size(path))))
         try:
             for name, text in texts.items():
                 perplexity[name] = engine_perplexity(llm, text, run)

@@ -12,6 +12,7 @@ from huggingface_hub import ModelCard
 from casp_core.checkpoint import load_pruned, save_pruned
 from casp_core.cli.main import main
 from casp_core.config import EvaluationConfig
+from casp_core.eval import engine
 from casp_core.eval.engine import (
     ENGINE_MISSING,
     artifact_table,
@@ -54,8 +55,12 @@ def ptbwiki_pruned(directory: Path) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("name", ["stories260K", "ptbwiki-7M pruned"])
-def test_f32_gguf_perplexity_in_llama_cpp_equals_transformers(tmp_path, name):
+@pytest.mark.parametrize(("name", "chunk"), [("stories260K", None), ("ptbwiki-7M pruned", None), ("stories260K", 48)])
+def test_f32_gguf_perplexity_in_llama_cpp_equals_transformers(tmp_path, monkeypatch, name, chunk):
+    """`chunk`: the positions llama.cpp takes at a time (a small vocabulary's chunk holds a whole window; 48 splits
+    each 128-token window as a 128K vocabulary's 130 splits a 2048-token one, with a shorter last chunk)."""
+    if chunk is not None:
+        monkeypatch.setattr(engine, "tokens_per_chunk", lambda vocab: chunk)
     if name == "stories260K":
         checkpoint = STORIES
         model, tokenizer = load_model(str(STORIES), dtype="float32")
