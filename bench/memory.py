@@ -352,14 +352,20 @@ def real_model_lines(part: dict[str, Any]) -> list[str]:
         "",
         *(
             f"- {name} calibration tokens: peak RSS **{figures['peak_rss_mib']:.0f} MiB** = "
-            f"{figures['peak_rss_mib'] / bound:.2f} x the bound, {figures['seconds'] / 60:.0f} min at load "
-            f"{figures['loadavg_before'][0]:.1f} before and {figures['loadavg_after'][0]:.1f} after (1-minute load "
-            f"averages). {machine_line(figures['machine'])}"
+            f"{figures['peak_rss_mib'] / bound:.2f} x the bound, {figures['seconds'] / 60:.0f} min{windows(figures)} "
+            f"at load {figures['loadavg_before'][0]:.1f} before and {figures['loadavg_after'][0]:.1f} after (1-minute "
+            f"load averages). {machine_line(figures['machine'])}"
             for name, figures in runs.items()
         ),
         "",
         *stage_table(runs, "calibration"),
     ]
+
+
+def windows(figures: dict[str, Any]) -> str:
+    """What a run's evaluation covered, where --evaluation-limit cut it (its batches, so its memory, are the same)."""
+    limit = figures["settings"].get("evaluation", {}).get("limit")
+    return f" (the perplexity over the first {limit} windows of each text)" if limit is not None else ""
 
 
 def stage_table(runs: dict[str, dict[str, Any]], varied: str) -> list[str]:
