@@ -16,7 +16,6 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from casp_core.gguf_source import is_gguf_reference
 from service.security import sign_download
 from service.settings import S3Credentials, Settings
 
@@ -55,6 +54,10 @@ class S3Location:
 
     @property
     def is_gguf_file(self) -> bool:
+        # Imported here: casp_core.gguf_source loads torch, which the admin commands that reach this module
+        # (`casp keys ...` through service.jobs) would otherwise pay for, ten seconds each.
+        from casp_core.gguf_source import is_gguf_reference
+
         return is_gguf_reference(self.prefix)
 
     def __str__(self) -> str:
