@@ -347,7 +347,7 @@ def real_model_lines(part: dict[str, Any]) -> list[str]:
         "on the CPU with the WikiText-2 validation file as calibration text, every other setting its default "
         "(gradient allocation, least squares, perplexity of the dense and the pruned model on WikiText-2 and PTB in "
         f"batches of 8 x 2048 tokens), and, from the 128 x 2048 row on, `--export gguf --gguf-type q4_k_m` (#37's "
-        "command); in a fresh process with an empty cache. Bound: {part['bound']} = "
+        f"command); in a fresh process with an empty cache. Bound: {part['bound']} = "
         f"**{bound:.0f} MiB**, for every stage.",
         "",
         *(
