@@ -1,4 +1,7 @@
-"""The bench scripts in a tiny mode: they run, write the documented schema, and every number is finite."""
+"""The bench scripts in a tiny mode: they run, write the documented schema, and every number is finite.
+
+The runs are `slow` (`make test-slow`): they check the benches' harness on the toy models, whose numbers casp no
+longer publishes; the renderings from stored rows stay in `make test`."""
 
 import json
 import math
@@ -20,6 +23,7 @@ ROW_FIELDS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_quality_tiny(tmp_path: Path) -> None:
     payload = quality.main(
         ["--models", "stories260K", "--ratios", "0.3", "--solvers", "greedy", "diagonal", "--allocations",
@@ -93,6 +97,7 @@ def test_quality_merge_adds_new_rows_and_reruns_stored_ones_as_a_check(tmp_path:
         quality.merge(other, first, [])
 
 
+@pytest.mark.slow
 def test_recovery_tiny(tmp_path: Path) -> None:
     payload = recovery.main(
         ["--models", "stories260K", "--ratios", "0.5", "--recipes", "cross_entropy+lora", "distill+full",
@@ -115,6 +120,7 @@ def test_recovery_tiny(tmp_path: Path) -> None:
     assert "| stories260K | 0.5 | distill+full |" in (tmp_path / "recovery.md").read_text()
 
 
+@pytest.mark.slow
 def test_speed_tiny(tmp_path: Path) -> None:
     payload = speed.main(
         ["--sizes", "128x1x256", "--n-samples", "2", "--seq-len", "16", "--batch-size", "1", "--repeats", "1",
@@ -133,6 +139,7 @@ def test_speed_tiny(tmp_path: Path) -> None:
     assert "not measured" in (tmp_path / "speed.md").read_text()
 
 
+@pytest.mark.slow
 def test_engines_quick(tmp_path: Path) -> None:
     payload = engines.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path)])
     written = json.loads((tmp_path / "engines.json").read_text())
@@ -188,6 +195,7 @@ def test_load_tiny(tmp_path: Path) -> None:
     assert "| embedded | sqlite |" in (tmp_path / "load.md").read_text()
 
 
+@pytest.mark.slow
 def test_device_memory(tmp_path: Path) -> None:
     payload = device_memory.main(["--out", str(tmp_path)])
     written = json.loads((tmp_path / "device_memory.json").read_text())
@@ -209,6 +217,7 @@ def test_device_memory(tmp_path: Path) -> None:
     assert "**Not yet checked against a GPU measurement" in (tmp_path / "device_memory.md").read_text()
 
 
+@pytest.mark.slow
 def test_quantized_tiny(tmp_path: Path) -> None:
     """stories260K dense and pruned at 0.3 (the 32-block family: its hidden size 64 refuses the K-quants), and the
     speed part on a 2-layer LLaMA at ratios 0 and 0.5."""
@@ -281,6 +290,7 @@ def test_quantized_dense_perplexity_at_equal_bytes_is_interpolated_in_log_bytes(
     )
 
 
+@pytest.mark.slow
 def test_sweep_tiny(tmp_path: Path) -> None:
     """ptbwiki-7M in dense mode at two ratios on 4 x 32 tokens, one single prune timed (so k separate prunes are
     an estimate): three fresh processes."""
@@ -318,6 +328,7 @@ def test_sweep_tiny(tmp_path: Path) -> None:
     assert kept == result and kept["measured"]["machine"]["date"] == written["machine"]["date"]
 
 
+@pytest.mark.slow
 def test_frontier_tiny(tmp_path: Path) -> None:
     """stories260K at two ratios in f16 and q8_0 on 4 x 128 calibration tokens and 4 evaluation windows."""
     payload = frontier.main(

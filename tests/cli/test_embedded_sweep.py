@@ -21,7 +21,10 @@ from tests.conftest import PTBWIKI
 from tests.service_fixtures import free_port
 from worker.runner import FRONTIER_SUMMARY, Segments
 
-pytestmark = pytest.mark.service
+# slow (`make test-slow`): a `casp serve` of its own sweeping ptbwiki-7M; `make test` keeps the sweep in the library
+# (tests/core/test_sweep.py), its retry in the runner (tests/worker/test_sweep_retry.py) and a budget job through the
+# service from the console (tests/console/test_console.py).
+pytestmark = [pytest.mark.service, pytest.mark.slow]
 
 
 def sweep_request(model: Path, budget: int) -> dict[str, Any]:

@@ -203,6 +203,8 @@ def test_every_quantized_type_is_written_by_llama_cpp_and_loads_and_generates(pr
     assert len(tokens) == NEW_TOKENS
 
 
+# slow (`make test-slow`): toy models' agreement; the real model's q4_k_m is measured in tests/worker/test_real_model.py
+@pytest.mark.slow
 def test_the_quantized_files_follow_the_f32_file(pruned, tmp_path):
     """llama.cpp's logits over a text: the quantized file's greedy choices agree with the f32 file's mostly,
     and fewer bits agree less (q8_0 > q4_0)."""
@@ -310,6 +312,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+# slow (`make test-slow`): three fresh `casp` processes for an install without the optional llama.cpp
+@pytest.mark.slow
 def test_without_llama_cpp_a_quantized_gguf_is_refused_up_front_and_f16_still_works(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 

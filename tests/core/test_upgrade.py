@@ -77,6 +77,8 @@ def files(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
+# slow: two fresh processes generating from a 0.1.0 checkpoint (`make test-slow`); the refusals below stay.
+@pytest.mark.slow
 def test_upgrade_makes_generation_with_the_cache_right_and_touches_only_the_modeling_file_and_config(
     old: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -121,7 +121,8 @@ def pipeline_checkpoints(dense_folder: Path, tmp_path_factory: pytest.TempPathFa
     return pipeline_checkpoints_of(dense_folder, tmp_path_factory.mktemp("granite-pruned"))
 
 
-@pytest.mark.parametrize("lowest", [False, True], ids=["locked", "lowest"])
+# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+@pytest.mark.parametrize("lowest", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["locked", "lowest"])
 def test_written_checkpoints_load_where_casp_core_is_not(
     lowest: bool, pipeline_checkpoints: dict[str, tuple], tmp_path: Path
 ) -> None:

@@ -358,6 +358,8 @@ def test_the_written_checkpoints_load_where_casp_core_is_not(written_checkpoints
         assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
 
 
+# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+@pytest.mark.slow
 def test_the_written_checkpoints_load_under_the_lowest_transformers(written_checkpoints: list, tmp_path: Path) -> None:
     """The pruned classes subclass transformers 5.4's MoE classes as well (the lowest the project supports)."""
     logits, records = fresh_logits({folder: True for _, _, folder in written_checkpoints}, tmp_path, lowest=True)

@@ -139,6 +139,8 @@ def test_written_checkpoints_load_where_casp_core_is_not(
     assert isinstance(pipeline_checkpoints["uniform"][2], Olmo2ForCausalLM)
 
 
+# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+@pytest.mark.slow
 def test_the_per_layer_checkpoint_loads_under_the_lowest_transformers(
     pipeline_checkpoints: dict[str, tuple], tmp_path: Path
 ) -> None:

@@ -208,7 +208,8 @@ def test_longrope_keeps_the_head_counts_phi3config_accepts() -> None:
     assert family_of(CONFIGS["phi3-mini"]()).allows_head_count(CONFIGS["phi3-mini"](), 3)  # plain RoPE: any count
 
 
-@pytest.mark.parametrize("version", ["locked", "lowest"])
+# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+@pytest.mark.parametrize("version", ["locked", pytest.param("lowest", marks=pytest.mark.slow)])
 def test_checkpoints_load_in_a_fresh_process_as_the_masked_model(
     version: str, pipeline_checkpoints: list[tuple], tmp_path: Path
 ) -> None:
