@@ -60,6 +60,7 @@ def served(distributed_settings: Settings, tmp_path: Path) -> Iterator[tuple[str
         process.wait(30)
 
 
+@pytest.mark.slow
 def test_casp_serve_writes_json_lines_whose_requests_name_the_job_and_the_key(
     served: tuple[str, Path], keys: dict[str, dict[str, str]]
 ) -> None:

@@ -94,6 +94,7 @@ def with_query(url: str, **changes: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+@pytest.mark.slow
 def test_embedded_serve_keeps_queued_jobs_across_a_restart_and_serves_signed_files(tmp_path: Path) -> None:
     home, port = tmp_path / "home", free_port()
     home.mkdir()
@@ -143,6 +144,7 @@ def test_embedded_serve_keeps_queued_jobs_across_a_restart_and_serves_signed_fil
     assert sum(p.numel() for p in model.parameters()) == expected_parameters(done["result"])
 
 
+@pytest.mark.slow
 def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
     home, port = tmp_path / "home", free_port()
     home.mkdir()
@@ -197,6 +199,7 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
     assert sum(p.numel() for p in model.parameters()) == expected_parameters(done["result"])
 
 
+@pytest.mark.slow
 def test_client_commands_refused_by_the_service_say_so_in_one_line(tmp_path: Path) -> None:
     home, port = tmp_path / "home", free_port()
     home.mkdir()

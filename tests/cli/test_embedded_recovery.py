@@ -32,6 +32,7 @@ def alpaca_file(path: Path, records: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_embedded_job_with_alpaca_recovery(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()

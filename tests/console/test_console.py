@@ -311,6 +311,7 @@ def new_user(settings: Settings) -> str:
         return jobs.create_api_key(session, "newcomer")[1]
 
 
+@pytest.mark.slow
 def test_a_new_user_submits_a_gguf_budget_from_a_preset_without_opening_advanced(
     page: Page, server: str, settings: Settings
 ) -> None:
@@ -496,6 +497,7 @@ def test_another_key_s_job_is_refused(page: Page, server: str, keys: dict[str, s
     expect(page.locator("main")).to_be_hidden()
 
 
+@pytest.mark.slow
 def test_cancel_a_running_job(
     page: Page, context: BrowserContext, server: str, keys: dict[str, str], alice_job: str
 ) -> None:
@@ -570,6 +572,7 @@ def test_without_auth_no_key_is_asked(browser: Browser, tmp_path: Path) -> None:
         page.close()
 
 
+@pytest.mark.slow
 def test_a_page_refused_a_stream_polls_instead(browser: Browser, tmp_path: Path) -> None:
     """With one stream a key (here: the one caller of a server without keys), a second page of a running job is
     answered 429 and follows the job by polling its events."""

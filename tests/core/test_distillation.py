@@ -72,6 +72,7 @@ def kl_to_dense(dense, model, windows: torch.Tensor) -> float:
     return float((teacher.exp() * (teacher - student)).sum(-1).mean())
 
 
+@pytest.mark.slow
 def test_distilling_the_dense_model_beats_a_shuffled_cache(setup):
     dense, tokenizer, data, teacher, pruned = setup
     held_out = evaluation_text(tokenizer, "ptb", SEQ_LEN, datasets_dir=str(DATASETS_DIR), max_windows=8).windows
@@ -171,6 +172,7 @@ def test_the_bucketed_kl_is_exact_with_the_whole_vocabulary_and_zero_for_the_tea
         assert abs(float(itself)) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_job_computes_the_cache_once_and_a_retry_after_pruning_finds_or_recomputes_it(setup, tmp_path: Path):
     """The command line's job (no retry folder) keeps nothing of the cache; a job with a retry folder keeps it
     there, a retry uses it (no dense pass), and a retry that lost it loads the dense model again for it alone."""

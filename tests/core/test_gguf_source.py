@@ -138,6 +138,7 @@ def test_the_command_line_refuses_a_text_file_named_gguf_in_one_line(tmp_path: P
     assert not out.exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_casp_eval_on_a_gguf_measures_the_file_itself_in_llama_cpp_beside_its_dequantized_weights(
     datasets_dir: str,
 ) -> None:

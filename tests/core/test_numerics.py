@@ -71,6 +71,7 @@ def test_non_finite_gradient_names_the_layer_where_it_started(stories, device):
     )
 
 
+@pytest.mark.slow
 def test_casp_prune_prints_the_numerical_error_in_one_line(stories, tmp_path):
     model, tokenizer = stories
     plant(model, 2, "mlp.gate_proj", float("inf"))

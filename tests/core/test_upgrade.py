@@ -124,6 +124,7 @@ def test_upgrade_makes_generation_with_the_cache_right_and_touches_only_the_mode
     assert files(old) == after
 
 
+@pytest.mark.slow
 def test_an_upgrade_that_would_change_the_logits_puts_the_old_files_back(
     old: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -142,6 +143,7 @@ def test_an_upgrade_that_would_change_the_logits_puts_the_old_files_back(
     assert files(old) == before  # and no backup folder left behind
 
 
+@pytest.mark.slow
 def test_a_plain_checkpoint_needs_no_upgrade_and_a_folder_without_config_gets_one_line(
     pruned: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -158,6 +160,7 @@ def test_a_plain_checkpoint_needs_no_upgrade_and_a_folder_without_config_gets_on
     assert err == f"casp: error: model_not_found: {tmp_path} is not a checkpoint directory (no config.json)\n"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_gets_one_line_and_keeps_its_files(
     old: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -141,6 +141,7 @@ def test_a_requeued_job_whose_send_failed_is_sent_when_the_broker_is_back(stack:
     stack.api.post(f"/v1/jobs/{job_id}/cancel")
 
 
+@pytest.mark.slow
 def test_every_job_ends_once_across_a_broker_restart(stack: Stack) -> None:
     """Redis stops while one job runs and others wait in its queue, and comes back empty (no persistence):
     every job still runs, exactly once, to success."""

@@ -63,6 +63,7 @@ def work_file(folder: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_expired_artifacts_are_deleted_from_s3(
     api: TestClient,
     worker: WorkerProcess,

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.service
 LONG_JOB = {**SMALL_JOB, "calibration": {"dataset": "wikitext2:validation", "n_samples": 64, "seq_len": 256}}
 
 
+@pytest.mark.slow
 def test_sigterm_drains_a_worker_the_running_job_finishes_and_the_next_stays_queued(
     pg_database: Callable[[], str], tmp_path: Path, local_services: None
 ) -> None:

@@ -14,6 +14,7 @@ from tests.service_fixtures import TINY_JOB, WorkerProcess, finished, wait_job
 pytestmark = pytest.mark.service
 
 
+@pytest.mark.slow
 def test_queued_jobs_of_two_keys_are_served_in_turn(
     api: TestClient, worker: WorkerProcess, distributed_settings: Settings
 ) -> None:

@@ -126,6 +126,7 @@ def test_a_token_no_secret_decrypts_fails_the_job_with_its_code(tmp_path: Path) 
         assert decrypt_hub_token(kept.verification_keys, session.get_one(ApiKey, key_id).hub_token or "") == TOKEN
 
 
+@pytest.mark.slow
 def test_a_key_sets_and_clears_its_own_hub_token_through_the_api(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -58,6 +58,7 @@ def running_with_progress(job: dict[str, Any]) -> bool:
     return job["status"] == "running" and job["stage"] is not None
 
 
+@pytest.mark.slow
 def test_job_succeeds_and_every_artifact_downloads_and_loads(
     api: TestClient,
     keys: dict[str, dict[str, str]],
@@ -209,6 +210,7 @@ def test_cancel_a_running_job_and_a_queued_one_behind_it(
     assert redis.Redis.from_url(distributed_settings.broker_url).llen("casp-cpu") == 0
 
 
+@pytest.mark.slow
 def test_a_killed_worker_does_not_lose_the_job(
     api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, distributed_settings: Settings
 ) -> None:

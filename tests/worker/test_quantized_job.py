@@ -37,6 +37,7 @@ print(type(model).__name__, type(model.model.layers[0].mlp.down_proj.quantizatio
 """
 
 
+@pytest.mark.slow
 def test_a_w8a8_uniform_job_publishes_a_compressed_tensors_checkpoint(tmp_path: Path) -> None:
     settings = embedded_settings(tmp_path)
     folder = tmp_path / "downloaded"

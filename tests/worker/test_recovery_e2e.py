@@ -46,6 +46,7 @@ def work_keys(storage: S3Storage, job_id: str) -> list[str]:
     return [item["Key"] for item in listed.get("Contents", [])]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_resumes_recovery_from_its_last_save(
     api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, distributed_settings: Settings
 ) -> None:

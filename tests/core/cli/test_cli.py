@@ -136,6 +136,7 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, arguments, expected):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_unsupported_architecture(tmp_path):
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64)).save_pretrained(gpt2)
@@ -145,6 +146,7 @@ def test_unsupported_architecture(tmp_path):
     assert f"CASP prunes {', '.join(SUPPORTED_MODEL_TYPES)} models" in completed.stderr  # every family's types
 
 
+@pytest.mark.slow
 def test_missing_local_split_names_the_file(tmp_path):
     completed = casp(
         "prune",
@@ -164,6 +166,7 @@ def test_missing_local_split_names_the_file(tmp_path):
 
 
 @NO_CUDA
+@pytest.mark.slow
 def test_eval_on_a_missing_device_gets_one_line() -> None:
     completed = casp("eval", "--model", str(STORIES), "--device", "cuda:1", "--tasks", "", "--perplexity", "")
     assert completed.returncode == 2

@@ -95,6 +95,7 @@ def casp_prune_in_a_log(out: Path, interval: str) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_casp_prune_in_a_log_prints_the_counts_of_the_service_s_events(tmp_path: Path) -> None:
     completed = casp_prune_in_a_log(tmp_path / "out", "0")
     assert completed.returncode == 0, completed.stderr[-2000:]

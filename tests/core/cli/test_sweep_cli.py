@@ -37,6 +37,7 @@ def first_perplexity(point: dict) -> float:
     return next(iter(point["perplexity"].values()))
 
 
+@pytest.mark.slow
 def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(
     tmp_path: Path, dense_f16_bytes: int, capsys: pytest.CaptureFixture[str]
 ) -> None:

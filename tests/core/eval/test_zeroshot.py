@@ -68,6 +68,7 @@ def test_seven_tasks_offline_without_touching_the_network(stories_model, monkeyp
     assert out["average_over"] == list(ZERO_SHOT_TASKS)
 
 
+@pytest.mark.slow
 def test_piqa_matches_the_harness_own_hf_model(stories_model, tmp_path, monkeypatch):
     """The harness loading the checkpoint itself (`model="hf"`) on the same file gives the same figures."""
     datasets_dir = datasets_dir_or_skip()
