@@ -18,6 +18,9 @@ from casp_core.upgrade import BACKUP_DIR, compare
 from tests.conftest import REPO, STORIES, tiny_config
 from tests.core.fresh_process import run_python
 
+# slow (`make test-slow`): casp 0.1.0's checkpoints; the upgrade of its modeling file is unchanged since it landed.
+pytestmark = pytest.mark.slow
+
 FIXTURE = Path(__file__).parent / "fixtures" / "modeling_casp_llama_0_1_0.py"
 MODELING_FILE = "modeling_casp_llama.py"
 # The upgraded config keeps every setting of the old one, these two excepted: they name the writer's classes and
@@ -77,8 +80,6 @@ def files(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
-# slow: two fresh processes generating from a 0.1.0 checkpoint (`make test-slow`); the refusals below stay.
-@pytest.mark.slow
 def test_upgrade_makes_generation_with_the_cache_right_and_touches_only_the_modeling_file_and_config(
     old: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -124,7 +125,6 @@ def test_upgrade_makes_generation_with_the_cache_right_and_touches_only_the_mode
     assert files(old) == after
 
 
-@pytest.mark.slow
 def test_an_upgrade_that_would_change_the_logits_puts_the_old_files_back(
     old: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -143,7 +143,6 @@ def test_an_upgrade_that_would_change_the_logits_puts_the_old_files_back(
     assert files(old) == before  # and no backup folder left behind
 
 
-@pytest.mark.slow
 def test_a_plain_checkpoint_needs_no_upgrade_and_a_folder_without_config_gets_one_line(
     pruned: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -160,7 +159,6 @@ def test_a_plain_checkpoint_needs_no_upgrade_and_a_folder_without_config_gets_on
     assert err == f"casp: error: model_not_found: {tmp_path} is not a checkpoint directory (no config.json)\n"
 
 
-@pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_gets_one_line_and_keeps_its_files(
     old: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

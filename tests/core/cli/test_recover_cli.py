@@ -13,6 +13,10 @@ from casp_core.checkpoint import load_pruned
 from tests.conftest import DATASETS_DIR, STORIES
 from tests.core.cli.test_cli import SMALL, casp
 
+# slow (`make test-slow`): `casp prune` with recovery and `casp recover` in fresh processes; recovery itself is in
+# tests/core/test_recovery.py.
+pytestmark = pytest.mark.slow
+
 RECOVERY = ["--recovery", "lora", "--max-steps", "3", "--recovery-batch-size", "4", "--grad-accum", "1"]
 
 
@@ -36,7 +40,6 @@ def pruned_and_recovered(tmp_path_factory, ptb_head) -> tuple[Path, subprocess.C
     return out, completed
 
 
-@pytest.mark.slow
 def test_prune_with_recovery_then_recover_the_checkpoint_again(tmp_path, ptb_head, pruned_and_recovered):
     out, completed = pruned_and_recovered
     assert completed.returncode == 0, completed.stderr
@@ -71,7 +74,6 @@ def test_prune_with_recovery_then_recover_the_checkpoint_again(tmp_path, ptb_hea
     assert adapted.peft_config["default"].r == 8
 
 
-@pytest.mark.slow
 def test_bad_training_data_fails_before_pruning_with_one_line(tmp_path):
     bad = tmp_path / "alpaca.jsonl"
     bad.write_text('{"instruction": "Say hi.", "output": "Hi."}\n{"instruction": "No output."}\n', encoding="utf-8")
@@ -85,7 +87,6 @@ def test_bad_training_data_fails_before_pruning_with_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
 def test_recover_full_trains_the_decoder_layers_only(tmp_path, ptb_head, pruned_and_recovered):
     checkpoint, pruning = pruned_and_recovered
     assert pruning.returncode == 0, pruning.stderr
@@ -111,7 +112,6 @@ def test_recover_full_trains_the_decoder_layers_only(tmp_path, ptb_head, pruned_
     assert recovery["adapter"] is None and not (out / "adapter").exists()
 
 
-@pytest.mark.slow
 def test_lora_flags_with_method_full_get_one_line(tmp_path, ptb_head, pruned_and_recovered):
     checkpoint, _ = pruned_and_recovered
     out = tmp_path / "out"
