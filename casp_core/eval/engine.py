@@ -3,8 +3,10 @@
 Perplexity follows the transformers evaluation exactly (casp_core.eval.perplexity, docs/evaluation.md): the same
 windows of the same token ids (the transformers tokenizer's, BOS once at the start of the stream, so llama.cpp's
 own tokenizer plays no part), each window scored on its own from an empty KV cache, exp(mean next-token NLL)
-over `n_windows x (seq_len - 1)` tokens. llama.cpp runs on one thread with its default KV cache (f16); the NLL is
-taken from its float32 logits as the transformers evaluation takes it. A window goes through llama.cpp a chunk of
+over `n_windows x (seq_len - 1)` tokens. llama.cpp runs with its default KV cache (f16) on as many threads as torch
+uses (`perplexity_threads`): each row of a product is one thread's work whatever their number, so the figure is the
+same at any count (tests/core/eval/test_engine.py), only sooner. The NLL is taken from its float32 logits as the
+transformers evaluation takes it. A window goes through llama.cpp a chunk of
 `tokens_per_chunk` positions at a time (64 MiB of logits, as casp_core.next_token's), each chunk's logits read from
 llama.cpp's own buffer: one pass over a 2048-token window with every position's logits held them three times
 over (llama.cpp's graph, its output buffer, llama-cpp-python's copy; 0.4 GB each at SmolLM2's 49K vocabulary,
@@ -42,7 +44,7 @@ from casp_core.run import Run
 if TYPE_CHECKING:
     import llama_cpp
 
-ENGINE_THREADS = 1
+SPEED_THREADS = 1
 PREFILL_TOKENS = 128
 DECODE_TOKENS = 64
 SPEED_REPEATS = 3
@@ -70,7 +72,7 @@ class ArtifactRow:
     bits_per_weight: float  # 8 x tensor data bytes / weights, llama.cpp's BPW (metadata and vocabulary left out)
     perplexity: dict[str, float | None]  # by text name
     perplexity_in: Literal["transformers", "llama.cpp"] | None  # None: not measured (see the table's note)
-    prefill_tokens_per_s: float | None = None  # llama.cpp at one thread; GGUF rows only
+    prefill_tokens_per_s: float | None = None  # llama.cpp at SPEED_THREADS; GGUF rows only
     decode_tokens_per_s: float | None = None
 
 
@@ -79,7 +81,8 @@ def engine_convention() -> dict[str, Any]:
     return {
         "engine": "llama.cpp",
         "llama_cpp_python": metadata.version("llama-cpp-python"),
-        "threads": ENGINE_THREADS,
+        "threads": SPEED_THREADS,
+        "perplexity_threads": perplexity_threads(),
         "kv_cache": "llama.cpp's default (f16)",
         "prefill_tokens": PREFILL_TOKENS,
         "decode_tokens": DECODE_TOKENS,
@@ -87,7 +90,12 @@ def engine_convention() -> dict[str, Any]:
     }
 
 
-def _load(path: Path, n_ctx: int, n_batch: int, threads: int = ENGINE_THREADS) -> "llama_cpp.Llama":
+def perplexity_threads() -> int:
+    """The threads llama.cpp's perplexity runs on: torch's, so both engines take the machine alike."""
+    return torch.get_num_threads()
+
+
+def _load(path: Path, n_ctx: int, n_batch: int, threads: int) -> "llama_cpp.Llama":
     llama_cpp = llama_cpp_module()
     assert llama_cpp is not None, "callers check llama_cpp_module() first"
     return llama_cpp.Llama(
@@ -147,7 +155,7 @@ def engine_perplexity(llm: "llama_cpp.Llama", text: EvaluationText, run: Run | N
     return math.exp(total_nll / text.windows[:, 1:].numel())
 
 
-def engine_speed(path: Path, repeats: int = SPEED_REPEATS, threads: int = ENGINE_THREADS) -> tuple[float, float]:
+def engine_speed(path: Path, repeats: int = SPEED_REPEATS, threads: int = SPEED_THREADS) -> tuple[float, float]:
     """(prefill, decode) tokens per second at `threads` (the job's figures: one), the median of `repeats` timed
     runs; see the module docstring."""
     llm = _load(path, PREFILL_TOKENS + DECODE_TOKENS, PREFILL_TOKENS + DECODE_TOKENS, threads)
@@ -171,12 +179,12 @@ def engine_speed(path: Path, repeats: int = SPEED_REPEATS, threads: int = ENGINE
 
 
 def gguf_perplexity(path: Path, texts: dict[str, EvaluationText], run: Run | None = None) -> dict[str, float]:
-    """Perplexity on each text (the same windows as transformers'), in llama.cpp at one thread."""
+    """Perplexity on each text (the same windows as transformers'), in llama.cpp at `perplexity_threads`."""
     run = run or Run()
     perplexity = {}
     if texts:
         n_ctx = max(text.windows.shape[1] for text in texts.values())
-        llm = _load(path, n_ctx, min(n_ctx, tokens_per_chunk(vocabulary_size(path))))
+        llm = _load(path, n_ctx, min(n_ctx, tokens_per_chunk(vocabulary_size(path))), perplexity_threads())
         try:
             for name, text in texts.items():
                 perplexity[name] = engine_perplexity(llm, text, run)
@@ -186,7 +194,7 @@ def gguf_perplexity(path: Path, texts: dict[str, EvaluationText], run: Run | Non
 
 
 def measure_gguf(path: Path, texts: dict[str, EvaluationText], run: Run | None = None) -> EngineFigures:
-    """Perplexity on each text (the same windows as transformers') and speed, in llama.cpp at one thread."""
+    """Perplexity on each text (the same windows as transformers') and speed at one thread, in llama.cpp."""
     run = run or Run()
     perplexity = gguf_perplexity(path, texts, run)
     run.check_cancelled()

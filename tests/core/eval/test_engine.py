@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import ModelCard
 
 from casp_core.checkpoint import load_pruned, save_pruned
@@ -17,6 +18,7 @@ from casp_core.eval.engine import (
     ENGINE_MISSING,
     artifact_table,
     gguf_bits_per_weight,
+    gguf_perplexity,
     measure_exports,
     measure_gguf,
 )
@@ -104,6 +106,7 @@ def test_a_job_reports_each_file_with_its_perplexity_in_its_engine(tmp_path):
     table = report["artifacts"]
     checkpoint, engine = table["rows"]
     assert table["note"] is None and table["engine"]["threads"] == 1
+    assert table["engine"]["perplexity_threads"] == torch.get_num_threads()  # this module's one (eval_helpers)
     assert checkpoint == {
         "file": "model.safetensors",
         "format": "safetensors",
@@ -121,12 +124,18 @@ def test_a_job_reports_each_file_with_its_perplexity_in_its_engine(tmp_path):
     # Q8_0 is 8.5 bits; the pruned FFN widths (not multiples of 32) and the norms keep F16 and F32.
     assert 8.5 < engine["bits_per_weight"] < 16
     assert engine["perplexity_in"] == "llama.cpp"
-    # llama.cpp's figure of this file on the job's windows (one thread: the same figure again), not transformers'.
+    # llama.cpp's figure of this file on the job's windows, not transformers': the same figure again, at one thread
+    # as the job ran and at two, since each row of a product is one thread's work whatever their number.
     _, tokenizer = load_pruned(out)
     texts = {
         name: evaluation_text(tokenizer, name, 64, datasets_dir=str(DATASETS_DIR), max_windows=3) for name in DATASETS
     }
     assert engine["perplexity"] == measure_gguf(gguf_path, texts).perplexity
+    torch.set_num_threads(2)
+    try:
+        assert engine["perplexity"] == gguf_perplexity(gguf_path, texts)
+    finally:
+        torch.set_num_threads(1)
     for name in DATASETS:
         assert engine["perplexity"][name] != checkpoint["perplexity"][name]
         assert engine["perplexity"][name] == pytest.approx(checkpoint["perplexity"][name], rel=0.05)
