@@ -17,7 +17,10 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -70,6 +73,47 @@ def is_gguf_reference(name_or_path: str) -> bool:
     return name_or_path.lower().endswith(GGUF_SUFFIX)
 
 
+_PARSE_ONCE = threading.RLock()
+_parse_once_depth = 0
+
+
+@contextmanager
+def _each_file_parsed_once() -> Iterator[None]:
+    """Within it, gguf-py parses each file once. transformers' GGUF loader makes a new `GGUFReader` for the config,
+    for the weights and for the tokenizer, and each parses the whole header in Python (9 s for SmolLM2's 49K-token
+    vocabulary on the 2-core VM, four times a conversion); it also builds a new tensor-name map for each of the
+    model's modules (397 for SmolLM2: 14 s in all). The loader imports both from `gguf` when it runs, so they are
+    replaced there for the scope's length, by a reader kept per file and a map kept per architecture and depth.
+    Conversions in one process take turns, and a nested scope is the outer one."""
+    global _parse_once_depth
+    import gguf
+
+    with _PARSE_ONCE:
+        if _parse_once_depth:
+            _parse_once_depth += 1
+            try:
+                yield
+            finally:
+                _parse_once_depth -= 1
+            return
+        new_reader, new_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, str], Any] = {}
+
+        def kept_reader(path: os.PathLike[str] | str, mode: str = "r") -> Any:
+            key = (str(Path(path).resolve()), mode)
+            if key not in readers:
+                readers[key] = new_reader(path, mode)
+            return readers[key]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = kept_reader, lru_cache(maxsize=None)(new_name_map)
+        _parse_once_depth = 1
+        try:
+            yield
+        finally:
+            _parse_once_depth = 0
+            gguf.GGUFReader, gguf.get_tensor_name_map = new_reader, new_name_map
+
+
 def _dequantizable_types() -> set[str]:
     """The ggml types the `gguf` package (which transformers' loader calls) dequantizes."""
     from gguf.quants import _type_traits  # the registry `gguf.quants.dequantize` dispatches on
@@ -103,13 +147,18 @@ def gguf_config(path: Path) -> PretrainedConfig:
 def _read_header(path: Path, size: int, mtime_ns: int) -> tuple[GgufSource, dict[str, Any]]:
     """The file's source record and the config transformers reads from it, once per process for each (path, size,
     modification time): reading a header parses the whole vocabulary (seconds for a large one)."""
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
-
     with path.open("rb") as file:
         magic = file.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
         raise InvalidModelFile(f"{path.name} is not a GGUF file: it does not start with the GGUF magic bytes")
+    with _each_file_parsed_once():
+        return _checked_header(path, size, mtime_ns)
+
+
+def _checked_header(path: Path, size: int, mtime_ns: int) -> tuple[GgufSource, dict[str, Any]]:
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
+
     try:
         reader = GGUFReader(path)
     # The header, or a tensor's data, runs past the end of the file: numpy cannot shape what is not there.
@@ -169,20 +218,21 @@ def converted_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     folder = _folder(path, str(dtype).removeprefix("torch."), cache_dir)
     if (folder / SOURCE_RECORD).is_file():  # made from this very file, checked then
         return folder
-    source = check_gguf_file(path)
-    cache.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache))
-    try:
-        _dequantize_into(path, dtype, partial)
-        record = {**asdict(source), "converted_at": datetime.now(UTC).isoformat(timespec="seconds")}
-        (partial / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    with _each_file_parsed_once():
+        source = check_gguf_file(path)
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache))
         try:
-            os.rename(partial, folder)
-        except OSError:  # another job converted the same file meanwhile: keep its folder
-            if not (folder / SOURCE_RECORD).is_file():
-                raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+            _dequantize_into(path, dtype, partial)
+            record = {**asdict(source), "converted_at": datetime.now(UTC).isoformat(timespec="seconds")}
+            (partial / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            try:
+                os.rename(partial, folder)
+            except OSError:  # another job converted the same file meanwhile: keep its folder
+                if not (folder / SOURCE_RECORD).is_file():
+                    raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 
