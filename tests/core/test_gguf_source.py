@@ -2,9 +2,6 @@
 folder cached by its sha256, and every kind of file that is no model to prune refused before any work."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -15,6 +12,7 @@ from gguf import GGUFReader
 
 from casp_core import gguf_source
 from casp_core.caches import default_cache_dir
+from casp_core.cli import main as cli
 from casp_core.errors import CaspError, InvalidModelFile, ModelNotFound, UnsupportedModel
 from casp_core.gguf_source import SOURCE_RECORD, file_sha256, gguf_dtype, gguf_source_for
 from casp_core.model import load_config, load_model
@@ -96,8 +94,8 @@ def bad_files(folder: Path) -> dict[str, tuple[Path, type[CaspError], str]]:
     """Each file that is no model to prune, the error it gets and what the message must say."""
     text = folder / "notes.gguf"
     text.write_text("not a model\n")
-    truncated = folder / "cut.gguf"
-    truncated.write_bytes(SMOLLM2_GGUF.read_bytes()[: 50 << 20])
+    truncated = folder / "cut.gguf"  # a download cut short: the last tensor's data runs past the end of the file
+    truncated.write_bytes(write_gguf(folder / "whole.gguf", "llama").read_bytes()[:-100])
     return {
         "text": (text, InvalidModelFile, "notes.gguf is not a GGUF file"),
         "truncated": (truncated, InvalidModelFile, "cut.gguf is a damaged or truncated GGUF file"),
@@ -121,18 +119,14 @@ def test_a_file_that_is_no_model_to_prune_is_refused_before_anything_is_written(
         assert not cache.exists() or not any((cache / "gguf").iterdir()), name
 
 
-def test_the_command_line_refuses_a_text_file_named_gguf_in_one_line(tmp_path: Path) -> None:
+def test_the_command_line_refuses_a_text_file_named_gguf_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _, message = bad_files(tmp_path)["text"]
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "casp_core", "prune", "--model", str(path), "--ratio", "0.2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "CASP_CACHE_DIR": str(tmp_path / "cache")},
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == [
+    monkeypatch.setenv("CASP_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main(["prune", "--model", str(path), "--ratio", "0.2", "--out", str(out)]) != 0
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"casp: error: invalid_model_file: {message}: it does not start with the GGUF magic bytes"
     ]
     assert not out.exists() and not (tmp_path / "cache").exists()

@@ -49,20 +49,23 @@ def casp(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_prune_end_to_end(tmp_path):
+def test_prune_end_to_end(tmp_path, capsys):
     out = tmp_path / "pruned"
-    completed = casp("prune", "--model", str(STORIES), "--ratio", "0.3", "--alpha", "auto", "--out", str(out), *SMALL)
-    assert completed.returncode == 0, completed.stderr
-    summary = json.loads(completed.stdout)
+    assert (
+        cli.main(["prune", "--model", str(STORIES), "--ratio", "0.3", "--alpha", "auto", "--out", str(out), *SMALL])
+        == 0
+    )
+    completed = capsys.readouterr()
+    summary = json.loads(completed.out)
     assert abs(summary["achieved_ratio"] - 0.3) <= 0.01
     assert set(summary["perplexity"]) == {"wikitext2", "ptb"}
     assert summary["perplexity"]["ptb"]["split"] == "validation"  # LLM-Pruner's PTB split, named in the result
-    assert "casp: pruning:" in completed.stderr  # stage progress, one line per stage in a log
+    assert "casp: pruning:" in completed.err  # stage progress, one line per stage in a log
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["alpha"] == "auto" and report["settings"]["calibration"]["n_samples"] == 8
     chosen = report["alpha_auto"]["chosen"]
     assert [row["alpha"] for row in report["alpha_auto"]["grid"]] == list(ALPHA_GRID) and chosen in ALPHA_GRID
-    assert f"casp: temperature: alpha auto: {chosen:g}, the lowest held-out loss of 0: " in completed.stderr
+    assert f"casp: temperature: alpha auto: {chosen:g}, the lowest held-out loss of 0: " in completed.err
     assert report["perplexity"]["ptb"]["n_windows"] == 10
     assert {key: report["perplexity"]["ptb"][key] for key in ("split", "seq_len", "bos")} == {
         "split": "validation",
@@ -90,6 +93,16 @@ def test_a_round_to_that_forfeits_the_speedup_is_one_warning_line_and_in_the_rep
     assert cli.main(["prune", "--model", str(PTBWIKI), "--ratio", "0.3", "--out", str(tmp_path / "auto"), *tiny]) == 0
     assert "casp: warning:" not in capsys.readouterr().err
     assert json.loads((tmp_path / "auto" / "report.json").read_text())["warnings"] == []
+
+
+def test_bad_input_in_a_process_of_its_own_is_one_line_and_exit_2(tmp_path):
+    """What the user's terminal shows: nothing else reaches stderr (no warning of a library, no progress bar)."""
+    completed = casp("prune", "--model", "/no/such/model", "--ratio", "0.3", "--out", str(tmp_path / "out"), *SMALL)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [
+        "casp: error: model_not_found: model path '/no/such/model' does not exist or is not a directory"
+    ]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
@@ -128,11 +141,14 @@ def test_a_round_to_that_forfeits_the_speedup_is_one_warning_line_and_in_the_rep
         ),
     ],
 )
-def test_bad_input_gets_one_line_and_exit_2(tmp_path, arguments, expected):
-    completed = casp("prune", *arguments, "--out", str(tmp_path / "out"), *SMALL)
-    assert completed.returncode == 2
-    lines = completed.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], completed.stderr
+def test_bad_input_gets_one_line_and_exit_2(tmp_path, capsys, arguments, expected):
+    try:
+        code = cli.main(["prune", *arguments, "--out", str(tmp_path / "out"), *SMALL])
+    except SystemExit as exit_:  # argparse's refusals leave through parser.exit
+        code = exit_.code
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
     assert not (tmp_path / "out").exists()
 
 
