@@ -43,7 +43,14 @@ SHAPES = {"per_layer": {"shape": "per_layer"}, "uniform": {"shape": "uniform"}, 
 REMOTE_CODE_QUESTION = "Do you wish to run the custom code?"
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+# make test runs the default shape's card; the uniform shape's and the GGUF's (about 25 s) are `make test-slow`'s.
+SLOW_SHAPES = ("uniform", "gguf")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(shape, marks=pytest.mark.slow) if shape in SLOW_SHAPES else shape for shape in SHAPES],
+)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp(request.param) / "checkpoint"
     run_job(str(STORIES), tiny_config(0.3, **SHAPES[request.param]), out)
