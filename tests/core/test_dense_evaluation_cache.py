@@ -70,6 +70,7 @@ def test_a_second_job_on_the_same_model_reuses_the_dense_evaluation_and_says_whe
     assert list((cache / CACHE_FOLDER).glob("*.json")) == [entry]
 
 
+@pytest.mark.slow  # 12 s: the job's reuse above is make test's, the sweep reads the same cache through the same call
 def test_a_sweep_reuses_the_dense_evaluation_of_a_single_ratio_job(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     job = run_job(str(STORIES), evaluated_config(0.3), tmp_path / "job", cache_dir=cache)

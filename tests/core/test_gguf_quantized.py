@@ -9,7 +9,9 @@ hidden size is no multiple of 256, gets the K-quants with llama.cpp's fallbacks,
 gives them to a file of the same shapes.
 """
 
+import contextlib
 import ctypes
+import io
 import json
 import os
 import subprocess
@@ -57,22 +59,16 @@ def use_more_bits(layer: int, layers: int) -> bool:
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     """(checkpoint directory, the command's summary line) of each fixture model, pruned once for the module by
-    the command in a process of its own (a module-scoped fixture cannot capture the output of `main`)."""
+    the command (its summary line read from stdout as a user reads it)."""
     root = tmp_path_factory.mktemp("pruned")
     built = {}
     for name, model, gguf_type in (("ptbwiki-7M", PTBWIKI, "q4_k_m"), ("stories260K", STORIES, "q8_0")):
         out = root / name
         arguments = ["prune", "--model", str(model), "--ratio", "0.3", "--out", str(out), *SMALL]
-        completed = subprocess.run(
-            [sys.executable, "-m", "casp_core", *arguments, "--export", "gguf", "--gguf-type", gguf_type],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-            timeout=600,
-            cwd=REPO,
-        )
-        assert completed.returncode == 0, completed.stderr
-        built[name] = (out, json.loads(completed.stdout))
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            assert main([*arguments, "--export", "gguf", "--gguf-type", gguf_type]) == 0
+        built[name] = (out, json.loads(stdout.getvalue().splitlines()[-1]))
     return built
 
 

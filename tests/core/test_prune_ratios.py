@@ -84,7 +84,8 @@ RELATIVE_TOLERANCE = 1e-5
 REFIT_TOLERANCE = 1e-10
 
 
-@pytest.mark.parametrize("compensation", ["least_squares", "bias"])
+# the default's case in make test; FLAP's bias (10 s) in make test-slow
+@pytest.mark.parametrize("compensation", ["least_squares", pytest.param("bias", marks=pytest.mark.slow)])
 def test_dense_mode_takes_each_layers_statistics_once_for_every_ratio(ptbwiki, monkeypatch, compensation):
     dense, tokenizer = ptbwiki
     config = sweep_config("dense")

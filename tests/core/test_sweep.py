@@ -220,6 +220,8 @@ def test_a_target_no_candidate_meets_fails_naming_the_closest(tmp_path: Path) ->
     assert not (tmp_path / "out").exists()
 
 
+# slow (16 s): tests/worker/test_sweep_retry.py resumes a sweep through the runner and its stored state in make test
+@pytest.mark.slow
 def test_a_retry_resumes_after_the_candidates_already_measured(tmp_path: Path) -> None:
     state = tmp_path / "state"
     # Among the pruned candidates only: the dense f16 would beat both, and the retry is of the best one's model.

@@ -35,6 +35,7 @@ def test_a_round_to_that_forfeits_the_speedup_is_a_job_event_and_in_the_result(t
     assert warnings[0]["stage"] == "load"  # as soon as the model's widths are known, not at the end
 
 
+@pytest.mark.slow  # 11 s: the warning is tests/core/families/test_moe.py's, its path to an event the test above's
 def test_an_expert_no_calibration_token_reaches_is_a_job_event_and_in_the_result(tmp_path: Path) -> None:
     """Issue 26: the mixture of experts' unreached expert is reported where a job's user looks, as it happens."""
     model = write_unreached_mixtral(tmp_path / "models" / "mixtral")
