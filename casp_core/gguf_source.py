@@ -74,7 +74,7 @@ def is_gguf_reference(name_or_path: str) -> bool:
 
 
 _PARSE_ONCE = threading.RLock()
-_parse_once_depth = 0
+_parsing_once = False  # set by the outermost scope, which holds _PARSE_ONCE
 
 
 @contextmanager
@@ -85,16 +85,12 @@ def _each_file_parsed_once() -> Iterator[None]:
     model's modules (397 for SmolLM2: 14 s in all). The loader imports both from `gguf` when it runs, so they are
     replaced there for the scope's length, by a reader kept per file and a map kept per architecture and depth.
     Conversions in one process take turns, and a nested scope is the outer one."""
-    global _parse_once_depth
+    global _parsing_once
     import gguf
 
     with _PARSE_ONCE:
-        if _parse_once_depth:
-            _parse_once_depth += 1
-            try:
-                yield
-            finally:
-                _parse_once_depth -= 1
+        if _parsing_once:  # this thread's outer scope has replaced them already, and puts them back
+            yield
             return
         new_reader, new_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
         readers: dict[tuple[str, str], Any] = {}
@@ -106,11 +102,11 @@ def _each_file_parsed_once() -> Iterator[None]:
             return readers[key]
 
         gguf.GGUFReader, gguf.get_tensor_name_map = kept_reader, lru_cache(maxsize=None)(new_name_map)
-        _parse_once_depth = 1
+        _parsing_once = True
         try:
             yield
         finally:
-            _parse_once_depth = 0
+            _parsing_once = False
             gguf.GGUFReader, gguf.get_tensor_name_map = new_reader, new_name_map
 
 

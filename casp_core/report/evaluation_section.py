@@ -215,14 +215,12 @@ def artifact_section(artifacts: dict[str, Any]) -> list[str]:
     lines = ["### Files as deployed", "", *_table(header, table), ""]
     engine = artifacts.get("engine")
     if engine:
-        # reports written before the perplexity ran on torch's threads name one count for both
-        perplexity_threads = f", {engine['perplexity_threads']} thread(s)" if "perplexity_threads" in engine else ""
         lines.append(
             f"GGUF rows measured in {engine['engine']} (llama-cpp-python {engine['llama_cpp_python']}), KV cache "
             f"{engine['kv_cache']}: perplexity on the same windows of the same token ids as the transformers "
-            f"figures above, each window from an empty cache{perplexity_threads}; speed at {engine['threads']} "
-            f"thread(s): a prefill of {engine['prefill_tokens']} tokens, then {engine['decode_tokens']} tokens "
-            f"decoded one at a time, {engine['speed']}."
+            f"figures above, each window from an empty cache, {engine['perplexity_threads']} thread(s); speed at "
+            f"{engine['threads']} thread(s): a prefill of {engine['prefill_tokens']} tokens, then "
+            f"{engine['decode_tokens']} tokens decoded one at a time, {engine['speed']}."
         )
         lines.append("")
     if artifacts.get("note"):
