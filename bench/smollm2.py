@@ -161,10 +161,11 @@ def pruned(
 
     model, tokenizer = load_model(model_path(settings))
     start = time.perf_counter()
-    achieved = 0.0
+    achieved, temperature = 0.0, None
     if ratio:
         result = prune(model, tokenizer, prune_config(settings, ratio, overrides), sensitivities=sensitivities)
         model, achieved = result.model, result.achieved_ratio
+        temperature = result.temperature.summary() if result.temperature else None
     return (
         model,
         tokenizer,
@@ -173,6 +174,7 @@ def pruned(
             "params": sum(parameter.numel() for parameter in model.parameters()),
             "prune_seconds": time.perf_counter() - start,
             "sensitivities_given": sensitivities is not None,
+            "alpha_auto": temperature,  # alpha "auto": the temperature chosen and each candidate's held-out loss
             # The process's peak so far: loading and pruning, before any evaluation.
             "prune_peak_rss_mib": memory_status_mib("VmHWM"),
         },
@@ -589,12 +591,18 @@ def quality_tables(rows: dict[str, dict[str, Any]]) -> list[str]:
                 continue
             cells = [f"**{_ppl(row['ppl'][c])}**" if row["ppl"][c] == best[c] else _ppl(row["ppl"][c]) for c in columns]
             lines.append(
-                f"| {ratio:g} | {config} | {' | '.join(cells)} | {row['prune_seconds']:.0f} | "
+                f"| {ratio:g} | {_configuration(config, row)} | {' | '.join(cells)} | {row['prune_seconds']:.0f} | "
                 f"{row['prune_peak_rss_mib']:.0f} | {_load(row)} |"
             )
     lines += ["", "Bold: the best of the ratio's measured rows in that column.", *defaults_verdict(quality, columns)]
     lines += zero_shot_table(dense, quality)
     return lines
+
+
+def _configuration(config: str, row: dict[str, Any]) -> str:
+    """The configuration's name, and for alpha "auto" the temperature it chose (rows measured since it is recorded)."""
+    choice = row.get("alpha_auto")
+    return f"{config} (chose {choice['chosen']:g})" if choice else config
 
 
 def defaults_verdict(quality: dict[str, dict[str, Any]], columns: list[str]) -> list[str]:
