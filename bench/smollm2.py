@@ -696,7 +696,35 @@ def ladder_tables(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]]) 
                 else f"{_ppl(file['ppl'][column])} / {_ppl(at)} ({file['ppl'][column] / at - 1:+.1%})"
             )
         lines.append(f"| pruned {file['ratio']:g} {file['type']} | {file['bytes']:,} | {' | '.join(cells)} |")
+    lines += speed_table(ladder)
     lines += ["", f"![perplexity against bytes]({RESULT}.png)"]
+    return lines
+
+
+def speed_table(ladder: list[dict[str, Any]]) -> list[str]:
+    """Each pruned file's llama.cpp speed over the dense file of the same type, at each thread count."""
+    dense = {file["type"]: file["tokens_per_s"] for file in ladder if file["ratio"] == 0}
+    pruned = sorted((f for f in ladder if f["ratio"] > 0 and f["type"] in dense), key=lambda f: (f["type"], f["ratio"]))
+    if not pruned:
+        return []
+    header = " | ".join(f"{stage} {threads}t" for threads in SPEED_THREADS for stage in ("prefill", "decode"))
+    lines = [
+        "",
+        "### Speed against dense at the same type",
+        "",
+        "Tokens per second of the pruned file over the dense file's of the same type, on the same prompt and lengths.",
+        "",
+        f"| file | {header} |",
+        f"|---|{'---|' * 2 * len(SPEED_THREADS)}",
+    ]
+    for file in pruned:
+        base = dense[file["type"]]
+        cells = [
+            f"{file['tokens_per_s'][str(threads)][stage] / base[str(threads)][stage]:.2f}x"
+            for threads in SPEED_THREADS
+            for stage in ("prefill", "decode")
+        ]
+        lines.append(f"| pruned {file['ratio']:g} {file['type']} | {' | '.join(cells)} |")
     return lines
 
 

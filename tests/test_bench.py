@@ -377,7 +377,7 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         }
 
     def gguf_file(gguf_type: str, size: int, ppl: float) -> dict:
-        speed = {"prefill": 100.0, "decode": 10.0}
+        speed = {"prefill": 100.0 * 270e6 / size, "decode": 10.0 * 270e6 / size}  # as fast as it is small
         figures = {"bits_per_weight": 8 * size / 135e6, "tokens_per_s": {"1": speed, "2": speed}}
         return {"type": gguf_type, "bytes": size, "ppl": dict.fromkeys(columns, ppl), **figures}
 
@@ -405,5 +405,8 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     # Both pruned files are smaller than every dense one, so nothing beats them in both bytes and perplexity.
     assert front == {"| dense f16", "| dense q8_0", "| dense q4_k_m", "| pruned 0.2 q5_k_m", "| pruned 0.2 q4_k_m"}
     assert "| pruned 0.2 q4_k_m | 90,000,000 | outside the dense range |" in markdown
+    # The pruned q4_k_m against the dense q4_k_m at each thread count; no dense q5_k_m to set its pruned file against.
+    assert "| pruned 0.2 q4_k_m | 1.17x | 1.17x | 1.17x | 1.17x |" in markdown
+    assert "| pruned 0.2 q5_k_m |" not in markdown.split("### Speed against dense at the same type")[1]
     assert (tmp_path / "smollm2.png").stat().st_size > 0
     assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
