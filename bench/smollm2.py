@@ -550,7 +550,7 @@ def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], rerun
             "every prune: the prune seconds and peaks below exclude them (a `casp prune` measures them inside, "
             "once).",
         ]
-    lines += quality_tables(rows)
+    lines += quality_tables(rows, reruns)
     lines += ladder_tables(rows, files)
     lines += recovery_table(rows, files)
     if reruns:
@@ -566,7 +566,7 @@ def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], rerun
     return lines
 
 
-def quality_tables(rows: dict[str, dict[str, Any]]) -> list[str]:
+def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]) -> list[str]:
     dense = rows.get("quality/dense/0")
     quality = {key: row for key, row in rows.items() if key.startswith("quality/") and key != "quality/dense/0"}
     if dense is None:
@@ -582,16 +582,19 @@ def quality_tables(rows: dict[str, dict[str, Any]]) -> list[str]:
         f"{dense['prune_peak_rss_mib']:.0f} | {_load(dense)} |",
     ]
     ratios = sorted({float(key.split("/")[2]) for key in quality})
+    # A row measured before the choice was recorded takes it from its rerun (the same settings choose the same).
+    choices = {rerun["key"]: rerun["alpha_auto"] for rerun in reruns if rerun.get("alpha_auto")}
     for ratio in ratios:
         at_ratio = {key.split("/")[1]: row for key, row in quality.items() if float(key.split("/")[2]) == ratio}
         best = {c: min(row["ppl"][c] for row in at_ratio.values()) for c in columns}
         for config in CONFIGS:
-            row = at_ratio.get(config)
+            row, key = at_ratio.get(config), f"quality/{config}/{ratio:g}"
             if row is None:
                 continue
             cells = [f"**{_ppl(row['ppl'][c])}**" if row["ppl"][c] == best[c] else _ppl(row["ppl"][c]) for c in columns]
             lines.append(
-                f"| {ratio:g} | {_configuration(config, row)} | {' | '.join(cells)} | {row['prune_seconds']:.0f} | "
+                f"| {ratio:g} | {_configuration(config, row.get('alpha_auto') or choices.get(key))} | "
+                f"{' | '.join(cells)} | {row['prune_seconds']:.0f} | "
                 f"{row['prune_peak_rss_mib']:.0f} | {_load(row)} |"
             )
     lines += ["", "Bold: the best of the ratio's measured rows in that column.", *defaults_verdict(quality, columns)]
@@ -599,10 +602,9 @@ def quality_tables(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _configuration(config: str, row: dict[str, Any]) -> str:
-    """The configuration's name, and for alpha "auto" the temperature it chose (rows measured since it is recorded)."""
-    choice = row.get("alpha_auto")
-    return f"{config} (chose {choice['chosen']:g})" if choice else config
+def _configuration(config: str, alpha_auto: dict[str, Any] | None) -> str:
+    """The configuration's name, and for alpha "auto" the temperature it chose."""
+    return f"{config} (chose {alpha_auto['chosen']:g})" if alpha_auto else config
 
 
 def defaults_verdict(quality: dict[str, dict[str, Any]], columns: list[str]) -> list[str]:

@@ -387,6 +387,7 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         quality_row("quality/dense/0", (20.0, 30.0, 15.0, 25.0)),
         quality_row("quality/defaults/0.2", (30.0, 45.0, 22.0, 35.0)),
         quality_row("quality/solver wanda_sp/0.2", (31.0, 44.0, 23.0, 36.0)),
+        quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)),  # measured before the choice was recorded
         {"key": "ladder/0/dense", "settings": settings, "machine": machine, "files": [
             gguf_file("f16", 270_000_000, 15.0), gguf_file("q8_0", 145_000_000, 15.1),
             gguf_file("q4_k_m", 105_000_000, 16.0),
@@ -395,8 +396,11 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
             gguf_file("q5_k_m", 100_000_000, 21.0), gguf_file("q4_k_m", 90_000_000, 22.0),
         ]},
     ]  # fmt: skip
-    smollm2.render({"rows": rows, "reruns": []}, tmp_path)
+    rerun = quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)) | {"alpha_auto": {"chosen": 0.5}}
+    smollm2.render({"rows": rows, "reruns": [rerun]}, tmp_path)
     markdown = (tmp_path / "smollm2.md").read_text()
+    assert "| 0.2 | alpha auto (chose 0.5) | 32.00 |" in markdown  # the choice its rerun recorded
+    assert "| quality/alpha auto/0.2 wikitext2@128 | 32.00 | 32.00 | +0.00% |" in markdown
     assert "The gradient sensitivities S_l on the calibration windows took 240 s (peak RSS 1400 MiB" in markdown
     assert "Where the defaults lose:" in markdown
     assert "- at 0.2, solver wanda_sp beats the defaults on ptb:test@128: 44.00 against 45.00 (-2.2%)" in markdown
