@@ -480,6 +480,7 @@ def on_front(files: list[dict[str, Any]]) -> set[int]:
 
 def plot(files: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FormatStrFormatter
 
     axis = eval_key(*FRONT_AXIS)
     figure = Figure(figsize=(7, 5))
@@ -491,15 +492,22 @@ def plot(files: list[dict[str, Any]], path: Path) -> None:
             for file in files
             if (file["ratio"], file["planned_for"]) == (ratio, planned_for)
         )
-        label = "dense" if ratio == 0 else f"pruned {ratio:g} ({planned_for})"
-        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{index}", label=label)
+        label = (
+            f"pruned {ratio:g} ({planned_for})"
+            if ratio
+            else {"dense": "dense", "source": "the source file"}[planned_for]
+        )
+        axes.plot([p[0] / 1e6 for p in points], [p[1] for p in points], marker="o", color=f"C{index}", label=label)
         for size, value, gguf_type in points:
-            axes.annotate(gguf_type, (size, value), fontsize=6, xytext=(2, 2), textcoords="offset points")
-    front = sorted((files[index]["bytes"], files[index]["ppl"][axis]) for index in on_front(files))
+            axes.annotate(gguf_type, (size / 1e6, value), fontsize=6, xytext=(2, 2), textcoords="offset points")
+    front = sorted((files[index]["bytes"] / 1e6, files[index]["ppl"][axis]) for index in on_front(files))
     axes.plot([p[0] for p in front], [p[1] for p in front], color="black", linewidth=0.8, label="front")
     axes.set_xscale("log")
     axes.set_yscale("log")
-    axes.set_xlabel("GGUF file bytes")
+    for scale in (axes.xaxis, axes.yaxis):  # plain numbers on the log axes, not powers of ten
+        scale.set_major_formatter(FormatStrFormatter("%g"))
+        scale.set_minor_formatter(FormatStrFormatter("%g"))
+    axes.set_xlabel("GGUF file MB")
     axes.set_ylabel(f"{FRONT_AXIS[0]} perplexity at {FRONT_AXIS[1]}-token windows (llama.cpp)")
     axes.set_title("SmolLM2-135M-Instruct: pruned and quantized")
     axes.grid(alpha=0.3)
