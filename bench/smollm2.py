@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct: casp's claims, and the "prune, quantize or both?" answer, on a real pretrained model.
 
 `python -m bench.smollm2` (#38) measures the model of `../shared/fixtures/models/smollm2-135m-instruct-gguf/`, loaded
-from its Q4_1 GGUF file as `casp prune --model file.gguf` loads it on the CPU (dequantized to float32), in four
+from its Q4_1 GGUF file as `casp prune --model file.gguf` loads it on the CPU (dequantized to float32), in five
 parts:
 
 - `quality`: the defaults against each alternative the README claims they beat (`CONFIGS`) at `--ratios`.
@@ -10,6 +10,9 @@ parts:
   `--windows-128` and `--windows-2048` windows of each, the same windows for every row. The seven zero-shot tasks
   (`--zero-shot-limit` documents each; 0: every document) for the dense model and every row at
   `ZERO_SHOT_RATIOS`. The prune's wall time and peak host memory, in a fresh process per row.
+- `zero-shot`: the seven tasks on every document of each, for the dense model and each configuration of
+  `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. A row of its own, because it costs about
+  an hour of 2 cores where the quality row's perplexities cost minutes.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
@@ -181,14 +184,15 @@ def pruned(
     )
 
 
-def zero_shot(model: Any, tokenizer: Any, settings: dict[str, Any]) -> dict[str, Any]:
+def zero_shot(model: Any, tokenizer: Any, settings: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """The tasks' accuracies and their mean, on the first `limit` documents of each (None: all of them)."""
     from casp_core.eval.zeroshot import evaluate_zero_shot
 
     result = evaluate_zero_shot(
         model,
         tokenizer,
         list(ZERO_SHOT_TASKS),
-        limit=settings["zero_shot_limit"] or None,
+        limit=limit,
         datasets_dir=settings["datasets_dir"],
         device="cpu",
     )
@@ -208,7 +212,20 @@ def quality_row(
     return {
         **figures,
         "ppl": ppl,
-        "zero_shot": zero_shot(model, tokenizer, settings) if measured else None,
+        "zero_shot": zero_shot(model, tokenizer, settings, settings["zero_shot_limit"] or None) if measured else None,
+        "evaluation_seconds": time.perf_counter() - start,
+    }
+
+
+def zero_shot_row(
+    settings: dict[str, Any], config: str, ratio: float, sensitivities: list[float] | None
+) -> dict[str, Any]:
+    """Every document of the seven tasks, on the model the quality row of `config` at `ratio` measures."""
+    model, tokenizer, figures = pruned(settings, ratio, CONFIGS.get(config, {}), sensitivities)
+    start = time.perf_counter()
+    return {
+        **figures,
+        "zero_shot": zero_shot(model, tokenizer, settings, None),
         "evaluation_seconds": time.perf_counter() - start,
     }
 
@@ -321,7 +338,11 @@ def recovery_row(settings: dict[str, Any], recipe: str, sensitivities: list[floa
             "train_tokens": sum(len(sequence) for sequence in data.sequences),
             "pruned_ppl": pruned_ppl,
             "ppl": {key: windows_perplexity(recovered, text, device="cpu") for key, text in texts.items()},
-            "zero_shot": zero_shot(recovered, tokenizer, settings) if settings["zero_shot_limit"] >= 0 else None,
+            "zero_shot": (
+                zero_shot(recovered, tokenizer, settings, settings["zero_shot_limit"] or None)
+                if settings["zero_shot_limit"] >= 0
+                else None
+            ),
             "loss_first_last": [result.curve[0]["loss"], result.curve[-1]["loss"]],
             "teacher_seconds": teacher_seconds,
             "recovery_seconds": recovery_seconds,
@@ -335,6 +356,8 @@ def measure_row(key: str, settings: dict[str, Any], sensitivities: list[float] |
         return sensitivities_row(settings)
     if part == "quality":
         return quality_row(settings, rest[0], float(rest[1]), sensitivities)
+    if part == "zero-shot":
+        return zero_shot_row(settings, rest[0], float(rest[1]), sensitivities)
     if part == "ladder":
         return ladder_row(settings, float(rest[0]), rest[1], sensitivities)
     return recovery_row(settings, rest[0], sensitivities)
@@ -360,6 +383,11 @@ def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
     if "recovery" in parts:
         for recipe in RECIPES:
             yield f"recovery/{recipe}"
+    if "zero-shot" in parts:
+        yield "zero-shot/dense/0"
+        for ratio in (ratio for ratio in ratios if ratio in ZERO_SHOT_RATIOS):
+            for config in CONFIGS:
+                yield f"zero-shot/{config}/{ratio:g}"
 
 
 def measure_in_child(key: str, settings: dict[str, Any], sensitivities: list[float] | None) -> dict[str, Any]:
@@ -391,7 +419,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--row", nargs=2, metavar=("KEY", "SETTINGS"), help=argparse.SUPPRESS)
     parser.add_argument("--sensitivities", help=argparse.SUPPRESS)
-    parser.add_argument("--parts", default="quality,ladder,recovery", help="quality, ladder, recovery, comma-separated")
+    parser.add_argument(
+        "--parts",
+        default="quality,ladder,recovery,zero-shot",
+        help="quality, ladder, recovery, zero-shot, comma-separated",
+    )
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument("--windows-128", type=int, default=128, help="128-token windows per test text")
     parser.add_argument("--windows-2048", type=int, default=8, help="2048-token windows per test text")
@@ -435,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
                 payload["reruns"].append(row)
             else:
                 payload["rows"] = [*(r for r in payload["rows"] if r["key"] != key), row]
-            print(f"{key}: {row.get('ppl') or row.get('files') or row.get('sensitivities')}", flush=True)
+            figures = row.get("ppl") or row.get("files") or row.get("zero_shot") or row.get("sensitivities")
+            print(f"{key}: {figures}", flush=True)
             write_json(path, payload)
             render(payload, args.out)
     render(payload, args.out)
@@ -606,7 +639,13 @@ def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]
                 f"{row['prune_peak_rss_mib']:.0f} | {_load(row)} |"
             )
     lines += ["", "Bold: the best of the ratio's measured rows in that column.", *defaults_verdict(quality, columns)]
-    lines += zero_shot_table(dense, quality)
+    lines += zero_shot_table(
+        f"Zero-shot accuracy, the first {dense['settings']['zero_shot_limit']} documents of each task",
+        {key: row for key, row in rows.items() if key.startswith("quality/")},
+    )
+    lines += zero_shot_table(
+        "Zero-shot accuracy, every document", {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
+    )
     return lines
 
 
@@ -637,26 +676,22 @@ def defaults_verdict(quality: dict[str, dict[str, Any]], columns: list[str]) -> 
     return ["", "Where the defaults lose:", "", *losses]
 
 
-def zero_shot_table(dense: dict[str, Any], quality: dict[str, dict[str, Any]]) -> list[str]:
-    measured = {key: row for key, row in quality.items() if row.get("zero_shot")}
-    if not dense.get("zero_shot"):
+def zero_shot_table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The accuracies of the rows (keyed `part/configuration/ratio`) that measured the tasks, the dense one first."""
+    measured = [(key.split("/")[1:], row) for key, row in rows.items() if row.get("zero_shot")]
+    if not measured:
         return []
-    tasks = list(dense["zero_shot"]["acc"])
     lines = [
         "",
-        "### Zero-shot accuracy",
+        f"### {title}",
         "",
-        f"| ratio | configuration | {' | '.join(tasks)} | mean |",
-        f"|---|---|{'---|' * len(tasks)}---|",
+        f"| ratio | configuration | {' | '.join(ZERO_SHOT_TASKS)} | mean |",
+        f"|---|---|{'---|' * len(ZERO_SHOT_TASKS)}---|",
     ]
-    labelled = [("0 | dense", dense)]
-    for key, row in measured.items():
-        _, config, ratio = key.split("/")
-        labelled.append((f"{ratio} | {config}", row))
-    for label, row in labelled:
-        accuracies = [row["zero_shot"]["acc"][task] for task in tasks]
-        cells = " | ".join(f"{value:.3f}" for value in accuracies)
-        lines.append(f"| {label} | {cells} | {row['zero_shot']['mean']:.3f} |")
+    order = ["dense", *CONFIGS]
+    for (config, ratio), row in sorted(measured, key=lambda pair: (float(pair[0][1]), order.index(pair[0][0]))):
+        cells = " | ".join(f"{row['zero_shot']['acc'][task]:.3f}" for task in ZERO_SHOT_TASKS)
+        lines.append(f"| {ratio} | {config} | {cells} | {row['zero_shot']['mean']:.3f} |")
     return lines
 
 

@@ -388,6 +388,10 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         quality_row("quality/defaults/0.2", (30.0, 45.0, 22.0, 35.0)),
         quality_row("quality/solver wanda_sp/0.2", (31.0, 44.0, 23.0, 36.0)),
         quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)),  # measured before the choice was recorded
+        {"key": "zero-shot/defaults/0.2", "settings": settings, "machine": machine, "prune_seconds": 60.0}
+        | {"zero_shot": {"acc": dict.fromkeys(smollm2.ZERO_SHOT_TASKS, 0.5), "mean": 0.5}},
+        {"key": "zero-shot/dense/0", "settings": settings, "machine": machine, "prune_seconds": 0.0}
+        | {"zero_shot": {"acc": dict.fromkeys(smollm2.ZERO_SHOT_TASKS, 0.625), "mean": 0.625}},
         {"key": "ladder/0/dense", "settings": settings, "machine": machine, "files": [
             gguf_file("f16", 270_000_000, 15.0), gguf_file("q8_0", 145_000_000, 15.1),
             gguf_file("q4_k_m", 105_000_000, 16.0),
@@ -413,4 +417,11 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert "| pruned 0.2 q4_k_m | 1.17x | 1.17x | 1.17x | 1.17x |" in markdown
     assert "| pruned 0.2 q5_k_m |" not in markdown.split("### Speed against dense at the same type")[1]
     assert (tmp_path / "smollm2.png").stat().st_size > 0
+    # The full zero-shot rows in a table of their own, the dense one first; no quality row measured the tasks.
+    every_document = markdown.split("### Zero-shot accuracy, every document")[1].split("\n## ")[0].splitlines()
+    assert every_document[4:6] == [f"| 0 | dense |{' 0.625 |' * 8}", f"| 0.2 | defaults |{' 0.500 |' * 8}"]
+    assert "Zero-shot accuracy, the first" not in markdown
     assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
+    planned = list(smollm2.planned_rows(["zero-shot"], [0.1, 0.2]))
+    assert planned[:3] == [smollm2.SENSITIVITIES_ROW, "zero-shot/dense/0", "zero-shot/defaults/0.2"]
+    assert len(planned) == 2 + len(smollm2.CONFIGS)  # 0.1 is not among the ratios the tasks are measured at
