@@ -638,7 +638,9 @@ def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]
                 f"{' | '.join(cells)} | {row['prune_seconds']:.0f} | "
                 f"{row['prune_peak_rss_mib']:.0f} | {_load(row)} |"
             )
-    lines += ["", "Bold: the best of the ratio's measured rows in that column.", *defaults_verdict(quality, columns)]
+    lines += ["", "Bold: the best of the ratio's measured rows in that column."]
+    lines += against_defaults_table(quality, ratios, columns)
+    lines += defaults_verdict(quality, columns)
     lines += zero_shot_table(
         f"Zero-shot accuracy, the first {dense['settings']['zero_shot_limit']} documents of each task",
         {key: row for key, row in rows.items() if key.startswith("quality/")},
@@ -646,6 +648,38 @@ def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]
     lines += zero_shot_table(
         "Zero-shot accuracy, every document", {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
     )
+    return lines
+
+
+def against_defaults_table(quality: dict[str, dict[str, Any]], ratios: list[float], columns: list[str]) -> list[str]:
+    """Each alternative against the defaults at every ratio: the change on the 2048-token columns, and how many of
+    all the columns the defaults win."""
+    shown = [eval_key(name, 2048) for name in EVAL_SETS]
+    lines = [
+        "",
+        "### Against the defaults",
+        "",
+        f"Each cell: {' / '.join(shown)} against the defaults' at the same ratio (the defaults' row: their own). "
+        f"Defaults win: of the {len(columns)} columns at each ratio measured, those where the defaults' perplexity "
+        "is lower.",
+        "",
+        f"| configuration | {' | '.join(f'at {ratio:g}' for ratio in ratios)} | defaults win |",
+        f"|---|{'---|' * len(ratios)}---|",
+    ]
+    for config in CONFIGS:
+        cells, won, compared = [], 0, 0
+        for ratio in ratios:
+            row, defaults = quality.get(f"quality/{config}/{ratio:g}"), quality.get(f"quality/defaults/{ratio:g}")
+            if row is None or defaults is None:
+                cells.append("-")
+                continue
+            if config == "defaults":
+                cells.append(" / ".join(_ppl(row["ppl"][column]) for column in shown))
+                continue
+            cells.append(" / ".join(f"{row['ppl'][column] / defaults['ppl'][column] - 1:+.1%}" for column in shown))
+            won += sum(defaults["ppl"][column] < row["ppl"][column] for column in columns)
+            compared += len(columns)
+        lines.append(f"| {config} | {' | '.join(cells)} | {f'{won} of {compared}' if compared else ''} |")
     return lines
 
 

@@ -406,6 +406,9 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert "| 0.2 | alpha auto (chose 0.5) | 32.00 |" in markdown  # the choice its rerun recorded
     assert "| quality/alpha auto/0.2 wikitext2@128 | 32.00 | 32.00 | +0.00% |" in markdown
     assert "The gradient sensitivities S_l on the calibration windows took 240 s (peak RSS 1400 MiB" in markdown
+    assert "| solver wanda_sp | +4.5% / +2.9% | 3 of 4 |" in markdown  # 23/22 and 36/35 at 2048; loses ptb:test@128
+    assert "| defaults | 22.00 / 35.00 |  |" in markdown
+    assert "| allocation uniform | - |  |" in markdown  # not measured
     assert "Where the defaults lose:" in markdown
     assert "- at 0.2, solver wanda_sp beats the defaults on ptb:test@128: 44.00 against 45.00 (-2.2%)" in markdown
     assert markdown.count("beats the defaults") == 1
