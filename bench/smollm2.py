@@ -70,7 +70,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "allocation uniform": {"allocation": "uniform"},
     "compensation none (the paper's CASP)": {"compensation": "none"},
     "alpha auto": {"alpha": "auto"},
-    # The temperature alpha auto chose at 0.2 and 0.5 (its own statistics are from 3/4 of the windows), held fixed.
+    # The temperature alpha auto chose at 0.2 and 0.5, held fixed: where auto chose it, the same model.
     "alpha 0.5": {"alpha": 0.5},
     "shape uniform (vLLM)": {"shape": "uniform"},
 }
