@@ -89,6 +89,12 @@ FRONT_AXIS = ("wikitext2", 2048)  # the plot's perplexity and the equal-bytes ta
 RECOVERY_RATIO = 0.3
 RECIPES = {"distill_ce+lora": ("lora", "distill_ce"), "distill+full": ("full", "distill")}
 RECOVERY_SEQ_LEN = 256
+# The settings a pruned model depends on: a row records them, casp's defaults resolved, and is measured again when
+# they change (a new default, say). Evaluation and export settings are the bench's own.
+PRUNE_FIELDS = (
+    "ratio", "alpha", "solver", "allocation", "shape", "r_max", "round_to", "compensation", "compensation_damping",
+    "dtype", "calibration", "moe", "gguf_type",
+)  # fmt: skip
 RESULT = "smollm2"
 SENSITIVITIES_ROW = "allocation/sensitivities"
 
@@ -115,6 +121,30 @@ def prune_config(settings: dict[str, Any], ratio: float, overrides: dict[str, An
         device="cpu",
         **overrides,
     )
+
+
+def planned_prune(key: str) -> tuple[float, dict[str, Any]] | None:
+    """The ratio the row `key` prunes at and its settings other than casp prune's defaults; None: the dense model."""
+    part, *rest = key.split("/")
+    if part in ("quality", "zero-shot"):
+        ratio, overrides = float(rest[1]), CONFIGS.get(rest[0], {})
+    elif part == "ladder":
+        ratio, overrides = float(rest[0]), {"export": ["gguf"], "gguf_type": rest[1]}
+    elif part == "recovery":
+        ratio, overrides = RECOVERY_RATIO, {}
+    else:
+        return None
+    return (ratio, overrides) if ratio else None
+
+
+def prune_record(settings: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """What the row's prune resolves to (`PRUNE_FIELDS`, casp's defaults included), without this machine's paths."""
+    planned = planned_prune(key)
+    if planned is None:
+        return None
+    resolved = prune_config(settings, *planned).to_dict()
+    record = {field: value for field, value in resolved.items() if field in PRUNE_FIELDS}
+    return record | {"calibration": record["calibration"] | {"dataset": CALIBRATION["dataset"]}}
 
 
 def evaluation_texts(tokenizer: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -282,7 +312,7 @@ def ladder_row(
         texts = evaluation_texts(tokenizer, settings)
         return {"files": [{"type": "q4_1 (source)", **file_figures(Path(model_path(settings)), texts)}]}
     gguf_types = DENSE_LADDER if ratio == 0 else PRUNED_TYPES[planned_for]
-    overrides = {"export": ["gguf"], "gguf_type": planned_for}
+    _, overrides = planned_prune(f"ladder/{ratio:g}/{planned_for}") or (0.0, {})
     model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
     texts = evaluation_texts(tokenizer, settings)
     with tempfile.TemporaryDirectory() as work:
@@ -397,7 +427,8 @@ def measure_in_child(key: str, settings: dict[str, Any], sensitivities: list[flo
     machine = machine_info()
     arguments = ["--row", key, json.dumps(settings), "--sensitivities", json.dumps(sensitivities)]
     figures = run_child("bench.smollm2", arguments, key)
-    return {"key": key, "settings": settings, "machine": finish_machine_info(machine), **figures}
+    record = prune_record(settings, key)
+    return {"key": key, "settings": settings, "prune": record, "machine": finish_machine_info(machine), **figures}
 
 
 def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -413,8 +444,10 @@ def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def same_settings(row: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """Whether the held row was measured under `settings` and prunes as its key would now."""
     held = {key: value for key, value in row["settings"].items() if key not in ("models_dir", "datasets_dir")}
-    return held == {key: value for key, value in settings.items() if key not in ("models_dir", "datasets_dir")}
+    current = {key: value for key, value in settings.items() if key not in ("models_dir", "datasets_dir")}
+    return held == current and row.get("prune") == prune_record(settings, row["key"])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from bench import device_memory, engines, frontier, load, quality, quantized, recovery, smollm2, speed, sweep
 from bench.common import all_finite, default_datasets_dir, default_models_dir
+from casp_core.config import PruneConfig
 
 pytestmark = pytest.mark.skipif(
     not (Path(default_models_dir()) / "stories260K").is_dir() or not Path(default_datasets_dir()).is_dir(),
@@ -428,3 +429,28 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     planned = list(smollm2.planned_rows(["zero-shot"], [0.1, 0.2]))
     assert planned[:3] == [smollm2.SENSITIVITIES_ROW, "zero-shot/dense/0", "zero-shot/defaults/0.2"]
     assert len(planned) == 2 + len(smollm2.CONFIGS)  # 0.1 is not among the ratios the tasks are measured at
+
+
+def test_smollm2_measures_a_held_row_again_when_its_prune_would_change(tmp_path: Path) -> None:
+    """A row records its prune's settings with casp's defaults resolved; a changed default re-measures the rows it
+    changes, and only those."""
+    settings = {"models_dir": "models", "datasets_dir": str(tmp_path), "windows": {"128": 4}, "zero_shot_limit": 100}
+    defaults = smollm2.prune_record(settings, "quality/defaults/0.2")
+    assert defaults["alpha"] == PruneConfig().alpha and defaults["ratio"] == 0.2
+    assert defaults["calibration"]["dataset"] == smollm2.CALIBRATION["dataset"]  # no path of this machine
+    assert smollm2.prune_record(settings, "ladder/0.3/q4_k_m")["gguf_type"] == "q4_k_m"
+    assert smollm2.prune_record(settings, "quality/dense/0") is None
+    assert smollm2.prune_record(settings, "ladder/0/dense") is None
+
+    def held(key: str, prune: dict | None) -> bool:
+        return smollm2.same_settings({"key": key, "settings": settings, "prune": prune}, settings)
+
+    assert held("quality/defaults/0.2", defaults)
+    assert held("quality/dense/0", None)
+    assert not held("quality/defaults/0.2", defaults | {"alpha": defaults["alpha"] + 0.5})  # pruned under another
+    assert not held("quality/defaults/0.2", None)  # measured before rows recorded their prune
+    uniform = smollm2.prune_record(settings, "quality/allocation uniform/0.2")
+    assert held("quality/allocation uniform/0.2", uniform)
+    assert not held("quality/allocation uniform/0.2", defaults)
+    moved = settings | {"datasets_dir": "elsewhere"}  # the same files on another machine
+    assert smollm2.same_settings({"key": "quality/defaults/0.2", "settings": moved, "prune": defaults}, settings)
