@@ -12,7 +12,7 @@ parts:
   `ZERO_SHOT_RATIOS`. The prune's wall time and peak host memory, in a fresh process per row.
 - `zero-shot`: the seven tasks on every document of each, for the dense model and each configuration of
   `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. A row of its own, because it costs about
-  an hour of 2 cores where the quality row's perplexities cost minutes.
+  1.5 hours of 2 cores where the quality row's perplexities cost minutes.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
