@@ -273,9 +273,13 @@ def test_job_stage_posts_each_stage_started_and_the_events_a_job_names_are_all_i
         f"delivered: HTTP 200 (job.stage {stages[0]}, attempt 2)",
     ]
     assert messages[2:] == [f"delivered: HTTP 200 (job.stage {stage}, attempt 1)" for stage in stages[1:]]
+    # The plain job's cancellation may be delivered to the same receiver before the client closes: it is its own.
+    ours = [entry for entry in receiver.received if entry[1]["webhook-id"].startswith(f"{job['id']}.")]
+    theirs = [entry[1]["webhook-id"] for entry in receiver.received if entry not in ours]
+    assert theirs in ([], [f"{plain['id']}.job.cancelled"]), theirs
     posted = []
     verified = documented_receiver()
-    for _, headers, body in receiver.received[1:]:  # the first answered 500
+    for _, headers, body in ours[1:]:  # the first answered 500
         assert headers["Casp-Event"] == "job.stage"
         payload = Webhook(SECRET).verify(body, headers)
         assert verified(SECRET, headers, body)
@@ -283,7 +287,7 @@ def test_job_stage_posts_each_stage_started_and_the_events_a_job_names_are_all_i
         assert (payload["type"], payload["job_id"], payload["attempt"]) == ("job.stage", job["id"], 1)
         posted.append(payload["stage"])
     assert posted == stages
-    assert receiver.received[0][2] == receiver.received[1][2]  # the retry posts the same body
+    assert ours[0][2] == ours[1][2]  # the retry posts the same body
 
 
 @pytest.mark.parametrize(
