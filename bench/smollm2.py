@@ -70,8 +70,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "allocation uniform": {"allocation": "uniform"},
     "compensation none (the paper's CASP)": {"compensation": "none"},
     "alpha auto": {"alpha": "auto"},
-    # The temperature alpha auto chose at 0.2 and 0.5, held fixed: where auto chose it, the same model.
-    "alpha 0.5": {"alpha": 0.5},
+    # The paper's temperature, casp's default until this bench measured 0.5 better.
+    "alpha 1 (the paper's)": {"alpha": 1.0},
     "shape uniform (vLLM)": {"shape": "uniform"},
 }
 ZERO_SHOT_RATIOS = (0.2, 0.3)
@@ -142,8 +142,12 @@ def prune_record(settings: dict[str, Any], key: str) -> dict[str, Any] | None:
     planned = planned_prune(key)
     if planned is None:
         return None
-    resolved = prune_config(settings, *planned).to_dict()
-    record = {field: value for field, value in resolved.items() if field in PRUNE_FIELDS}
+    from casp_core.prune import uses_sensitivities
+
+    config = prune_config(settings, *planned)
+    record = {field: value for field, value in config.to_dict().items() if field in PRUNE_FIELDS}
+    if not uses_sensitivities(config):  # a uniform allocation or shape has no temperature
+        record["alpha"] = None
     return record | {"calibration": record["calibration"] | {"dataset": CALIBRATION["dataset"]}}
 
 
@@ -232,11 +236,11 @@ def zero_shot(model: Any, tokenizer: Any, settings: dict[str, Any], limit: int |
 
 
 def quality_row(
-    settings: dict[str, Any], config: str, ratio: float, sensitivities: list[float] | None
+    settings: dict[str, Any], ratio: float, overrides: dict[str, Any], sensitivities: list[float] | None
 ) -> dict[str, Any]:
     from casp_core.eval.perplexity import windows_perplexity
 
-    model, tokenizer, figures = pruned(settings, ratio, CONFIGS.get(config, {}), sensitivities)
+    model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
     texts = evaluation_texts(tokenizer, settings)
     start = time.perf_counter()
     ppl = {key: windows_perplexity(model, text, device="cpu") for key, text in texts.items()}
@@ -250,10 +254,10 @@ def quality_row(
 
 
 def zero_shot_row(
-    settings: dict[str, Any], config: str, ratio: float, sensitivities: list[float] | None
+    settings: dict[str, Any], ratio: float, overrides: dict[str, Any], sensitivities: list[float] | None
 ) -> dict[str, Any]:
-    """Every document of the seven tasks, on the model the quality row of `config` at `ratio` measures."""
-    model, tokenizer, figures = pruned(settings, ratio, CONFIGS.get(config, {}), sensitivities)
+    """Every document of the seven tasks, on the model the quality row of the same settings measures."""
+    model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
     start = time.perf_counter()
     return {
         **figures,
@@ -300,7 +304,11 @@ def file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
 
 
 def ladder_row(
-    settings: dict[str, Any], ratio: float, planned_for: str, sensitivities: list[float] | None
+    settings: dict[str, Any],
+    ratio: float,
+    overrides: dict[str, Any],
+    planned_for: str,
+    sensitivities: list[float] | None,
 ) -> dict[str, Any]:
     """Ratio 0: the dense ladder ("dense") or the source file ("source"); else the defaults' prune for
     `planned_for`'s block and the files of its family."""
@@ -312,7 +320,6 @@ def ladder_row(
         texts = evaluation_texts(tokenizer, settings)
         return {"files": [{"type": "q4_1 (source)", **file_figures(Path(model_path(settings)), texts)}]}
     gguf_types = DENSE_LADDER if ratio == 0 else PRUNED_TYPES[planned_for]
-    _, overrides = planned_prune(f"ladder/{ratio:g}/{planned_for}") or (0.0, {})
     model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
     texts = evaluation_texts(tokenizer, settings)
     with tempfile.TemporaryDirectory() as work:
@@ -323,7 +330,9 @@ def ladder_row(
         return {**figures, "files": gguf_rows(checkpoint, gguf_types, texts)}
 
 
-def recovery_row(settings: dict[str, Any], recipe: str, sensitivities: list[float] | None) -> dict[str, Any]:
+def recovery_row(
+    settings: dict[str, Any], ratio: float, recipe: str, sensitivities: list[float] | None
+) -> dict[str, Any]:
     from casp_core.checkpoint import save_pruned
     from casp_core.config import RecoveryConfig
     from casp_core.eval.perplexity import windows_perplexity
@@ -354,7 +363,7 @@ def recovery_row(settings: dict[str, Any], recipe: str, sensitivities: list[floa
         fingerprint = teacher_fingerprint({"model": str(SMOLLM2_GGUF)}, data, recovery)
         teacher = compute_teacher(dense, data, recovery, Path(work) / "teacher", fingerprint, device="cpu")
         teacher_seconds = time.perf_counter() - start
-        model, _, figures = pruned(settings, RECOVERY_RATIO, {}, sensitivities)
+        model, _, figures = pruned(settings, ratio, {}, sensitivities)
         del dense
         pruned_ppl = {key: windows_perplexity(model, text, device="cpu") for key, text in texts.items()}
         start = time.perf_counter()
@@ -386,13 +395,14 @@ def measure_row(key: str, settings: dict[str, Any], sensitivities: list[float] |
     part, *rest = key.split("/")
     if part == "allocation":
         return sensitivities_row(settings)
+    ratio, overrides = planned_prune(key) or (0.0, {})
     if part == "quality":
-        return quality_row(settings, rest[0], float(rest[1]), sensitivities)
+        return quality_row(settings, ratio, overrides, sensitivities)
     if part == "zero-shot":
-        return zero_shot_row(settings, rest[0], float(rest[1]), sensitivities)
+        return zero_shot_row(settings, ratio, overrides, sensitivities)
     if part == "ladder":
-        return ladder_row(settings, float(rest[0]), rest[1], sensitivities)
-    return recovery_row(settings, rest[0], sensitivities)
+        return ladder_row(settings, ratio, overrides, rest[1], sensitivities)
+    return recovery_row(settings, ratio, rest[0], sensitivities)
 
 
 # ---------------------------------------------------------------- the plan and the parent process
