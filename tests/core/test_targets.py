@@ -95,7 +95,11 @@ def test_the_default_sweep_is_every_ratio_in_each_default_type(model) -> None:
         assert sizes == sorted(sizes, reverse=True), (variant, sizes)
     dense = {point.variant: point for point in dense_points(load_config(str(model)), settings)}
     assert list(dense) == variants and {point.ratio for point in dense.values()} == {0.0}
-    assert all(dense[c.variant].estimated_bytes > c.estimated_bytes for c in candidates)
+    # But two: stories260K's heads are 8 wide, so a layer that loses a head has an attn_output row of 56, which
+    # llama.cpp's K-quants store in F16 where the dense 64 took a 32-block type (Q5_1, Q4_1); at 0.1 and the default
+    # alpha, four layers lose one head and little else.
+    not_smaller = [(c.ratio, c.variant) for c in candidates if c.estimated_bytes >= dense[c.variant].estimated_bytes]
+    assert not_smaller == ([(0.1, "q5_k_m"), (0.1, "q4_k_m")] if model == STORIES else []), not_smaller
 
 
 def test_a_bytes_budget_leaves_out_what_exceeds_it_and_keeps_the_rest() -> None:
