@@ -598,6 +598,12 @@ def _ppl(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.2f}"
 
 
+def _lower(value: float, other: float) -> bool:
+    """Lower as printed: the same model pruned by two code paths (alpha auto where it chose the default) differs in
+    the last float bits, which is a tie, not a win."""
+    return round(value, 2) < round(other, 2)
+
+
 def _load(row: dict[str, Any]) -> str:
     machine = row["machine"]
     return f"{machine['loadavg_start'][0]:.1f}/{machine['loadavg_end'][0]:.1f}"
@@ -706,7 +712,7 @@ def against_defaults_table(quality: dict[str, dict[str, Any]], ratios: list[floa
         "",
         f"Each cell: {' / '.join(shown)} against the defaults' at the same ratio (the defaults' row: their own). "
         f"Defaults win: of the {len(columns)} columns at each ratio measured, those where the defaults' perplexity "
-        "is lower.",
+        "is lower to two decimals.",
         "",
         f"| configuration | {' | '.join(f'at {ratio:g}' for ratio in ratios)} | defaults win |",
         f"|---|{'---|' * len(ratios)}---|",
@@ -722,7 +728,7 @@ def against_defaults_table(quality: dict[str, dict[str, Any]], ratios: list[floa
                 cells.append(" / ".join(_ppl(row["ppl"][column]) for column in shown))
                 continue
             cells.append(" / ".join(f"{row['ppl'][column] / defaults['ppl'][column] - 1:+.1%}" for column in shown))
-            won += sum(defaults["ppl"][column] < row["ppl"][column] for column in columns)
+            won += sum(_lower(defaults["ppl"][column], row["ppl"][column]) for column in columns)
             compared += len(columns)
         lines.append(f"| {config} | {' | '.join(cells)} | {f'{won} of {compared}' if compared else ''} |")
     return lines
@@ -743,7 +749,7 @@ def defaults_verdict(quality: dict[str, dict[str, Any]], columns: list[str]) -> 
             continue
         compared += 1
         for column in columns:
-            if row["ppl"][column] < defaults["ppl"][column]:
+            if _lower(row["ppl"][column], defaults["ppl"][column]):
                 losses.append(
                     f"- at {ratio}, {config} beats the defaults on {column}: {_ppl(row['ppl'][column])} against "
                     f"{_ppl(defaults['ppl'][column])} ({row['ppl'][column] / defaults['ppl'][column] - 1:+.1%})"
