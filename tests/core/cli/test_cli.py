@@ -243,7 +243,7 @@ def help_of(command: list[str], capsys: pytest.CaptureFixture[str]) -> str:
             [
                 "(default: http://127.0.0.1:8000)",
                 "--alpha ALPHA allocation temperature, or auto: the grid's best on held-out calibration windows "
-                "(default: 1.0)",
+                "(default: 0.5)",
                 "(default: 3)",
             ],
         ),
