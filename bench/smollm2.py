@@ -609,6 +609,27 @@ def _load(row: dict[str, Any]) -> str:
     return f"{machine['loadavg_start'][0]:.1f}/{machine['loadavg_end'][0]:.1f}"
 
 
+def stale_rows(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The held rows whose prune differs from what their key prunes now (casp's defaults changed since), each with
+    the settings that differ: shown as measured until the bench measures them again."""
+    stale = []
+    for key, row in rows.items():
+        if row.get("prune") is None or row["prune"] == (now := prune_record(row["settings"], key)) or now is None:
+            continue
+        changed = ", ".join(
+            f"{field} {row['prune'][field]} (now {now[field]})" for field in now if row["prune"][field] != now[field]
+        )
+        stale.append(f"- `{key}`: {changed}")
+    if not stale:
+        return []
+    return [
+        "",
+        "Held from before casp's defaults changed, and shown as measured until they are measured again:",
+        "",
+        *stale,
+    ]
+
+
 def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], reruns: list[dict[str, Any]]) -> list[str]:
     any_row = next(iter(rows.values()), None)
     lines = [
@@ -642,6 +663,7 @@ def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], rerun
             "every prune: the prune seconds and peaks below exclude them (a `casp prune` measures them inside, "
             "once).",
         ]
+    lines += stale_rows(rows)
     lines += quality_tables(rows, reruns)
     lines += ladder_tables(rows, files)
     lines += recovery_table(rows, files)

@@ -401,6 +401,11 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
             gguf_file("q5_k_m", 100_000_000, 21.0), gguf_file("q4_k_m", 90_000_000, 22.0),
         ]},
     ]  # fmt: skip
+    # Rows that record their prune: one as its key prunes now, one from before a default changed.
+    recorded = settings | {"datasets_dir": str(tmp_path)}
+    for row in rows[2:4]:
+        row |= {"settings": recorded, "prune": smollm2.prune_record(recorded, row["key"])}
+    rows[3]["prune"] = rows[3]["prune"] | {"alpha": 1.0, "round_to": 8}
     rerun = quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)) | {"alpha_auto": {"chosen": 0.5}}
     smollm2.render({"rows": rows, "reruns": [rerun]}, tmp_path)
     markdown = (tmp_path / "smollm2.md").read_text()
@@ -417,6 +422,9 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     # Both pruned files are smaller than every dense one, so nothing beats them in both bytes and perplexity.
     assert front == {"| dense f16", "| dense q8_0", "| dense q4_k_m", "| pruned 0.2 q5_k_m", "| pruned 0.2 q4_k_m"}
     assert "| pruned 0.2 q4_k_m | 90,000,000 | outside the dense range |" in markdown
+    held = markdown.split("Held from before casp's defaults changed")[1].split("\n## ")[0]
+    assert "- `quality/solver wanda_sp/0.2`: alpha 1.0 (now 0.5), round_to 8 (now auto)" in held
+    assert "defaults" not in held
     # The pruned q4_k_m against the dense q4_k_m at each thread count; no dense q5_k_m to set its pruned file against.
     assert "| pruned 0.2 q4_k_m | 1.17x | 1.17x | 1.17x | 1.17x |" in markdown
     assert "| pruned 0.2 q5_k_m |" not in markdown.split("### Speed against dense at the same type")[1]
