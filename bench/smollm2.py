@@ -672,7 +672,8 @@ def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], rerun
         lines.append("|---|---|---|---|")
         for rerun in reruns:
             held = rows.get(rerun["key"])
-            if held is None or "ppl" not in held:
+            # A held row measured again under changed defaults is no longer what the rerun repeated.
+            if held is None or "ppl" not in held or held.get("prune") != rerun.get("prune"):
                 continue
             for name, value in rerun["ppl"].items():
                 change = value / held["ppl"][name] - 1

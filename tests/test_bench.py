@@ -407,10 +407,13 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         row |= {"settings": recorded, "prune": smollm2.prune_record(recorded, row["key"])}
     rows[3]["prune"] = rows[3]["prune"] | {"alpha": 1.0, "round_to": 8}
     rerun = quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)) | {"alpha_auto": {"chosen": 0.5}}
-    smollm2.render({"rows": rows, "reruns": [rerun]}, tmp_path)
+    # A rerun of the prune the held row no longer records: not set against it.
+    other_prune = quality_row("quality/solver wanda_sp/0.2", (31.0, 44.0, 23.0, 36.0)) | {"prune": rows[2]["prune"]}
+    smollm2.render({"rows": rows, "reruns": [rerun, other_prune]}, tmp_path)
     markdown = (tmp_path / "smollm2.md").read_text()
     assert "| 0.2 | alpha auto (chose 0.5) | 32.00 |" in markdown  # the choice its rerun recorded
     assert "| quality/alpha auto/0.2 wikitext2@128 | 32.00 | 32.00 | +0.00% |" in markdown
+    assert "| quality/solver wanda_sp/0.2 wikitext2@128" not in markdown
     assert "The gradient sensitivities S_l on the calibration windows took 240 s (peak RSS 1400 MiB" in markdown
     assert "| solver wanda_sp | +4.5% / +2.9% | 3 of 4 |" in markdown  # 23/22 and 36/35 at 2048; loses ptb:test@128
     assert "| defaults | 22.00 / 35.00 |  |" in markdown
