@@ -614,7 +614,10 @@ def stale_rows(rows: dict[str, dict[str, Any]]) -> list[str]:
     the settings that differ: shown as measured until the bench measures them again."""
     stale = []
     for key, row in rows.items():
-        if row.get("prune") is None or row["prune"] == (now := prune_record(row["settings"], key)) or now is None:
+        if row.get("prune") is None:
+            continue
+        now = prune_record(row["settings"], key)
+        if now is None or now == row["prune"]:
             continue
         changed = ", ".join(
             f"{field} {row['prune'][field]} (now {now[field]})" for field in now if row["prune"][field] != now[field]

@@ -122,6 +122,12 @@ MAX_ALPHA = 100
 AUTO_ALPHA_NEEDS_WINDOWS = 'alpha: "auto" holds out calibration windows to score temperatures: needs n_samples >= 2'
 
 
+def fixed_alpha(alpha: float | str) -> float:
+    """alpha as a number where auto's scoring does not reach (a size estimate, the experts' split within a layer):
+    the default stands in for auto."""
+    return DEFAULT_ALPHA if alpha == AUTO_ALPHA else float(alpha)
+
+
 def _one_reason(reason: str) -> WrapValidator:
     """A union reports one error per member (`round_to.constrained-int: ...; round_to.literal['auto']: ...`);
     the user needs one line that names the setting and everything it takes."""

@@ -42,7 +42,7 @@ from casp_core.allocation import allocate_ratios
 from casp_core.budget import BudgetPlan, UniformShape, channels_to_prune
 from casp_core.calibration import SecondMoment
 from casp_core.compensation import CompensationReport, compensate_linear
-from casp_core.config import AUTO_ALPHA, DEFAULT_ALPHA, PruneConfig
+from casp_core.config import PruneConfig, fixed_alpha
 from casp_core.families import family_of_layer
 from casp_core.families.base import RowSlice
 from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights, routed_experts
@@ -180,7 +180,7 @@ def expert_counts(
         return counts, unreached
     allowed = {e: channel_counts(widths[e], config.r_max, config.round_to) for e in taking_part}
     # auto scores temperatures for the layers' ratios; the experts' split within a layer keeps the default.
-    alpha = DEFAULT_ALPHA if config.alpha == AUTO_ALPHA else config.alpha
+    alpha = fixed_alpha(config.alpha)
     ratio = min(n_channels / sum(widths[e] for e in taking_part), config.r_max)
     ratios = allocate_ratios([traffic[e].sensitivity for e in taking_part], ratio, alpha, config.r_max)
     wanted = {e: r * widths[e] for e, r in zip(taking_part, ratios, strict=True)}

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from casp_core.allocation import allocate_ratios, uniform_ratios
 from casp_core.budget import channels_to_prune, plan_budget, plan_uniform_shape
-from casp_core.config import AUTO_ALPHA, DEFAULT_ALPHA, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig
+from casp_core.config import MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig, fixed_alpha
 from casp_core.export.gguf_types import GGML_BLOCKS, Tensor, llama_cpp_types
 from casp_core.families import projections
 from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
@@ -114,7 +114,7 @@ def estimated_ratios(n_layers: int, config: PruneConfig) -> list[float]:
     if config.allocation == "uniform":
         return uniform_ratios(n_layers, config.ratio)
     # auto is chosen on the calibration text, which an estimate does not read: the default stands in for it.
-    alpha = DEFAULT_ALPHA if config.alpha == AUTO_ALPHA else config.alpha
+    alpha = fixed_alpha(config.alpha)
     return allocate_ratios([math.exp(-index) for index in range(n_layers)], config.ratio, alpha, config.r_max)
 
 
