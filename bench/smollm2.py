@@ -85,6 +85,8 @@ DENSE_LADDER = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0", "iq4_nl", "q3
 PRUNED_TYPES = {"q8_0": ("q8_0",), "q4_k_m": ("q5_k_m", "q4_k_m")}
 SPEED_THREADS = (1, 2)
 SPEED_REPEATS = 3
+# How the ladder times a file: a pruned file against the dense file of the same type timed beside it (file_figures).
+SPEED = {"threads": list(SPEED_THREADS), "repeats": SPEED_REPEATS, "against": "dense of the same type, timed beside"}
 FRONT_AXIS = ("wikitext2", 2048)  # the plot's perplexity and the equal-bytes table's first column
 RECOVERY_RATIO = 0.3
 RECIPES = {"distill_ce+lora": ("lora", "distill_ce"), "distill+full": ("full", "distill")}
@@ -266,41 +268,48 @@ def zero_shot_row(
     }
 
 
-def gguf_rows(checkpoint: Path, gguf_types: tuple[str, ...], texts: dict[str, Any]) -> list[dict[str, Any]]:
+def gguf_rows(
+    checkpoint: Path, gguf_types: tuple[str, ...], texts: dict[str, Any], dense: Path | None = None
+) -> list[dict[str, Any]]:
+    """Each type's file of `checkpoint`, measured; with `dense` (the dense checkpoint), the dense file of the same
+    type is timed right after each of its speed runs, in the same process."""
     from casp_core.export.gguf import export_gguf
 
     rows = []
     for gguf_type in gguf_types:
         export = export_gguf(checkpoint, checkpoint / f"model-{gguf_type}.gguf", gguf_type)
+        reference = export_gguf(dense, dense / f"model-{gguf_type}.gguf", gguf_type).path if dense else None
         rows.append(
             {
                 "type": gguf_type,
-                **file_figures(export.path, texts),
+                **file_figures(export.path, texts, reference),
                 "tensor_types": dict(Counter(export.tensor_types.values()).most_common()),
                 "fallbacks": [asdict(fallback) for fallback in export.fallbacks],
             }
         )
         export.path.unlink()
+        if reference:
+            reference.unlink()
     return rows
 
 
-def file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
-    """A GGUF file's bytes, bits per weight, perplexity on `texts` and speed, in llama.cpp."""
+def file_figures(path: Path, texts: dict[str, Any], reference: Path | None = None) -> dict[str, Any]:
+    """A GGUF file's bytes, bits per weight, perplexity on `texts` and speed, in llama.cpp; with `reference`, that
+    file's speed too, each of its runs right after the file's at the same thread count. This machine's speed
+    drifts between sessions by a third (the dense q8_0 decoded 153 tokens/s in one session and 102 in the next, on
+    the same VM type), so a speed is set only against one timed beside it."""
     from casp_core.eval import engine
 
     start = time.perf_counter()
     ppl = engine.gguf_perplexity(path, texts)
-    speed = {
-        str(threads): dict(zip(("prefill", "decode"), engine.engine_speed(path, SPEED_REPEATS, threads), strict=True))
-        for threads in SPEED_THREADS
-    }
-    return {
-        "bytes": path.stat().st_size,
-        "bits_per_weight": engine.gguf_bits_per_weight(path),
-        "ppl": ppl,
-        "tokens_per_s": speed,
-        "seconds": time.perf_counter() - start,
-    }
+    timed = {"tokens_per_s": path} | ({"dense_tokens_per_s": reference} if reference else {})
+    speeds: dict[str, dict[str, dict[str, float]]] = {key: {} for key in timed}
+    for threads in SPEED_THREADS:
+        for key, file in timed.items():
+            runs = engine.engine_speed(file, SPEED_REPEATS, threads)
+            speeds[key][str(threads)] = dict(zip(("prefill", "decode"), runs, strict=True))
+    figures = {"bytes": path.stat().st_size, "bits_per_weight": engine.gguf_bits_per_weight(path), "ppl": ppl}
+    return figures | speeds | {"seconds": time.perf_counter() - start}
 
 
 def ladder_row(
@@ -312,9 +321,6 @@ def ladder_row(
 ) -> dict[str, Any]:
     """Ratio 0: the dense ladder ("dense") or the source file ("source"); else the defaults' prune for
     `planned_for`'s block and the files of its family."""
-    from casp_core.checkpoint import save_pruned
-    from casp_core.export.tokenizer import keep_source_vocabulary
-
     if planned_for == "source":
         _, tokenizer, _ = pruned(settings, 0, {}, None)
         texts = evaluation_texts(tokenizer, settings)
@@ -324,19 +330,29 @@ def ladder_row(
     texts = evaluation_texts(tokenizer, settings)
     with tempfile.TemporaryDirectory() as work:
         checkpoint = Path(work) / "checkpoint"
-        save_pruned(model, tokenizer, checkpoint)
-        keep_source_vocabulary(Path(model_path(settings)), checkpoint)  # as a job does: the file's own vocabulary
+        save_checkpoint(model, tokenizer, checkpoint, settings)
         del model
-        return {**figures, "files": gguf_rows(checkpoint, gguf_types, texts)}
+        dense = None
+        if ratio:  # the dense files of the same types, to time beside the pruned ones
+            dense = Path(work) / "dense"
+            save_checkpoint(*pruned(settings, 0, {}, None)[:2], dense, settings)
+        return {**figures, "files": gguf_rows(checkpoint, gguf_types, texts, dense)}
+
+
+def save_checkpoint(model: Any, tokenizer: Any, checkpoint: Path, settings: dict[str, Any]) -> None:
+    """As a job writes it: the source file's own vocabulary kept."""
+    from casp_core.checkpoint import save_pruned
+    from casp_core.export.tokenizer import keep_source_vocabulary
+
+    save_pruned(model, tokenizer, checkpoint)
+    keep_source_vocabulary(Path(model_path(settings)), checkpoint)
 
 
 def recovery_row(
     settings: dict[str, Any], ratio: float, recipe: str, sensitivities: list[float] | None
 ) -> dict[str, Any]:
-    from casp_core.checkpoint import save_pruned
     from casp_core.config import RecoveryConfig
     from casp_core.eval.perplexity import windows_perplexity
-    from casp_core.export.tokenizer import keep_source_vocabulary
     from casp_core.model import load_model
     from casp_core.recovery import recover
     from casp_core.recovery_data import load_training_data
@@ -364,17 +380,17 @@ def recovery_row(
         teacher = compute_teacher(dense, data, recovery, Path(work) / "teacher", fingerprint, device="cpu")
         teacher_seconds = time.perf_counter() - start
         model, _, figures = pruned(settings, ratio, {}, sensitivities)
+        save_checkpoint(dense, tokenizer, Path(work) / "dense", settings)  # its q4_k_m is timed beside
         del dense
         pruned_ppl = {key: windows_perplexity(model, text, device="cpu") for key, text in texts.items()}
         start = time.perf_counter()
         recovered, result = recover(model, tokenizer, data, recovery, device="cpu", teacher=teacher)
         recovery_seconds = time.perf_counter() - start
         checkpoint = Path(work) / "checkpoint"
-        save_pruned(recovered, tokenizer, checkpoint)
-        keep_source_vocabulary(Path(model_path(settings)), checkpoint)
+        save_checkpoint(recovered, tokenizer, checkpoint, settings)
         return {
             **figures,
-            "settings": recovery.to_dict(),
+            "recovery": recovery.to_dict(),
             "train_sequences": len(data),
             "train_tokens": sum(len(sequence) for sequence in data.sequences),
             "pruned_ppl": pruned_ppl,
@@ -387,7 +403,7 @@ def recovery_row(
             "loss_first_last": [result.curve[0]["loss"], result.curve[-1]["loss"]],
             "teacher_seconds": teacher_seconds,
             "recovery_seconds": recovery_seconds,
-            "files": gguf_rows(checkpoint, ("q4_k_m",), texts),
+            "files": gguf_rows(checkpoint, ("q4_k_m",), texts, Path(work) / "dense"),
         }
 
 
@@ -442,7 +458,7 @@ def measure_in_child(key: str, settings: dict[str, Any], sensitivities: list[flo
 
 
 def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """What a row's figures depend on; a held row is reused only under the same."""
+    """What the rows' figures depend on (`PART_SETTINGS`: which of them each part's do)."""
     return {
         "models_dir": args.models_dir,
         "datasets_dir": args.datasets_dir,
@@ -450,14 +466,28 @@ def recorded_settings(args: argparse.Namespace) -> dict[str, Any]:
         "windows": {"128": args.windows_128, "2048": args.windows_2048},
         "zero_shot_limit": args.zero_shot_limit,
         "recovery_steps": args.recovery_steps,
+        "speed": SPEED,
     }
 
 
+# The settings a part's figures depend on; and `speed` where the row writes pruned GGUF files (their speed is
+# set against the dense files timed beside them: the dense ladder and the source file are timed alone).
+PART_SETTINGS = {
+    "allocation": ("calibration",),
+    "quality": ("calibration", "windows", "zero_shot_limit"),
+    "zero-shot": ("calibration",),
+    "ladder": ("calibration", "windows"),
+    "recovery": ("calibration", "windows", "zero_shot_limit", "recovery_steps"),
+}
+
+
 def same_settings(row: dict[str, Any], settings: dict[str, Any]) -> bool:
-    """Whether the held row was measured under `settings` and prunes as its key would now."""
-    held = {key: value for key, value in row["settings"].items() if key not in ("models_dir", "datasets_dir")}
-    current = {key: value for key, value in settings.items() if key not in ("models_dir", "datasets_dir")}
-    return held == current and row.get("prune") == prune_record(settings, row["key"])
+    """Whether the held row was measured under the settings its figures depend on and prunes as its key would
+    now: only then is it reused."""
+    part = row["key"].split("/")[0]
+    names = PART_SETTINGS[part] + (("speed",) if part in ("ladder", "recovery") and planned_prune(row["key"]) else ())
+    held = all(row["settings"].get(name) == settings.get(name) for name in names)
+    return held and row.get("prune") == prune_record(settings, row["key"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -858,9 +888,10 @@ def ladder_tables(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]]) 
 
 
 def speed_table(ladder: list[dict[str, Any]]) -> list[str]:
-    """Each pruned file's llama.cpp speed over the dense file of the same type, at each thread count."""
-    dense = {file["type"]: file["tokens_per_s"] for file in ladder if file["ratio"] == 0}
-    pruned = sorted((f for f in ladder if f["ratio"] > 0 and f["type"] in dense), key=lambda f: (f["type"], f["ratio"]))
+    """Each pruned file's llama.cpp speed over the dense file of the same type timed beside it, at each thread
+    count. A file measured before the rows timed the dense one beside it is left out: the machine's speed drifts
+    between sessions (file_figures)."""
+    pruned = sorted((f for f in ladder if "dense_tokens_per_s" in f), key=lambda f: (f["type"], f["ratio"]))
     if not pruned:
         return []
     header = " | ".join(f"{stage} {threads}t" for threads in SPEED_THREADS for stage in ("prefill", "decode"))
@@ -868,13 +899,14 @@ def speed_table(ladder: list[dict[str, Any]]) -> list[str]:
         "",
         "### Speed against dense at the same type",
         "",
-        "Tokens per second of the pruned file over the dense file's of the same type, on the same prompt and lengths.",
+        "Tokens per second of the pruned file over the dense file's of the same type, on the same prompt and lengths,",
+        "the dense file timed in the same process right after the pruned one at each thread count.",
         "",
         f"| file | {header} |",
         f"|---|{'---|' * 2 * len(SPEED_THREADS)}",
     ]
     for file in pruned:
-        base = dense[file["type"]]
+        base = file["dense_tokens_per_s"]
         cells = [
             f"{file['tokens_per_s'][str(threads)][stage] / base[str(threads)][stage]:.2f}x"
             for threads in SPEED_THREADS
@@ -907,7 +939,7 @@ def recovery_table(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]])
             cells.append(f"{_ppl(before)} -> {_ppl(after)} ({(before - after) / (before - base):.0%})")
         zero = row["zero_shot"]["mean"] if row.get("zero_shot") else None
         lines.append(
-            f"| {recipe} | {row['settings']['max_steps']} | {row['train_tokens']:,} | {' | '.join(cells)} | "
+            f"| {recipe} | {row['recovery']['max_steps']} | {row['train_tokens']:,} | {' | '.join(cells)} | "
             f"{'-' if zero is None else f'{zero:.3f}'} | {row['recovery_seconds']:.0f} |"
         )
     return lines

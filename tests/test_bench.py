@@ -377,9 +377,12 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
             **figures,
         }
 
+    def speed(size: int) -> dict:
+        figures = {"prefill": 100.0 * 270e6 / size, "decode": 10.0 * 270e6 / size}  # as fast as it is small
+        return {"1": figures, "2": figures}
+
     def gguf_file(gguf_type: str, size: int, ppl: float) -> dict:
-        speed = {"prefill": 100.0 * 270e6 / size, "decode": 10.0 * 270e6 / size}  # as fast as it is small
-        figures = {"bits_per_weight": 8 * size / 135e6, "tokens_per_s": {"1": speed, "2": speed}}
+        figures = {"bits_per_weight": 8 * size / 135e6, "tokens_per_s": speed(size)}
         return {"type": gguf_type, "bytes": size, "ppl": dict.fromkeys(columns, ppl), **figures}
 
     rows = [
@@ -398,7 +401,8 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
             gguf_file("q4_k_m", 105_000_000, 16.0),
         ]},
         {"key": "ladder/0.2/q4_k_m", "settings": settings, "machine": machine, "files": [
-            gguf_file("q5_k_m", 100_000_000, 21.0), gguf_file("q4_k_m", 90_000_000, 22.0),
+            gguf_file("q5_k_m", 100_000_000, 21.0),  # measured before the dense file was timed beside
+            gguf_file("q4_k_m", 90_000_000, 22.0) | {"dense_tokens_per_s": speed(120_000_000)},  # a slower day
         ]},
     ]  # fmt: skip
     # Rows that record their prune: one as its key prunes now, one from before a default changed.
@@ -428,8 +432,8 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     held = markdown.split("Held from before casp's defaults changed")[1].split("\n## ")[0]
     assert "- `quality/solver wanda_sp/0.2`: alpha 1.0 (now 0.5), round_to 8 (now auto)" in held
     assert "defaults" not in held
-    # The pruned q4_k_m against the dense q4_k_m at each thread count; no dense q5_k_m to set its pruned file against.
-    assert "| pruned 0.2 q4_k_m | 1.17x | 1.17x | 1.17x | 1.17x |" in markdown
+    # The pruned q4_k_m against the dense q4_k_m timed beside it; no dense file was timed beside the pruned q5_k_m.
+    assert "| pruned 0.2 q4_k_m | 1.33x | 1.33x | 1.33x | 1.33x |" in markdown  # not 1.17x, the dense row's
     assert "| pruned 0.2 q5_k_m |" not in markdown.split("### Speed against dense at the same type")[1]
     assert (tmp_path / "smollm2.png").stat().st_size > 0
     # The full zero-shot rows in a table of their own, the dense one first; no quality row measured the tasks.
@@ -465,3 +469,13 @@ def test_smollm2_measures_a_held_row_again_when_its_prune_would_change(tmp_path:
     assert not held("quality/allocation uniform/0.2", defaults)
     moved = settings | {"datasets_dir": "elsewhere"}  # the same files on another machine
     assert smollm2.same_settings({"key": "quality/defaults/0.2", "settings": moved, "prune": defaults}, settings)
+    # Timing the pruned files against a dense one beside them re-measures the rows that write pruned files only.
+    timed = settings | {"speed": smollm2.SPEED}
+    ladder = smollm2.prune_record(timed, "ladder/0.2/q8_0")
+    assert not smollm2.same_settings({"key": "ladder/0.2/q8_0", "settings": settings, "prune": ladder}, timed)
+    assert smollm2.same_settings({"key": "ladder/0.2/q8_0", "settings": timed, "prune": ladder}, timed)
+    assert smollm2.same_settings({"key": "ladder/0/dense", "settings": settings, "prune": None}, timed)
+    assert smollm2.same_settings({"key": "quality/defaults/0.2", "settings": settings, "prune": defaults}, timed)
+    assert not smollm2.same_settings(
+        {"key": "quality/defaults/0.2", "settings": settings | {"windows": {}}, "prune": defaults}, timed
+    )
