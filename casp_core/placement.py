@@ -54,7 +54,6 @@ from casp_core.config import (
 )
 from casp_core.errors import DeviceMemoryTooSmall
 from casp_core.families import family_of
-from casp_core.families.moe import MixtureOfExperts
 from casp_core.next_token import tokens_per_chunk
 from casp_core.run import CPU
 
@@ -97,8 +96,7 @@ class ModelShape:
         """A checkpoint's shapes without its weights (bench/device_memory.py: models this machine cannot load)."""
         heads = config.num_attention_heads
         family = family_of(config)
-        moe = isinstance(family, MixtureOfExperts)
-        experts = family.num_experts(config) if moe else 0
+        experts = family.num_experts(config) if family.has_experts else 0
         return cls(
             hidden=config.hidden_size,
             intermediate=family.expert_width(config) if experts else config.intermediate_size,
@@ -111,8 +109,8 @@ class ModelShape:
             dtype_bytes=dtype_bytes,
             eager_attention=eager_attention,
             experts=experts,
-            shared_expert=family.shared_expert_width(config) if moe else 0,
-            experts_per_token=config.num_experts_per_tok if moe else 0,
+            shared_expert=family.shared_expert_width(config) if family.has_experts else 0,
+            experts_per_token=config.num_experts_per_tok if family.has_experts else 0,
         )
 
     def layer_parameters(self) -> int:

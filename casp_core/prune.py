@@ -42,7 +42,6 @@ from casp_core.calibration import (
 from casp_core.compensation import SharedRefits, compensate_layer, shared_refits
 from casp_core.config import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig
 from casp_core.families import family_of
-from casp_core.families.moe import MixtureOfExperts
 from casp_core.model import (
     AttentionGeometry,
     attention_geometry,
@@ -92,7 +91,7 @@ def prune_layer(
     `sensitivity` are the allocation's, for the report."""
     layer = decoder_layers(model)[index]
     layer.to(stream.device)
-    if isinstance(family_of(model.config), MixtureOfExperts):
+    if family_of(model.config).has_experts:
         report = prune_moe_layer(
             model, index, stream, plan, removed_before, config, run, ratio=ratio, sensitivity=sensitivity
         )

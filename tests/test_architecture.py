@@ -134,3 +134,34 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_no_import_cycles() -> None:
     """Type-only imports count: a cycle of types says a type lives in the wrong module."""
     assert cycles(import_graph()) == []
+
+
+def family_classes() -> set[str]:
+    """The classes of casp_core/families that derive from `Family` (by name, across its modules)."""
+    bases: dict[str, set[str]] = {}
+    for path in (REPO / "casp_core" / "families").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {base.id for base in node.bases if isinstance(base, ast.Name)}
+    found = {"Family"}
+    while grown := {name for name, parents in bases.items() if parents & found} - found:
+        found |= grown
+    return found - {"Family"}
+
+
+def test_a_familys_behaviour_comes_through_family_of_alone() -> None:
+    """Outside casp_core.families nothing names a family's class (an `isinstance(family, MixtureOfExperts)` branch):
+    what differs between families is a `Family` attribute or method, reached through `family_of` (`Family` itself is
+    the interface, and may be named)."""
+    classes = family_classes()
+    assert {"MixtureOfExperts", "Llama", "Qwen3Moe"} <= classes
+    named = sorted(
+        f"{module} imports {alias.name}"
+        for module, path in all_modules().items()
+        if not module.startswith("casp_core.families")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("casp_core.families")
+        for alias in node.names
+        if alias.name in classes
+    )
+    assert named == []

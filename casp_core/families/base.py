@@ -165,6 +165,8 @@ class Family:
     pruned_model_class: ClassVar[type[PreTrainedModel]] = CaspLlamaForCausalLM
     # False: only FFN channels are pruned, attention is kept whole (the allocation's ratio comes from the MLP).
     prunes_heads: ClassVar[bool] = True
+    # True: the MLP is routed experts (families.moe.MixtureOfExperts), pruned by the experts' step of the loop.
+    has_experts: ClassVar[bool] = False
     # Where each projection sits in a decoder layer, and the name its pruned rows and columns get.
     projection_paths: ClassVar[dict[str, str]] = {
         "q": "self_attn.q_proj",

@@ -119,6 +119,7 @@ class MixtureOfExperts(Family):
     top-k experts) as transformers 5's routers do, and LLaMA's attention."""
 
     prunes_heads = False
+    has_experts = True
     # The dense config's setting for one expert's width, which the uniform shape sets to the kept width.
     expert_width_key: ClassVar[str] = "intermediate_size"
     # The dense config's setting for the routed experts' count, which whole-expert removal lowers.
