@@ -7,7 +7,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from service import jobs
+from service import api_keys
 from service.db import session_factory
 from service.dispatch import Dispatcher
 from service.logs import add_log_context
@@ -48,11 +48,11 @@ def get_caller(
     settings: SettingsDep,
     session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(api_key_scheme)],
-) -> jobs.Caller:
+) -> api_keys.Caller:
     if settings.auth == "none":
-        return jobs.Caller(key_id=None)
+        return api_keys.Caller(key_id=None)
     token = credentials.credentials.strip() if credentials else ""
-    key = jobs.find_api_key(session, token) if token else None
+    key = api_keys.find_api_key(session, token) if token else None
     if key is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
@@ -60,7 +60,7 @@ def get_caller(
             headers={"WWW-Authenticate": "Bearer"},
         )
     add_log_context(key_name=key.name)
-    return jobs.Caller(key_id=key.id)
+    return api_keys.Caller(key_id=key.id)
 
 
-CallerDep = Annotated[jobs.Caller, Depends(get_caller)]
+CallerDep = Annotated[api_keys.Caller, Depends(get_caller)]

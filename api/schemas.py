@@ -10,10 +10,10 @@ from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from casp_core.config import Printable, PruneSettings, is_optional, part_of
 from casp_core.model import is_local_reference
-from service.jobs import WEBHOOK_EVENTS
 from service.paths import S3_SCHEME, UPLOAD_SCHEME
 from service.settings import DEVICES
 from service.tables import JOB_STATUSES
+from service.webhook_deliveries import WEBHOOK_EVENTS
 
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=64), Printable]
 MetadataValue = Annotated[str, StringConstraints(max_length=512), Printable]

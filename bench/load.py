@@ -51,7 +51,7 @@ from bench.common import (
 )
 from casp_cli.client import CaspAPIError, CaspClient
 from casp_cli.main import prepare
-from service import jobs
+from service import api_keys, job_queue, jobs
 from service.db import session_scope
 from service.settings import Settings
 
@@ -155,7 +155,7 @@ def casp_serve(values: dict[str, str], home: Path) -> Iterator[tuple[str, str]]:
     with session_scope(settings.database) as session:
         # Limits of its own far above what the bench sends: it measures the API's throughput (the limit checks
         # still run on every submission), not the fair-use limits.
-        _, key = jobs.create_api_key(
+        _, key = api_keys.create_api_key(
             session, "load-bench", max_active_jobs=1_000_000, max_submissions_per_minute=1_000_000
         )
     port = free_port()
@@ -345,7 +345,7 @@ def start_running(database_url: str, job_ids: list[str]) -> dict[str, int]:
     last = {}
     with session_scope(database_url) as session:
         for job_id in job_ids:
-            assert jobs.claim_job(session, job_id, "load-bench") is not None
+            assert job_queue.claim_job(session, job_id, "load-bench") is not None
         session.flush()
         for job_id in job_ids:
             events, _ = jobs.list_events(session, job_id, limit=100, after=None)

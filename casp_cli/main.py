@@ -88,13 +88,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from service import jobs
+    from service import api_keys
     from service.db import session_scope
 
     settings = load_settings()
     prepare(settings)
     with session_scope(settings.database) as session:
-        row, key = jobs.create_api_key(
+        row, key = api_keys.create_api_key(
             session,
             args.name,
             max_active_jobs=args.max_active_jobs,
@@ -106,13 +106,13 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from service import jobs
+    from service import api_keys
     from service.db import session_scope
 
     settings = load_settings()
     prepare(settings)
     with session_scope(settings.database) as session:
-        row = jobs.revoke_api_key(session, args.key_id)
+        row = api_keys.revoke_api_key(session, args.key_id)
         if row is None:
             print(f"casp: error: not_found: no API key with id {args.key_id} (see casp keys list)", file=sys.stderr)
             return 1
@@ -121,7 +121,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_set_hub_token(args: argparse.Namespace) -> int:
-    from service import jobs
+    from service import api_keys
     from service.db import session_scope
     from service.security import encrypt_hub_token
 
@@ -137,7 +137,7 @@ def cmd_keys_set_hub_token(args: argparse.Namespace) -> int:
             return 2
     encrypted = encrypt_hub_token(settings.verification_keys, token) if token else None
     with session_scope(settings.database) as session:
-        row = jobs.set_hub_token(session, args.key_id, encrypted)
+        row = api_keys.set_hub_token(session, args.key_id, encrypted)
         if row is None:
             print(f"casp: error: not_found: no API key with id {args.key_id} (see casp keys list)", file=sys.stderr)
             return 1
@@ -147,14 +147,14 @@ def cmd_keys_set_hub_token(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    from service import jobs
+    from service import api_keys
     from service.db import session_scope
 
     settings = load_settings()
     prepare(settings)
     with session_scope(settings.database) as session:
-        for row in jobs.list_api_keys(session):
-            state = "revoked" if jobs.is_revoked(row) else "active"
+        for row in api_keys.list_api_keys(session):
+            state = "revoked" if api_keys.is_revoked(row) else "active"
             hub = "hub-token" if row.hub_token else "-"
             print(f"{row.id}  {state:<7}  {row.created_at:%Y-%m-%d %H:%M}  {hub:<9}  {row.name}")
     return 0

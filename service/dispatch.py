@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from celery import Celery
 from sqlalchemy import func, select
 
-from service import jobs
+from service import job_queue
 from service.db import session_scope
 from service.settings import AUTO, DEVICES, Settings
 from service.tables import Job
@@ -149,7 +149,7 @@ def job_id_of(message: dict[str, Any]) -> str | None:
 
 def fair_turn(settings: Settings, dispatcher: Dispatcher, job_id: str) -> str:
     """The job a worker runs for the message of `job_id`: the fairest queued job of that job's queue
-    (jobs.next_queued), so a message is a token for "a job of this queue", and keys take turns whatever order
+    (job_queue.next_queued), so a message is a token for "a job of this queue", and keys take turns whatever order
     their messages lie in the broker.
 
     When that is another job, `job_id` is sent again at once, so that every queued job keeps a message of its
@@ -161,10 +161,10 @@ def fair_turn(settings: Settings, dispatcher: Dispatcher, job_id: str) -> str:
         row = session.execute(select(Job.queue, Job.dispatched_at).where(Job.id == job_id)).one_or_none()
         if row is None:
             return job_id
-        chosen = jobs.next_queued(session, [row.queue])
+        chosen = job_queue.next_queued(session, [row.queue])
         if chosen is None or chosen == job_id:
             return job_id
-        mark = jobs.claim_dispatch(session, job_id, was=row.dispatched_at)
+        mark = job_queue.claim_dispatch(session, job_id, was=row.dispatched_at)
     if mark is not None:  # else it is no longer queued, or the reaper is sending it already
         send(settings, dispatcher, job_id, row.queue, mark, failure_event=True)
     return chosen
@@ -173,7 +173,7 @@ def fair_turn(settings: Settings, dispatcher: Dispatcher, job_id: str) -> str:
 def send(
     settings: Settings, dispatcher: Dispatcher, job_id: str, queue: str, mark: datetime, failure_event: bool
 ) -> bool:
-    """Sends the message of a job whose row is already marked sent at `mark` (jobs.claim_dispatch). When the
+    """Sends the message of a job whose row is already marked sent at `mark` (job_queue.claim_dispatch). When the
     broker is unreachable the mark is taken back, for the reaper to send the job later, and False returned."""
     try:
         dispatcher.enqueue(job_id, queue)
@@ -182,5 +182,5 @@ def send(
         log.warning("could not send job %s to the broker: %s", job_id, exc)
         reason = f"the broker is unreachable ({type(exc).__name__}); the job is sent when it is back"
         with session_scope(settings.database) as session:
-            jobs.dispatch_failed(session, job_id, mark, reason if failure_event else "")
+            job_queue.dispatch_failed(session, job_id, mark, reason if failure_event else "")
         return False

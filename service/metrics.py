@@ -64,3 +64,7 @@ def webhook_failures(session: Session) -> int:
         JobEvent.kind == WEBHOOK_EVENT_KIND, JobEvent.message.startswith(WEBHOOK_FAILURE_PREFIX, autoescape=True)
     )
     return session.scalar(query) or 0
+
+
+def count_by_status(session: Session) -> dict[str, int]:
+    return {status: count for status, count in session.execute(select(Job.status, func.count()).group_by(Job.status))}

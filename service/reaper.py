@@ -3,14 +3,14 @@ Sends again queued jobs that have no message in the broker: their send failed, o
 Deletes the artifacts of jobs past their expiry (retention).
 
 Runs as a thread beside every API process (distributed and embedded; `casp_cli.app` starts it with the app):
-the API is always up, and the conditional updates in service.jobs make several reapers at once harmless.
+the API is always up, and the conditional updates in service.job_queue make several reapers at once harmless.
 """
 
 import logging
 import threading
 from datetime import timedelta
 
-from service import jobs
+from service import expiry, job_queue, uploaded_models
 from service.db import session_scope
 from service.dispatch import Dispatcher, send
 from service.settings import Settings
@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 LOST_MESSAGE = "the broker no longer holds the job's message (restarted without persistence?); sent again"
 
 
-def reap_once(settings: Settings, dispatcher: Dispatcher) -> jobs.Reaped:
+def reap_once(settings: Settings, dispatcher: Dispatcher) -> job_queue.Reaped:
     with session_scope(settings.database) as session:
-        reaped = jobs.reap(
+        reaped = job_queue.reap(
             session,
             heartbeat_timeout=settings.heartbeat_timeout_seconds,
             max_attempts=settings.max_attempts,
@@ -43,11 +43,11 @@ def reap_once(settings: Settings, dispatcher: Dispatcher) -> jobs.Reaped:
 def send_unsent(settings: Settings, dispatcher: Dispatcher) -> list[str]:
     """Queued jobs whose send failed, oldest first; stops at the first failure (the broker is still away)."""
     with session_scope(settings.database) as session:
-        unsent = jobs.unsent_jobs(session)
+        unsent = job_queue.unsent_jobs(session)
     sent = []
     for job_id, queue in unsent:
         with session_scope(settings.database) as session:
-            mark = jobs.claim_dispatch(session, job_id, was=None)
+            mark = job_queue.claim_dispatch(session, job_id, was=None)
         if mark is None:
             continue
         if not send(settings, dispatcher, job_id, queue, mark, failure_event=False):
@@ -66,7 +66,7 @@ def resend_lost(settings: Settings, dispatcher: Dispatcher) -> list[str]:
     # The database first, then the broker: a message taken by a worker in between belongs to a job that is
     # running by the time it is re-marked, and claim_dispatch leaves it alone.
     with session_scope(settings.database) as session:
-        candidates = jobs.dispatched_before(session, cutoff)
+        candidates = job_queue.dispatched_before(session, cutoff)
     if not candidates:
         return []
     held = dispatcher.held_job_ids()
@@ -77,7 +77,7 @@ def resend_lost(settings: Settings, dispatcher: Dispatcher) -> list[str]:
         if job_id in held:
             continue
         with session_scope(settings.database) as session:
-            mark = jobs.claim_dispatch(session, job_id, was=was, reason=LOST_MESSAGE)
+            mark = job_queue.claim_dispatch(session, job_id, was=was, reason=LOST_MESSAGE)
         if mark is not None and send(settings, dispatcher, job_id, queue, mark, failure_event=True):
             resent.append(job_id)
     if resent:
@@ -90,7 +90,7 @@ def sweep_expired(settings: Settings, storage: Storage) -> list[str]:
     Storage first: a sweep that stops between the two finds the job again next round, and deleting twice is
     harmless; two sweeps at once both delete, and one of them marks."""
     with session_scope(settings.database) as session:
-        expired = jobs.expired_jobs(session, utcnow())
+        expired = expiry.expired_jobs(session, utcnow())
     swept = []
     for job_id in expired:
         try:
@@ -99,7 +99,7 @@ def sweep_expired(settings: Settings, storage: Storage) -> list[str]:
             log.warning("retention: could not delete the artifacts of job %s: %s", job_id, exc)
             continue
         with session_scope(settings.database) as session:
-            if jobs.mark_expired(session, job_id):
+            if expiry.mark_expired(session, job_id):
                 swept.append(job_id)
     if swept:
         log.info("retention: deleted the expired artifacts of %s", swept)
@@ -110,7 +110,7 @@ def sweep_expired_uploads(settings: Settings, storage: Storage) -> list[str]:
     """Uploaded models past their expiry: files first, then the row (as for artifacts, a stop between the two only
     means the next round deletes again)."""
     with session_scope(settings.database) as session:
-        expired = jobs.expired_uploads(session, utcnow())
+        expired = uploaded_models.expired_uploads(session, utcnow())
     swept = []
     for model_id in expired:
         try:
@@ -119,7 +119,7 @@ def sweep_expired_uploads(settings: Settings, storage: Storage) -> list[str]:
             log.warning("retention: could not delete the uploaded model %s: %s", model_id, exc)
             continue
         with session_scope(settings.database) as session:
-            jobs.forget_upload(session, model_id)
+            uploaded_models.forget_upload(session, model_id)
         swept.append(model_id)
     if swept:
         log.info("retention: deleted the expired uploaded models %s", swept)
@@ -129,12 +129,12 @@ def sweep_expired_uploads(settings: Settings, storage: Storage) -> list[str]:
 def sweep_expired_pending_uploads(settings: Settings, storage: Storage) -> list[str]:
     """Presigned uploads never completed: their tar (if one was PUT), then the row."""
     with session_scope(settings.database) as session:
-        expired = jobs.expired_pending_uploads(session, utcnow())
+        expired = uploaded_models.expired_pending_uploads(session, utcnow())
     for upload_id in expired:
         if isinstance(storage, S3Storage):  # only S3 storage hands out presigned uploads
             storage.delete_pending_upload(upload_id)
         with session_scope(settings.database) as session:
-            jobs.forget_pending_upload(session, upload_id)
+            uploaded_models.forget_pending_upload(session, upload_id)
     if expired:
         log.info("retention: deleted the expired presigned uploads %s", list(expired))
     return list(expired)

@@ -15,12 +15,19 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def aware(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
 
 class Base(DeclarativeBase):
-    # Timezone-aware everywhere; SQLite drops the zone, so values read back are normalised in service.jobs.
+    # Timezone-aware everywhere; SQLite drops the zone, so values read back are normalised by `aware`.
     type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: DateTime(timezone=True), dict[str, Any]: JSON}
 
 

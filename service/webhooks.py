@@ -34,10 +34,10 @@ import httpx
 import tenacity
 from standardwebhooks import Webhook
 
-from service import jobs
+from service import webhook_deliveries
 from service.db import session_scope
 from service.settings import WEBHOOK_SECRET_PREFIX, Settings
-from service.tables import Job, utcnow
+from service.tables import Job, aware, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -169,19 +169,19 @@ def deliver(settings: Settings, job_body: JobBody, job_id: str, stopped: threadi
     """Posts the finished job to its webhook until it is taken (2xx) or the attempts are used up; None when
     another notifier holds it, it was delivered meanwhile, or the job's `webhook_events` leave its end out."""
     with session_scope(settings.database) as session:
-        job = jobs.claim_webhook(session, job_id, utcnow(), lease_of(settings))
+        job = webhook_deliveries.claim_webhook(session, job_id, utcnow(), lease_of(settings))
         if job is None or job.webhook_url is None:
             return None
         event = f"job.{job.status}"
-        if event not in (job.webhook_events or jobs.FINAL_EVENTS):
-            jobs.skip_webhook(session, job_id)
+        if event not in (job.webhook_events or webhook_deliveries.FINAL_EVENTS):
+            webhook_deliveries.skip_webhook(session, job_id)
             return None
         url, done_before = job.webhook_url, job.webhook_attempts
         body = json.dumps(job_body(job), separators=(",", ":")).encode()
 
     def record(message: str, state: str) -> None:
         with session_scope(settings.database) as session:
-            jobs.webhook_attempted(session, job_id, message, state=state)
+            webhook_deliveries.webhook_attempted(session, job_id, message, state=state)
 
     return post_until_taken(settings, (url, body, event, f"{job_id}.{event}"), done_before, record, stopped)
 
@@ -190,28 +190,30 @@ def deliver_stage(settings: Settings, delivery_id: int, stopped: threading.Event
     """Posts a `job.stage` delivery: `{"type": "job.stage", "job_id", "attempt", "stage", "started_at"}`, with the
     webhook id `<job id>.job.stage.<attempt>.<stage>`. None when another notifier holds it or it is done."""
     with session_scope(settings.database) as session:
-        delivery = jobs.claim_stage_delivery(session, delivery_id, utcnow(), lease_of(settings))
+        delivery = webhook_deliveries.claim_stage_delivery(session, delivery_id, utcnow(), lease_of(settings))
         if delivery is None:
             return None
         url = session.get_one(Job, delivery.job_id).webhook_url
         assert url is not None  # only a job with a webhook gets deliveries
-        started_at = jobs.aware(delivery.started_at)
+        started_at = aware(delivery.started_at)
         payload = {
-            "type": jobs.STAGE_EVENT,
+            "type": webhook_deliveries.STAGE_EVENT,
             "job_id": delivery.job_id,
             "attempt": delivery.attempt,
             "stage": delivery.stage,
             "started_at": started_at.isoformat().replace("+00:00", "Z"),
         }
-        message_id = f"{delivery.job_id}.{jobs.STAGE_EVENT}.{delivery.attempt}.{delivery.stage}"
+        message_id = f"{delivery.job_id}.{webhook_deliveries.STAGE_EVENT}.{delivery.attempt}.{delivery.stage}"
         done_before = delivery.attempts
     body = json.dumps(payload, separators=(",", ":")).encode()
 
     def record(message: str, state: str) -> None:
         with session_scope(settings.database) as session:
-            jobs.stage_delivery_attempted(session, delivery_id, message, state=state)
+            webhook_deliveries.stage_delivery_attempted(session, delivery_id, message, state=state)
 
-    return post_until_taken(settings, (url, body, jobs.STAGE_EVENT, message_id), done_before, record, stopped)
+    return post_until_taken(
+        settings, (url, body, webhook_deliveries.STAGE_EVENT, message_id), done_before, record, stopped
+    )
 
 
 # Jobs whose deliveries are sent at once: a receiver that hangs until the timeout, or fails and is waited for,
@@ -239,8 +241,8 @@ class Notifier(threading.Thread):
                 sending = {job_id: future for job_id, future in sending.items() if not future.done()}
                 try:
                     with session_scope(self.settings.database) as session:
-                        stages = jobs.pending_stage_deliveries(session, utcnow())
-                        ends = jobs.pending_webhooks(session, utcnow())
+                        stages = webhook_deliveries.pending_stage_deliveries(session, utcnow())
+                        ends = webhook_deliveries.pending_webhooks(session, utcnow())
                 except Exception as exc:  # the database may be briefly away; try again next round
                     log.warning("webhook round failed: %s: %s", type(exc).__name__, exc)
                     continue

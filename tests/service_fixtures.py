@@ -29,7 +29,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from casp_cli.app import service_app
-from service import jobs
+from service import api_keys
 from service.db import session_scope
 from service.migrate import upgrade
 from service.settings import Settings
@@ -447,7 +447,7 @@ def keys(distributed_settings: Settings) -> dict[str, dict[str, str]]:
     headers = {}
     with session_scope(distributed_settings.database) as session:
         for name in ("alice", "bob"):
-            _, key = jobs.create_api_key(session, name)
+            _, key = api_keys.create_api_key(session, name)
             headers[name] = {"Authorization": f"Bearer {key}"}
     return headers
 

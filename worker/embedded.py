@@ -3,7 +3,7 @@
 import logging
 import threading
 
-from service import jobs
+from service import job_queue
 from service.db import session_scope
 from service.dispatch import EmbeddedDispatcher, queue_for
 from service.settings import DEVICES, Settings
@@ -28,7 +28,7 @@ class EmbeddedWorker(threading.Thread):
         while not self.stopped.is_set():
             try:
                 with session_scope(self.settings.database) as session:
-                    job_id = jobs.next_queued(session, queues)
+                    job_id = job_queue.next_queued(session, queues)
                 if job_id is None:
                     # Woken early by a new job; the timeout catches jobs the reaper or another process queued.
                     self.dispatcher.wake.wait(IDLE_POLL_SECONDS)

@@ -26,7 +26,7 @@ from casp_core.recovery import STATE_FILE
 from casp_core.run import Run
 from casp_core.sweep import SWEEP_STATE_FILE
 from casp_core.teacher import TEACHER_FILE
-from service import jobs
+from service import job_queue, jobs
 from service.db import session_scope
 from service.logs import add_log_context, job_log_context
 from service.model_sources import local_model, locate
@@ -136,7 +136,7 @@ class Attempt:
             return
         self._last_write = now
         with session_scope(self.settings.database) as session:
-            if not jobs.touch(session, self.job_id, self.number, stage=stage, progress=round(progress, 2)):
+            if not job_queue.touch(session, self.job_id, self.number, stage=stage, progress=round(progress, 2)):
                 self.lost = True
                 return
             if event:
@@ -166,13 +166,15 @@ class Attempt:
         elif now - self._last_poll >= CANCEL_POLL_SECONDS:
             self._last_poll = now
             with session_scope(self.settings.database) as session:
-                self._stop = jobs.should_stop(session, self.job_id, self.number)
+                self._stop = job_queue.should_stop(session, self.job_id, self.number)
         return self._stop
 
     def finish(self, status: str, **kwargs: Any) -> bool:
         self._close_stage(time.monotonic())
         with session_scope(self.settings.database) as session:
-            finished = jobs.finish(session, self.job_id, self.number, status=status, timings=self.timings, **kwargs)
+            finished = job_queue.finish(
+                session, self.job_id, self.number, status=status, timings=self.timings, **kwargs
+            )
         if finished:
             seconds = {stage: round(value, 3) for stage, value in self.timings.items()}
             log.info("attempt %d ended %s", self.number, status, extra={"stage_seconds": seconds})
@@ -198,7 +200,7 @@ class Heartbeat(threading.Thread):
         while not self.done.wait(interval):
             try:
                 with session_scope(self.attempt.settings.database) as session:
-                    if not jobs.touch(session, self.attempt.job_id, self.attempt.number):
+                    if not job_queue.touch(session, self.attempt.job_id, self.attempt.number):
                         self.attempt.lost = True
                         return
             except Exception:  # a database hiccup must not end the job; the next beat retries
@@ -259,7 +261,7 @@ def execute(
     owner's key name and the stage (service.logs)."""
     with job_log_context(job_id) as log_context:
         with session_scope(settings.database) as session:
-            job = jobs.claim_job(session, job_id, worker_id or worker_name())
+            job = job_queue.claim_job(session, job_id, worker_id or worker_name())
             if job is None:
                 log.info("job %s is not queued; nothing to do", job_id)
                 return None
@@ -433,4 +435,4 @@ def _drop_work(storage: Storage, job_id: str) -> None:
 def _release(attempt: Attempt) -> None:
     """The embedded server is stopping: the job goes back to the queue for the next start."""
     with session_scope(attempt.settings.database) as session:
-        jobs.release(session, attempt.job_id, attempt.number)
+        job_queue.release(session, attempt.job_id, attempt.number)

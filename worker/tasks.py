@@ -11,7 +11,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from service import jobs
+from service import job_queue
 from service.dispatch import TASK_NAME, CeleryDispatcher, fair_turn, make_celery
 from service.logs import configure_logging, install_record_context
 from service.settings import Settings
@@ -64,7 +64,7 @@ class JobRequest(Request):
         job_id = self.args[0]
         try:
             with Session(_main_process_engine()) as session:
-                if jobs.is_claimable(session, job_id):
+                if job_queue.is_claimable(session, job_id):
                     return False
         except SQLAlchemyError:  # the database is away: the pool's run of the task deals with that as before
             log.warning("could not check job %s before running it", job_id, exc_info=True)

@@ -8,10 +8,9 @@ from fastapi.responses import FileResponse
 from api.deps import SessionDep, SettingsDep, StorageDep
 from api.errors import artifacts_expired, responses
 from api.schemas import JobId
-from service.jobs import aware
 from service.security import verify_download
 from service.storage import LocalStorage
-from service.tables import Artifact, Job
+from service.tables import Artifact, Job, aware
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=responses(403, 404, 410, 422))
 

@@ -15,10 +15,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from api.deps import DispatcherDep, SettingsDep, StorageDep, get_caller
 from api.errors import error_response, responses
-from service import jobs
 from service.db import session_scope
 from service.dispatch import Dispatcher
-from service.metrics import peak_gpu_memory, stage_durations, webhook_failures
+from service.metrics import count_by_status, peak_gpu_memory, stage_durations, webhook_failures
 from service.settings import Settings
 from service.tables import JOB_STATUSES
 
@@ -89,7 +88,7 @@ class JobsCollector(Collector):
 
     def collect(self) -> list[Metric]:
         with session_scope(self.settings.database) as session:
-            counts = jobs.count_by_status(session)
+            counts = count_by_status(session)
             durations = stage_durations(session)
             peaks = peak_gpu_memory(session)
             failed_webhooks = webhook_failures(session)

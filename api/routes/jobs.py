@@ -39,7 +39,7 @@ from casp_core.model import is_local_reference, load_config
 from casp_core.quantization import check_quantization
 from casp_core.recovery_data import check_length
 from casp_core.targets import sweep_candidates
-from service import jobs
+from service import api_keys, jobs, uploaded_models, webhook_deliveries
 from service.db import session_scope
 from service.dispatch import queue_for, send
 from service.logs import add_log_context
@@ -57,7 +57,7 @@ from service.paths import (
     upload_id_of,
 )
 from service.settings import Settings
-from service.tables import JOB_STATUSES, Job, JobEvent, utcnow
+from service.tables import JOB_STATUSES, Job, JobEvent, aware, utcnow
 from service.webhooks import WebhookRefused, check_webhook_url
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=responses(401, 422), route_class=JsonRoute)
@@ -68,12 +68,15 @@ def invalid(loc: Loc, message: str) -> RequestValidationError:
     return RequestValidationError([{"type": "value_error", "loc": ("body", *loc), "msg": message}])
 
 
-def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, caller: jobs.Caller) -> str:
+def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, caller: api_keys.Caller) -> str:
     if (is_local_reference(body.model) or is_remote_model(body.model)) and body.revision is not None:
         raise invalid(("revision",), "only a Hugging Face id takes a revision")
     try:
         model = check_model(body.model, settings)
-        if model.startswith(UPLOAD_SCHEME) and jobs.get_uploaded_model(session, caller, upload_id_of(model)) is None:
+        if (
+            model.startswith(UPLOAD_SCHEME)
+            and uploaded_models.get_uploaded_model(session, caller, upload_id_of(model)) is None
+        ):
             # Another key's upload answers exactly like a missing one.
             raise InputRefused(("model",), f"no uploaded model {excerpt(model)} for this key (see GET /v1/models)")
     except InputRefused as exc:
@@ -180,12 +183,12 @@ def job_out(job: Job) -> JobOut:
         attempts=job.attempts,
         error=JobError(code=job.error_code, message=job.error_message or "") if job.error_code else None,
         result=job.result,
-        created_at=jobs.aware(job.created_at),
-        started_at=jobs.aware(job.started_at),
-        finished_at=jobs.aware(job.finished_at),
-        expires_at=jobs.aware(job.expires_at),
+        created_at=aware(job.created_at),
+        started_at=aware(job.started_at),
+        finished_at=aware(job.finished_at),
+        expires_at=aware(job.expires_at),
         webhook_url=job.webhook_url,
-        webhook_events=(job.webhook_events or list(jobs.FINAL_EVENTS)) if job.webhook_url else None,
+        webhook_events=(job.webhook_events or list(webhook_deliveries.FINAL_EVENTS)) if job.webhook_url else None,
         webhook_state=job.webhook_state,  # type: ignore[arg-type]
     )
 
@@ -243,14 +246,14 @@ def create_job(
     if webhook_url:
         fields |= {"webhook_url": webhook_url, "webhook_events": body.webhook_events, "webhook_state": "pending"}
     request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-    limits = jobs.limits_of(session, caller, settings)
+    limits = api_keys.limits_of(session, caller, settings)
     try:
         job, created = jobs.create_job(session, caller, fields, idempotency_key, request_hash, limits)
     except jobs.IdempotencyConflict as exc:
         raise HTTPException(
             status.HTTP_409_CONFLICT, "this Idempotency-Key was used with a different request body"
         ) from exc
-    except jobs.LimitExceeded as exc:
+    except api_keys.LimitExceeded as exc:
         raise ApiError(
             status.HTTP_429_TOO_MANY_REQUESTS,
             exc.message,
@@ -294,7 +297,7 @@ def event_out(event: JobEvent) -> EventOut:
         stage=event.stage,
         progress=round(event.progress, 1),
         message=event.message,
-        created_at=jobs.aware(event.created_at),
+        created_at=aware(event.created_at),
     )
 
 
@@ -410,7 +413,7 @@ def list_artifacts(
 ) -> ArtifactList:
     job = visible_job(session, caller, job_id)
     if job.artifacts_deleted:
-        raise artifacts_expired(jobs.aware(job.expires_at))
+        raise artifacts_expired(aware(job.expires_at))
     if job.status != "succeeded":
         raise HTTPException(status.HTTP_409_CONFLICT, f"the job is {job.status}; artifacts come with success")
     base_url = settings.public_url or str(request.base_url)

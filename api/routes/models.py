@@ -33,11 +33,11 @@ from api.schemas import (
 from casp_core.errors import CaspError
 from casp_core.gguf_source import GGUF_MAGIC, GGUF_SUFFIX, is_gguf_reference
 from casp_core.model import check_model_folder, load_config
-from service import jobs
+from service import api_keys, uploaded_models
 from service.paths import UPLOAD_SCHEME, local_models
 from service.settings import Settings
 from service.storage import S3Storage, Storage, files_of
-from service.tables import PendingUpload, UploadedModel, new_id, utcnow
+from service.tables import PendingUpload, UploadedModel, aware, new_id, utcnow
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=responses(401, 422), route_class=JsonRoute)
 
@@ -66,8 +66,8 @@ def model_out(row: UploadedModel) -> ModelOut:
         model_type=row.model_type,
         size=row.size,
         files=row.files,
-        created_at=jobs.aware(row.created_at),  # type: ignore[arg-type]
-        expires_at=jobs.aware(row.expires_at),  # type: ignore[arg-type]
+        created_at=aware(row.created_at),  # type: ignore[arg-type]
+        expires_at=aware(row.expires_at),  # type: ignore[arg-type]
     )
 
 
@@ -181,7 +181,7 @@ def accept_upload(
     retention: int,
     model_id: str,
     session: Session,
-    caller: jobs.Caller,
+    caller: api_keys.Caller,
     settings: Settings,
     storage: Storage,
 ) -> UploadedModel:
@@ -196,7 +196,7 @@ def accept_upload(
             stored = files_of(source)
             files, size = len(stored), sum(path.stat().st_size for _, path in stored)
         storage.put_model(model_id, chosen, source)
-    return jobs.add_owned(
+    return uploaded_models.add_owned(
         session,
         caller,
         UploadedModel,
@@ -212,7 +212,7 @@ def accept_upload(
 def finish_pending(session: Session, bucket: S3Storage, upload_id: str) -> None:
     """The pending upload done with, accepted or refused: its tar and its row go."""
     bucket.delete_pending_upload(upload_id)
-    jobs.forget_pending_upload(session, upload_id)
+    uploaded_models.forget_pending_upload(session, upload_id)
     session.commit()
 
 
@@ -242,7 +242,7 @@ def presign_upload(
     bucket = s3_storage(storage)
     retention = retention_of(body.retention_seconds, settings)
     now = utcnow()
-    row = jobs.add_owned(
+    row = uploaded_models.add_owned(
         session,
         caller,
         PendingUpload,
@@ -275,7 +275,7 @@ def complete_upload(
     deleted, and a new presigned upload starts again. 409 while nothing was PUT; 404 for an unknown, expired or
     another key's id."""
     bucket = s3_storage(storage)
-    pending = jobs.get_pending_upload(session, caller, upload_id)
+    pending = uploaded_models.get_pending_upload(session, caller, upload_id)
     if pending is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no pending upload {upload_id}")
     size = bucket.pending_upload_size(pending.id)
@@ -304,7 +304,7 @@ def list_models(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[JobIdText | None, Query(description="id of the last model of the previous page")] = None,
 ) -> ModelList:
-    rows, has_more = jobs.list_uploaded_models(session, caller, limit=limit, after=after)
+    rows, has_more = uploaded_models.list_uploaded_models(session, caller, limit=limit, after=after)
     return ModelList(data=[model_out(row) for row in rows], has_more=has_more)
 
 
@@ -321,7 +321,7 @@ def model_choices(session: SessionDep, caller: CallerDep, settings: SettingsDep)
     """The models this key can name as a job's `model`: its uploads, then the models found under
     CASP_ALLOWED_MODEL_ROOTS (a folder holding config.json, or a `.gguf` file; each root, its folders and theirs).
     Found by their names: whether a job takes one, POST /v1/models/check says."""
-    rows, more_uploads = jobs.list_uploaded_models(session, caller, limit=UPLOAD_CHOICES, after=None)
+    rows, more_uploads = uploaded_models.list_uploaded_models(session, caller, limit=UPLOAD_CHOICES, after=None)
     found, more_local = local_models(settings.model_roots())
     uploads = [
         ModelChoice(model=model_out(row).model, name=row.name, source="upload", format=format_of(row.name))
@@ -354,10 +354,10 @@ def check_job_model(
 @router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT, responses=responses(404))
 def delete_model(model_id: ModelId, session: SessionDep, caller: CallerDep, storage: StorageDep) -> Response:
     """Deletes the model now; a queued job that names it fails with `model_not_found` when it starts."""
-    row = jobs.get_uploaded_model(session, caller, model_id)
+    row = uploaded_models.get_uploaded_model(session, caller, model_id)
     if row is None:  # another key's answers exactly like a missing one
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no uploaded model {model_id}")
     storage.delete_model(row.id)
-    jobs.forget_upload(session, row.id)
+    uploaded_models.forget_upload(session, row.id)
     session.commit()
     return Response(status_code=status.HTTP_204_NO_CONTENT)

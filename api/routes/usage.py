@@ -5,7 +5,7 @@ from fastapi import APIRouter
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.errors import responses
 from api.schemas import LimitsOut, UsageOut
-from service import jobs
+from service import api_keys
 from service.tables import ApiKey
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"], responses=responses(401, 422))
@@ -13,9 +13,9 @@ router = APIRouter(prefix="/v1/usage", tags=["usage"], responses=responses(401, 
 
 @router.get("", response_model=UsageOut)
 def get_usage(session: SessionDep, caller: CallerDep, settings: SettingsDep) -> UsageOut:
-    limits = jobs.limits_of(session, caller, settings)
+    limits = api_keys.limits_of(session, caller, settings)
     key = session.get(ApiKey, caller.key_id) if caller.key_id else None
-    used = jobs.usage_of(session, caller)
+    used = api_keys.usage_of(session, caller)
     return UsageOut(
         key_name=key.name if key else None,
         limits=LimitsOut(**vars(limits)) if limits else None,

@@ -13,7 +13,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from service import jobs
+from service import api_keys, job_queue
 from service.db import session_scope
 from service.settings import Settings
 from service.tables import Job, utcnow
@@ -206,13 +206,13 @@ def test_keys_create_command_makes_a_working_key(api: TestClient, distributed_se
     }
     with session_scope(distributed_settings.database) as session:
         # Stored hashed: the key itself appears nowhere in the table.
-        row = jobs.find_api_key(session, key)
+        row = api_keys.find_api_key(session, key)
         assert row is not None and row.key_hash != key and key not in row.key_hash
 
 
 def test_pagination_newest_first_and_status_filter(api: TestClient, distributed_settings: Settings) -> None:
     with session_scope(distributed_settings.database) as session:
-        _, key = jobs.create_api_key(session, "pager")
+        _, key = api_keys.create_api_key(session, "pager")
     headers = {"Authorization": f"Bearer {key}"}
     ids = [api.post("/v1/jobs", json=PARKED, headers=headers).json()["id"] for _ in range(5)]
     api.post(f"/v1/jobs/{ids[1]}/cancel", headers=headers)
@@ -254,7 +254,7 @@ def test_reaper_requeues_then_fails_a_job_whose_worker_died(
     database = distributed_settings.database
     for attempt in range(1, distributed_settings.max_attempts + 1):
         with session_scope(database) as session:
-            claimed = jobs.claim_job(session, job_id, f"doomed-worker-{attempt}")
+            claimed = job_queue.claim_job(session, job_id, f"doomed-worker-{attempt}")
             assert claimed is not None and claimed.attempts == attempt
             # The worker dies at once: its heartbeat is older than the timeout.
             claimed.heartbeat_at = utcnow() - timedelta(seconds=distributed_settings.heartbeat_timeout_seconds + 1)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from api.main import create_app
-from service import jobs
+from service import api_keys
 from service.db import session_scope
 from tests.service_fixtures import SMALL_JOB, embedded_settings, serving
 
@@ -65,7 +65,7 @@ def test_a_burst_of_submissions_does_not_overshoot_a_limit(
         changes["database_url"] = database
     settings = embedded_settings(tmp_path, **changes)
     with session_scope(settings.database) as session:
-        _, key = jobs.create_api_key(session, "burst", **limits)
+        _, key = api_keys.create_api_key(session, "burst", **limits)
     with serving(create_app(settings)) as url:
         responses = burst(url, key)
         statuses = Counter(response.status_code for response in responses)

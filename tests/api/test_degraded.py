@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from api.main import create_app
-from service import jobs
+from service import api_keys
 from service.db import get_engine, session_scope
 from service.migrate import upgrade
 from service.settings import Settings
@@ -88,7 +88,7 @@ def test_an_exhausted_connection_pool_is_a_503_that_says_so(
 def test_readyz_checks_storage_room_and_writability_and_details_need_a_key(tmp_path: Path) -> None:
     settings = embedded_settings(tmp_path, auth="apikey")
     with session_scope(settings.database) as session:
-        _, key = jobs.create_api_key(session, "ops")
+        _, key = api_keys.create_api_key(session, "ops")
     authorized = {"Authorization": f"Bearer {key}"}
     with TestClient(create_app(settings)) as client:
         assert client.get("/readyz").json() == {"ready": True}

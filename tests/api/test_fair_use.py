@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
-from service import jobs
+from service import api_keys, job_queue
 from service.db import session_scope
 from service.settings import Settings
 from service.storage import StoredFile
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.service
 
 def new_key(settings: Settings, name: str, **limits: int) -> dict[str, str]:
     with session_scope(settings.database) as session:
-        _, key = jobs.create_api_key(session, name, **limits)
+        _, key = api_keys.create_api_key(session, name, **limits)
     return {"Authorization": f"Bearer {key}"}
 
 
@@ -43,7 +43,7 @@ def test_a_key_at_its_active_jobs_limit_is_refused_until_one_ends(
     error = refusal(refused, 429)
     assert error["code"] == "max_active_jobs_exceeded" and error["param"] is None
     assert "2 jobs queued or running" in error["message"] and "max_active_jobs is 2" in error["message"]
-    assert refused.headers["Retry-After"] == str(jobs.ACTIVE_RETRY_AFTER_SECONDS)
+    assert refused.headers["Retry-After"] == str(api_keys.ACTIVE_RETRY_AFTER_SECONDS)
     # A replay of a job that exists is no new job: answered as before, not refused.
     replay = submit(api, dave, **{"Idempotency-Key": "first"})
     assert replay.status_code == 201 and replay.json()["id"] == first["id"]
@@ -93,10 +93,10 @@ def test_usage_reports_the_limits_the_active_jobs_and_the_storage(
     done = submit(api, grace).json()
     # The second job "runs" and succeeds with two artifacts of known size (the pipeline plays no part here).
     with session_scope(distributed_settings.database) as session:
-        claimed = jobs.claim_job(session, done["id"], "usage-test")
+        claimed = job_queue.claim_job(session, done["id"], "usage-test")
         assert claimed is not None
         stored = [StoredFile("model.safetensors", 1000, "0" * 64), StoredFile("report.json", 24, "1" * 64)]
-        assert jobs.finish(session, done["id"], claimed.attempts, status="succeeded", artifacts=stored)
+        assert job_queue.finish(session, done["id"], claimed.attempts, status="succeeded", artifacts=stored)
 
     usage = api.get("/v1/usage", headers=grace).json()
     assert usage == {
@@ -125,7 +125,7 @@ def test_keys_create_sets_the_keys_own_limits(api: TestClient, distributed_setti
         check=True,
     )  # fmt: skip
     with session_scope(distributed_settings.database) as session:
-        row = jobs.find_api_key(session, result.stdout.strip())
+        row = api_keys.find_api_key(session, result.stdout.strip())
         assert isinstance(row, ApiKey)
         assert (row.max_active_jobs, row.max_submissions_per_minute) == (3, 7)
 

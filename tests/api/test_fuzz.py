@@ -12,7 +12,7 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from api.main import create_app
-from service import jobs
+from service import api_keys
 from service.db import session_scope
 from service.migrate import upgrade
 from service.settings import Settings
@@ -40,7 +40,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> tuple[FastAPI, str]:
     )
     upgrade(app_settings.database)
     with session_scope(app_settings.database) as session:
-        _, key = jobs.create_api_key(session, "fuzzer")
+        _, key = api_keys.create_api_key(session, "fuzzer")
     return create_app(app_settings), key
 
 

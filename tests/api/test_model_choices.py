@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from casp_cli.app import service_app
 from casp_core.export.gguf import export_gguf
-from service import jobs
+from service import api_keys
 from service.db import session_scope
 from tests.api.test_api import refusal
 from tests.service_fixtures import DEMO_MODEL, TINY_JOB, embedded_settings
@@ -40,7 +40,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def client(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     settings = embedded_settings(tmp_path_factory.mktemp("home"), auth="apikey", allowed_model_roots=[models])
     with session_scope(settings.database) as session:
-        keys = {name: jobs.create_api_key(session, name)[1] for name in ("alice", "bob")}
+        keys = {name: api_keys.create_api_key(session, name)[1] for name in ("alice", "bob")}
     with TestClient(service_app(settings)) as client:
         yield client, {name: {"Authorization": f"Bearer {key}"} for name, key in keys.items()}
 

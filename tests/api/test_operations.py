@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 
 from api.main import create_app
-from service import jobs
+from service import api_keys, jobs
 from service.db import session_scope
 from service.security import sign_download
 from service.settings import Settings
@@ -107,7 +107,7 @@ def casp(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_keys_revoke_stops_a_key_at_once_and_keeps_its_jobs(api: TestClient, distributed_settings: Settings) -> None:
     with session_scope(distributed_settings.database) as session:
-        row, key = jobs.create_api_key(session, "dave")
+        row, key = api_keys.create_api_key(session, "dave")
         key_id = row.id
     headers = {"Authorization": f"Bearer {key}"}
     job = api.post("/v1/jobs", json=PARKED, headers=headers).json()
@@ -145,7 +145,11 @@ def test_links_signed_with_a_previous_secret_work_until_they_expire(
     forgotten = local_settings(distributed_settings, tmp_path, "new-secret", [])
     with session_scope(distributed_settings.database) as session:
         job, _ = jobs.create_job(
-            session, jobs.Caller(None), {"model": "m", "device": "cpu", "queue": "casp-cpu", "config": {}}, None, "-"
+            session,
+            api_keys.Caller(None),
+            {"model": "m", "device": "cpu", "queue": "casp-cpu", "config": {}},
+            None,
+            "-",
         )
         session.execute(update(Job).where(Job.id == job.id).values(status="succeeded"))
         session.add(Artifact(job_id=job.id, name="report.md", size=5, sha256="-"))

@@ -25,7 +25,7 @@ from casp_cli.app import service_app
 from casp_core.config import PruneConfig
 from casp_core.report.frontier_section import render_frontier_section
 from casp_core.sweep import Point, Target, first_perplexity, on_front
-from service import jobs
+from service import api_keys
 from service.db import session_scope
 from service.settings import Settings
 from tests.service_fixtures import RUNS_UNTIL_CANCELLED, TINY_JOB, embedded_settings, finished, serving, wait_for
@@ -61,7 +61,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 @pytest.fixture(scope="module")
 def keys(settings: Settings) -> dict[str, str]:
     with session_scope(settings.database) as session:
-        return {name: jobs.create_api_key(session, name)[1] for name in ("alice", "bob")}
+        return {name: api_keys.create_api_key(session, name)[1] for name in ("alice", "bob")}
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +308,7 @@ def test_the_api_s_422_is_shown_beside_the_field_it_names(page: Page, server: st
 def new_user(settings: Settings) -> str:
     """A key of its own, with no job yet."""
     with session_scope(settings.database) as session:
-        return jobs.create_api_key(session, "newcomer")[1]
+        return api_keys.create_api_key(session, "newcomer")[1]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from casp_cli.app import service_app
-from service import jobs
+from service import job_queue, jobs
 from service.db import session_scope
 from service.dispatch import CeleryDispatcher
 from service.migrate import upgrade
@@ -114,7 +114,7 @@ def test_a_requeued_job_whose_send_failed_is_sent_when_the_broker_is_back(stack:
     queue.delete("casp-cuda")
     database = stack.settings.database
     with session_scope(database) as session:
-        claimed = jobs.claim_job(session, job_id, "doomed-worker")
+        claimed = job_queue.claim_job(session, job_id, "doomed-worker")
         assert claimed is not None
         claimed.stage, claimed.progress = "pruning", 42.0
         # Stale for a reaper with a 1 s timeout, not yet for the API's own (6 s): this one reaps it.

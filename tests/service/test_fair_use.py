@@ -1,11 +1,11 @@
-"""Keys take turns for the workers (service.jobs.next_queued, which the embedded workers and, through
+"""Keys take turns for the workers (service.job_queue.next_queued, which the embedded workers and, through
 fair_turn, the Celery workers claim by), on PostgreSQL."""
 
 from collections.abc import Callable
 
 import pytest
 
-from service import jobs
+from service import api_keys, job_queue, jobs
 from service.db import session_scope
 from service.migrate import upgrade
 
@@ -17,19 +17,19 @@ QUEUE = "casp-cpu"
 def queue_jobs(database: str, owner: str, count: int, queue: str = QUEUE) -> list[str]:
     fields = {"model": "org/model", "revision": None, "device": "cpu", "queue": queue, "config": {}, "metadata_": {}}
     with session_scope(database) as session:
-        return [jobs.create_job(session, jobs.Caller(owner), fields, None, "hash")[0].id for _ in range(count)]
+        return [jobs.create_job(session, api_keys.Caller(owner), fields, None, "hash")[0].id for _ in range(count)]
 
 
 def run_next(database: str, *, finish: bool = True) -> str | None:
     """Claims what next_queued picks, as a worker does; finished at once unless told to stay running."""
     with session_scope(database) as session:
-        job_id = jobs.next_queued(session, [QUEUE])
+        job_id = job_queue.next_queued(session, [QUEUE])
         if job_id is None:
             return None
-        job = jobs.claim_job(session, job_id, "fair-test")
+        job = job_queue.claim_job(session, job_id, "fair-test")
         assert job is not None
         if finish:
-            assert jobs.finish(session, job_id, job.attempts, status="succeeded")
+            assert job_queue.finish(session, job_id, job.attempts, status="succeeded")
         return job.owner_id
 
 
@@ -38,8 +38,8 @@ def database(pg_database: Callable[[], str]) -> tuple[str, str, str]:
     url = pg_database()
     upgrade(url)
     with session_scope(url) as session:
-        alice, _ = jobs.create_api_key(session, "alice")
-        bob, _ = jobs.create_api_key(session, "bob")
+        alice, _ = api_keys.create_api_key(session, "alice")
+        bob, _ = api_keys.create_api_key(session, "bob")
         return url, alice.id, bob.id
 
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from casp_cli.app import service_app
-from service import jobs
+from service import api_keys, job_queue, jobs
 from service.db import session_scope
 from service.migrate import upgrade
 from service.settings import Settings
@@ -72,7 +72,7 @@ def test_expired_artifacts_are_deleted_from_s3(
     tmp_path: Path,
 ) -> None:
     with session_scope(distributed_settings.database) as session:
-        _, key = jobs.create_api_key(session, "keeper")
+        _, key = api_keys.create_api_key(session, "keeper")
     headers = {"Authorization": f"Bearer {key}"}
     done = succeeded_with_expiry(api, headers, "the job to succeed")
     artifacts = api.get(f"/v1/jobs/{done['id']}/artifacts", headers=headers).json()["data"]
@@ -141,13 +141,13 @@ def test_expired_artifacts_are_deleted_from_local_storage(embedded: Settings, tm
 def test_a_delete_expires_the_artifacts_at_once(api: TestClient, distributed_settings: Settings) -> None:
     """A DELETE before the expiry: the 410 gives the time of the DELETE."""
     with session_scope(distributed_settings.database) as session:
-        _, key = jobs.create_api_key(session, "deleter")
-        caller = jobs.Caller(jobs.find_api_key(session, key).id)  # type: ignore[union-attr]
+        _, key = api_keys.create_api_key(session, "deleter")
+        caller = api_keys.Caller(api_keys.find_api_key(session, key).id)  # type: ignore[union-attr]
         fields = {"model": "org/model", "revision": None, "device": "cuda", "queue": "casp-cuda", "config": {}}
         job, _ = jobs.create_job(session, caller, {**fields, "metadata_": {}, "retention_seconds": 3600}, None, "h")
         job_id = job.id
-        claimed = jobs.claim_job(session, job_id, "delete-test")
-        assert claimed is not None and jobs.finish(session, job_id, claimed.attempts, status="succeeded")
+        claimed = job_queue.claim_job(session, job_id, "delete-test")
+        assert claimed is not None and job_queue.finish(session, job_id, claimed.attempts, status="succeeded")
     headers = {"Authorization": f"Bearer {key}"}
     promised = datetime.fromisoformat(api.get(f"/v1/jobs/{job_id}", headers=headers).json()["expires_at"])
     assert api.delete(f"/v1/jobs/{job_id}", headers=headers).status_code == 204

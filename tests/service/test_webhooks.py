@@ -18,7 +18,7 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from casp_cli.app import service_app
-from service import jobs
+from service import job_queue
 from service.db import session_scope
 from service.settings import Settings
 from service.tables import StageDelivery
@@ -320,10 +320,10 @@ def test_a_stage_delivery_is_written_once_per_stage_started_and_only_for_jobs_th
         )
     for job_id in (asks, plain, no_hook):
         with session_scope(quiet.database) as session:
-            attempt = jobs.claim_job(session, job_id, "by-hand")
+            attempt = job_queue.claim_job(session, job_id, "by-hand")
             assert attempt is not None
             for stage in ("load", "load", "calibrate", "calibrate", "prune"):  # progress within a stage repeats it
-                assert jobs.touch(session, job_id, attempt.attempts, stage=stage, progress=1.0)
+                assert job_queue.touch(session, job_id, attempt.attempts, stage=stage, progress=1.0)
     with session_scope(quiet.database) as session:
         written = session.query(StageDelivery).filter(StageDelivery.job_id.in_([asks, plain, no_hook])).all()
         assert sorted((row.job_id, row.attempt, row.stage) for row in written) == sorted(

@@ -5,7 +5,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from service import jobs
+from service import api_keys
 from service.db import session_scope
 from service.reaper import LOST_MESSAGE
 from service.settings import Settings
@@ -21,7 +21,7 @@ def test_queued_jobs_of_two_keys_are_served_in_turn(
     headers = {}
     with session_scope(distributed_settings.database) as session:
         for name in ("ivan", "judy"):
-            _, key = jobs.create_api_key(session, name)
+            _, key = api_keys.create_api_key(session, name)
             headers[name] = {"Authorization": f"Bearer {key}"}
     # Ivan's jobs are in the queue before Judy's: first come, first served would run both of his first.
     submitted = [(name, api.post("/v1/jobs", json=TINY_JOB, headers=headers[name]).json()["id"])

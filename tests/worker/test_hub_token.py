@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from api.main import create_app
-from service import jobs
+from service import api_keys
 from service.db import session_scope
 from service.security import decrypt_hub_token
 from service.settings import Settings
@@ -33,7 +33,10 @@ def with_two_keys(home: Path) -> tuple[Settings, tuple[str, str], tuple[str, str
     """An embedded service with API keys, and two keys: (id, key) of alice, of bob."""
     settings = embedded_settings(home, auth="apikey", secret_key="hub-token-test-secret")
     with session_scope(settings.database) as session:
-        (alice, alice_key), (bob, bob_key) = jobs.create_api_key(session, "alice"), jobs.create_api_key(session, "bob")
+        (alice, alice_key), (bob, bob_key) = (
+            api_keys.create_api_key(session, "alice"),
+            api_keys.create_api_key(session, "bob"),
+        )
         return settings, (alice.id, alice_key), (bob.id, bob_key)
 
 
@@ -100,7 +103,7 @@ def test_the_hub_token_reaches_the_loader_of_its_keys_jobs_and_nothing_else(
 def test_a_token_no_secret_decrypts_fails_the_job_with_its_code(tmp_path: Path) -> None:
     settings = embedded_settings(tmp_path, auth="apikey", secret_key="hub-token-test-secret")
     with session_scope(settings.database) as session:
-        row, key = jobs.create_api_key(session, "carol")
+        row, key = api_keys.create_api_key(session, "carol")
         key_id = row.id
     subprocess.run(
         [sys.executable, "-m", "casp_cli.main", "keys", "set-hub-token", key_id],
