@@ -848,7 +848,9 @@ def ladder_tables(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]]) 
         "",
         f"Every file made by llama.cpp's quantizer and measured in llama.cpp. Front: no other file is both smaller "
         f"and better on {eval_key(*FRONT_AXIS)} (the plot's axis). Speed: tokens per second of a 128-token prefill "
-        f"and of 64 tokens decoded one at a time, the median of {SPEED_REPEATS} runs, at 1 and 2 threads.",
+        f"and of 64 tokens decoded one at a time, the median of {SPEED_REPEATS} runs, at 1 and 2 threads, as each "
+        "row's session measured them: this machine's speed drifts between sessions by up to a third, so compare "
+        "speeds across rows only through the speed table below (each pruned file against dense timed beside it).",
         "",
         f"| file | bytes | bpw | {' | '.join(columns)} | front | prefill 1t | decode 1t | prefill 2t | decode 2t |",
         f"|---|---|---|{'---|' * len(columns)}---|---|---|---|---|",
