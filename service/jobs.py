@@ -7,7 +7,7 @@ workers, the reaper and a cancel request can race, and the row must end in exact
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -19,6 +19,7 @@ from service.tables import (
     Job,
     JobEvent,
     new_id,
+    newest_first_page,
     utcnow,
 )
 
@@ -79,17 +80,7 @@ def list_jobs(
     query = select(Job).where(visible_jobs(caller))
     if status:
         query = query.where(Job.status == status)
-    if after:
-        anchor = session.get(Job, after)
-        if anchor is not None:
-            query = query.where(
-                or_(
-                    Job.created_at < anchor.created_at,
-                    and_(Job.created_at == anchor.created_at, Job.id < anchor.id),
-                )
-            )
-    rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)).all()
-    return rows[:limit], len(rows) > limit
+    return newest_first_page(session, Job, query, limit=limit, after=after)
 
 
 def list_events(session: Session, job_id: str, *, limit: int, after: int | None) -> tuple[Sequence[JobEvent], bool]:

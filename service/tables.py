@@ -4,7 +4,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, and_, or_
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -20,6 +20,22 @@ def aware(value: datetime | None) -> datetime | None:
     if value is None or value.tzinfo is not None:
         return value
     return value.replace(tzinfo=UTC)
+
+
+def newest_first_page(session: Any, table: Any, query: Any, *, limit: int, after: str | None) -> tuple[list, bool]:
+    """A page of `query`'s rows of `table`, newest first (ties by id); `after` is the id of the last row of the
+    previous page. Returns the rows and whether more follow."""
+    if after:
+        anchor = session.get(table, after)
+        if anchor is not None:
+            query = query.where(
+                or_(
+                    table.created_at < anchor.created_at,
+                    and_(table.created_at == anchor.created_at, table.id < anchor.id),
+                )
+            )
+    rows = session.scalars(query.order_by(table.created_at.desc(), table.id.desc()).limit(limit + 1)).all()
+    return list(rows[:limit]), len(rows) > limit
 
 
 def new_id() -> str:

@@ -4,13 +4,14 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.api_keys import Caller
 from service.tables import (
     PendingUpload,
     UploadedModel,
+    newest_first_page,
     utcnow,
 )
 
@@ -39,18 +40,7 @@ def list_uploaded_models(
 ) -> tuple[Sequence[UploadedModel], bool]:
     """Newest first; `after` is the id of the last model of the previous page."""
     query = select(UploadedModel).where(_sees_upload(caller))
-    if after:
-        anchor = session.get(UploadedModel, after)
-        if anchor is not None:
-            query = query.where(
-                or_(
-                    UploadedModel.created_at < anchor.created_at,
-                    and_(UploadedModel.created_at == anchor.created_at, UploadedModel.id < anchor.id),
-                )
-            )
-    order = (UploadedModel.created_at.desc(), UploadedModel.id.desc())
-    rows = session.scalars(query.order_by(*order).limit(limit + 1)).all()
-    return rows[:limit], len(rows) > limit
+    return newest_first_page(session, UploadedModel, query, limit=limit, after=after)
 
 
 def expired_uploads(session: Session, now: datetime, limit: int = 100) -> Sequence[str]:
