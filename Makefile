@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.runtime-installed
 DEV_STAMP := $(VENV)/.installed
 # The lowest transformers that requirements.txt admits, with the hub and tokenizers it takes, installed apart:
-# tests/core/test_generation.py runs the written checkpoints under it in a fresh process.
+# tests/core/artifacts/test_generation.py runs the written checkpoints under it in a fresh process.
 LOWEST := $(VENV)/transformers-lowest
 # The CPU wheel on local disk in dev and CI; any other torch pulls a multi-GB CUDA build.
 TORCH_VERSION := 2.13.0
@@ -22,8 +22,9 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/^llama_cpp_python==//p' constraints.txt)
 LLAMA_CPP_FLAGS := -DGGML_NATIVE=OFF
 LLAMA_CPP_WHEELS := $(HOME)/.cache/casp/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-native-off
 # The tests that exercise the libraries whose releases change under us: transformers, peft, lm-eval, gguf, llama.cpp.
-LIBRARY_TESTS := tests/core/test_generation.py tests/core/test_families.py tests/core/test_surgery.py \
-	tests/core/test_uniform_shape.py tests/core/test_gguf.py tests/core/test_recovery.py tests/core/eval
+LIBRARY_TESTS := tests/core/artifacts/test_generation.py tests/core/families/test_families.py \
+	tests/core/method/test_surgery.py tests/core/method/test_uniform_shape.py tests/core/artifacts/gguf/test_gguf.py \
+	tests/core/artifacts/gguf/test_engine.py tests/core/recovery/test_recovery.py tests/core/eval
 
 .PHONY: demo test test-slow lint install lock test-latest screenshots
 
@@ -58,8 +59,8 @@ screenshots: $(DEV_STAMP)
 	bash scripts/chromium.sh
 	CASP_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(OFFLINE) $(BIN)/python -m pytest -q tests/console
 
-# The 1B-scale checks and SmolLM2's whole-job memory bound (tests/core/test_host_memory.py, minutes each: before a
-# change to memory or placement), the load and quality benches' own runs (tests/test_bench.py,
+# The 1B-scale checks and SmolLM2's whole-job memory bound (tests/core/method/test_host_memory.py, minutes each:
+# before a change to memory or placement), the load and quality benches' own runs (tests/test_bench.py,
 # tests/service/test_load_bench.py), distillation jobs on both toy fixtures and compensation's quality claim on
 # ptbwiki-7M, which `make test` leaves out to stay under 20 minutes.
 test-slow: $(DEV_STAMP)

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 from fastapi import Path as PathParam
 from pydantic import BaseModel, Field, StringConstraints, field_validator
 
-from casp_core.config import Printable, PruneSettings, is_optional, part_of
 from casp_core.model import is_local_reference
+from casp_core.settings import Printable, PruneSettings, is_optional, part_of
 from service.paths import S3_SCHEME, UPLOAD_SCHEME
 from service.settings import DEVICES
 from service.tables import JOB_STATUSES
@@ -51,7 +51,7 @@ def strict_model(model: type[BaseModel]) -> type[BaseModel]:
 
 
 class JobCreate(strict_model(PruneSettings)):  # type: ignore[misc]
-    """The pruning settings are casp_core's own (casp_core.config.PruneSettings: names, defaults, ranges and
+    """The pruning settings are casp_core's own (casp_core.settings.PruneSettings: names, defaults, ranges and
     descriptions), validated strictly; the fields here are the service's: what to prune, where, and labels."""
 
     model: Annotated[str, Printable] = Field(

@@ -1,6 +1,6 @@
 """What the compressed-tensors schemes (`quantization`) cost in perplexity: ptbwiki-7M dense and pruned, each
 scheme's checkpoint loaded back with from_pretrained and measured as the job measures it, beside the same model
-unquantized. The bounds of tests/core/test_quantization.py come from here.
+unquantized. The bounds of tests/core/artifacts/compressed_tensors/test_quantization.py come from here.
 
 The model is pruned with `shape: uniform` and `round_to: 32` (w4a16 needs rows that are multiples of 32; auto
 keeps multiples of 8 at ptbwiki-7M's 704 channels), then every scheme quantizes the same checkpoint.
@@ -24,13 +24,13 @@ from bench.common import (
     machine_line,
     write_json,
 )
-from casp_core.checkpoint import load_pruned, save_pruned
-from casp_core.config import NO_QUANTIZATION, QUANTIZATIONS, CalibrationConfig, EvaluationConfig, PruneConfig
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.compressed_tensors.quantize import QuantizationInput, quantize, weight_bytes
 from casp_core.eval.evaluate import EvaluationPlan, evaluate
+from casp_core.method.prune import prune
 from casp_core.model import load_model
-from casp_core.prune import prune
-from casp_core.quantization import QuantizationInput, quantize, weight_bytes
 from casp_core.run import Run
+from casp_core.settings import NO_QUANTIZATION, QUANTIZATIONS, CalibrationConfig, EvaluationConfig, PruneConfig
 
 SCHEMES = tuple(scheme for scheme in QUANTIZATIONS if scheme != NO_QUANTIZATION)
 
@@ -121,8 +121,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "Largest quantized / unquantized perplexity per scheme: "
         + ", ".join(f"{scheme} {value:.4f}" for scheme, value in worst.items())
-        + ". tests/core/test_quantization.py bounds the ratio at 1.01 for the 8-bit schemes and 1.03 for w4a16: a "
-        "few times these, as it measures on 8 windows of 128 tokens.",
+        + ". tests/core/artifacts/compressed_tensors/test_quantization.py bounds the ratio at 1.01 for the 8-bit "
+        "schemes and 1.03 for w4a16: a few times these, as it measures on 8 windows of 128 tokens.",
         "",
     ]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
-"""The device memory model (casp_core.placement) evaluated at LLaMA2-7B's, Llama-3.2-1B's and the 70B models'
+"""The device memory model (casp_core.method.placement) evaluated at LLaMA2-7B's, Llama-3.2-1B's and the 70B models'
 shapes, and at the mixtures of experts Mixtral-8x7B's and Qwen3-30B-A3B's: what pruning would hold on the device
 with the whole model resident, and one decoder layer at a time; and what recovery after pruning by half would
-hold (casp_core.placement.estimate_recovery_memory).
+hold (casp_core.method.placement.estimate_recovery_memory).
 
 These are estimates from the shapes alone (no model is built), upper bounds by construction, and not yet checked
 against a measurement: no GPU was lent to the session that wrote this bench. bench/gpu_llama7b.py records the
@@ -17,8 +17,8 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 
 from bench.common import RESULTS_DIR, finish_machine_info, machine_info, machine_line, write_json
 from bench.shapes import llama2_7b_config, llama_config
-from casp_core.config import CalibrationConfig, RecoveryConfig
-from casp_core.placement import GIB, JobShape, ModelShape, estimate_device_memory, estimate_recovery_memory
+from casp_core.method.placement import GIB, JobShape, ModelShape, estimate_device_memory, estimate_recovery_memory
+from casp_core.settings import CalibrationConfig, RecoveryConfig
 
 H100_GIB = 80  # the device the issue's targets name (an H200 has 141)
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "machine": finish_machine_info(machine),
         "measured": False,
-        "note": "estimates of casp_core.placement from the shapes alone, in GiB; not checked against a GPU "
+        "note": "estimates of casp_core.method.placement from the shapes alone, in GiB; not checked against a GPU "
         "measurement (no GPU was lent); float16 weights, sdpa attention, gradient allocation, least_squares",
         "rows": rows,
         "recovery_rows": recovery_rows(),
@@ -145,8 +145,8 @@ def render(payload: dict[str, Any]) -> str:
     lines = [
         "# Device memory of pruning, by the memory model (estimate, not a measurement)",
         "",
-        "`python -m bench.device_memory`: casp_core.placement's per-layer memory model evaluated at each model's "
-        "shapes, float16 weights, sdpa attention, gradient allocation, `least_squares` compensation, 128 "
+        "`python -m bench.device_memory`: casp_core.method.placement's per-layer memory model evaluated at each "
+        "model's shapes, float16 weights, sdpa attention, gradient allocation, `least_squares` compensation, 128 "
         "calibration windows of 2048 tokens. **Not yet checked against a GPU measurement: no GPU was lent to the "
         "session that wrote it.** The figures are upper bounds by construction (each stage's tensors counted as "
         "if all alive at once); bench/gpu_llama7b.py records the estimate beside the measured peak of both modes.",
@@ -168,8 +168,8 @@ def render(payload: dict[str, Any]) -> str:
         "The layer working set is led by the down_proj statistics (C and Q of FFN x FFN in float32 above a width "
         "of 4096, compensation's C_kk and its factor in float64) and one batch's activations; the head stage by "
         "the head and allocation's float32 logits of one chunk of tokens (64 MiB, with their log-softmax and "
-        "gradient: casp_core.next_token): a 70B model offloaded needs a fraction of an 80 GiB device, resident it "
-        "does not fit.",
+        "gradient: casp_core.method.next_token): a 70B model offloaded needs a fraction of an 80 GiB device, "
+        "resident it does not fit.",
         "",
         "The mixtures of experts (docs/moe.md) hold every expert's weights in a layer (Mixtral-8x7B: 2.7 GiB a "
         "layer, against LLaMA2-7B's 0.38), and their layer working set is led by verification's float64 copies of "

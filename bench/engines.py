@@ -36,15 +36,15 @@ from bench.common import (
     write_json,
 )
 from bench.shapes import llama_config
-from casp_core.allocation import layer_sensitivities
-from casp_core.calibration import calibration_windows
-from casp_core.checkpoint import load_pruned, save_pruned
-from casp_core.config import CalibrationConfig, PruneConfig
-from casp_core.export.gguf import export_gguf
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.gguf.writer import export_gguf
+from casp_core.method.allocation import layer_sensitivities
+from casp_core.method.calibration import calibration_windows
+from casp_core.method.prune import prune
 from casp_core.model import decoder_layers, load_tokenizer, prunable_parameters
-from casp_core.prune import prune
 from casp_core.rounding import round_to_for
 from casp_core.run import Run
+from casp_core.settings import CalibrationConfig, PruneConfig
 
 CPU = torch.device("cpu")
 HEAD_DIM = 128

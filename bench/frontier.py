@@ -1,7 +1,7 @@
 """The frontier of issue 23 (item 4): perplexity against file size of each fixture model's sweep, the dense model
 in each GGUF type beside the pruned ones, and which points are on the Pareto front.
 
-Each model is swept as a job with a target does it (`casp_core.job.run_job`, casp_core.sweep): the default
+Each model is swept as a job with a target does it (`casp_core.job.run.run_job`, casp_core.job.sweep.run): the default
 ratios (0.1 to 0.6) times the default GGUF types (f16, q8_0, q5_k_m, q4_k_m; the results were measured when a
 K-quant was only taken where the hidden size fits its block), each pruned model written in each type and measured
 in llama.cpp. The target is a perplexity increase no candidate reaches (every candidate is tried and measured);
@@ -32,11 +32,11 @@ from bench.common import (
     machine_line,
     write_json,
 )
-from casp_core.config import PruneConfig
-from casp_core.job import run_job
+from casp_core.job.run import run_job
+from casp_core.job.sweep.candidates import DEFAULT_GGUF_TYPES
+from casp_core.job.sweep.run import FRONTIER_FILE
 from casp_core.run import Run
-from casp_core.sweep import FRONTIER_FILE
-from casp_core.targets import DEFAULT_GGUF_TYPES
+from casp_core.settings import PruneConfig
 
 MODELS = ("ptbwiki-7M", "stories260K")
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
@@ -128,7 +128,7 @@ def render(payload: dict[str, Any]) -> str:
         f"`python -m bench.frontier` ({payload['total_seconds']:.0f} s). {machine_line(payload['machine'])}. "
         + concurrency_note(payload["machine"]),
         "",
-        f"Each model swept as a job with a target sweeps it (casp_core.sweep): ratios "
+        f"Each model swept as a job with a target sweeps it (casp_core.job.sweep.run): ratios "
         f"{', '.join(f'{r:g}' for r in settings['ratios'])} times the GGUF types asked for, each file "
         f"measured in llama.cpp (one thread); calibration `{settings['calibration_set']}`, {settings['n_samples']} "
         f"x {settings['seq_len']} tokens; perplexity on the first {settings['eval_windows']} windows of "

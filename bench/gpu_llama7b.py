@@ -7,7 +7,7 @@ Calibration text is WikiText-2 test, tokenized by the stories260K tokenizer (ids
 model's vocabulary); its content does not matter to the timing either.
 
 Both placements are measured (`--placements`), each on a fresh model: the whole model resident on the GPU, and
-offloaded one decoder layer at a time (casp_core.placement), each peak beside the memory model's estimate for it.
+offloaded one decoder layer at a time (casp_core.method.placement), each peak beside the memory model's estimate for it.
 After the resident prune, a few recovery steps (`--recovery lora|full|none`) train the pruned model, their peak
 beside `estimate_recovery_memory`'s; a recovery the estimate says does not fit is refused before pruning, as a
 job refuses it, and that refusal is the finding. It reports what it measured, stage by stage, and whether the
@@ -26,10 +26,9 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from bench.common import RESULTS_DIR, default_datasets_dir, default_models_dir, machine_info, write_json
 from bench.shapes import llama2_7b_config
-from casp_core.checkpoint import save_pruned
-from casp_core.config import RECOVERY_METHODS, CalibrationConfig, PruneConfig, RecoveryConfig
+from casp_core.artifacts.checkpoint import save_pruned
 from casp_core.errors import DeviceMemoryTooSmall
-from casp_core.placement import (
+from casp_core.method.placement import (
     OFFLOAD,
     RESIDENT,
     JobShape,
@@ -37,10 +36,11 @@ from casp_core.placement import (
     check_recovery_fits,
     estimate_device_memory,
 )
-from casp_core.prune import prune
-from casp_core.recovery import recover
-from casp_core.recovery_data import load_training_data
+from casp_core.method.prune import prune
+from casp_core.recovery.data import load_training_data
+from casp_core.recovery.train import recover
 from casp_core.run import Run, StageTimer
+from casp_core.settings import RECOVERY_METHODS, CalibrationConfig, PruneConfig, RecoveryConfig
 
 TARGET_SECONDS = 60.0
 TARGET_PEAK_GPU_GB = 24.0
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def measure(placement: str, args: argparse.Namespace) -> dict[str, Any]:
     """One whole prune + save of a fresh model with the whole model resident on the GPU, or offloaded one layer
-    at a time; the measured peak beside casp_core.placement's estimate for the same job."""
+    at a time; the measured peak beside casp_core.method.placement's estimate for the same job."""
     device = torch.device("cuda")
     model = llama7b_shaped(getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(Path(args.models_dir) / "stories260K")

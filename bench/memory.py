@@ -4,8 +4,8 @@ Random shapes (#15): a random LLaMA-shaped model of about 1B parameters in bfloa
 `save_pretrained` (safetensors) beside the ptbwiki-7M tokenizer; the job (`run_job`, CPU, a short calibration, no
 evaluation) in a fresh Python process, which reports its peak RSS (VmHWM) and the peak reached during each stage.
 Bound: peak RSS <= `RSS_FACTOR` x the checkpoint's size plus the fixed `RSS_MARGIN_MIB`, asserted by
-tests/core/test_host_memory.py on `job_settings` (no compensation, which keeps it short) and measured here on those
-and on the default least-squares compensation.
+tests/core/method/test_host_memory.py on `job_settings` (no compensation, which keeps it short) and measured here on
+those and on the default least-squares compensation.
 
 The real model (#37): SmolLM2-135M-Instruct from its GGUF file (dequantized to float32, as `casp prune --model
 file.gguf` loads it on the CPU), `casp prune --ratio 0.2` with every other setting at its default (gradient
@@ -133,7 +133,7 @@ def model_bytes(model: str) -> int:
     counted on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from casp_core.gguf_source import gguf_config, is_gguf_reference
+    from casp_core.artifacts.gguf.source import gguf_config, is_gguf_reference
 
     config = gguf_config(Path(model)) if is_gguf_reference(model) else AutoConfig.from_pretrained(model)
     dtype = torch.float32 if is_gguf_reference(model) else config.dtype
@@ -161,7 +161,7 @@ def measure(model: Path | str, settings: dict[str, Any]) -> dict[str, Any]:
             "bench.memory",
             ["--job", str(model), json.dumps(settings), str(Path(out) / "o")],
             "the job",
-            env={**os.environ, "CASP_CACHE_DIR": str(Path(out) / "cache")},  # casp_core.caches
+            env={**os.environ, "CASP_CACHE_DIR": str(Path(out) / "cache")},  # casp_core.artifacts.caches
         )
     return {**figures, "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
 
@@ -197,8 +197,8 @@ SAMPLE_SECONDS = 0.02
 
 
 def run_job_here(model_dir: str, settings: str, out: str) -> None:
-    from casp_core.config import PruneConfig
-    from casp_core.job import run_job
+    from casp_core.job.run import run_job
+    from casp_core.settings import PruneConfig
 
     start = time.perf_counter()
     run = SampledRun()

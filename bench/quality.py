@@ -45,9 +45,16 @@ from bench.common import (
     machine_line,
     write_json,
 )
-from casp_core.allocation import layer_sensitivities
-from casp_core.calibration import calibration_windows
-from casp_core.config import (
+from casp_core.eval.perplexity import perplexity
+from casp_core.eval.zeroshot import evaluate_zero_shot
+from casp_core.method.allocation import layer_sensitivities
+from casp_core.method.calibration import calibration_windows
+from casp_core.method.prune import prune
+from casp_core.method.temperature import ALPHA_GRID
+from casp_core.model import decoder_layers, load_config, load_model
+from casp_core.rounding import auto_round_to, round_to_for
+from casp_core.run import Run, StageTimer
+from casp_core.settings import (
     AUTO_ALPHA,
     COMPENSATIONS,
     DENSE_TARGET_COMPENSATION,
@@ -57,13 +64,6 @@ from casp_core.config import (
     CalibrationConfig,
     PruneConfig,
 )
-from casp_core.eval.perplexity import perplexity
-from casp_core.eval.zeroshot import evaluate_zero_shot
-from casp_core.model import decoder_layers, load_config, load_model
-from casp_core.prune import prune
-from casp_core.rounding import auto_round_to, round_to_for
-from casp_core.run import Run, StageTimer
-from casp_core.temperature import ALPHA_GRID
 
 MODELS = ("stories260K", "ptbwiki-7M")
 RATIOS = (0.1, 0.2, 0.3, 0.5)

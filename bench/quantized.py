@@ -8,16 +8,18 @@ block (`round_to: auto`), so ptbwiki-7M is pruned once per block family and rati
 widths in multiples of 32) for f16, q8_0 and q4_0, and with `gguf_type: q4_k_m` (multiples of 256, heads in
 multiples of 8 where one head's move allows it) for f16, q6_k, q5_k_m and q4_k_m. stories260K (hidden 64, below
 the K-quants' block of 256, which casp refuses) gets the 32 family only. Each file is written by
-casp_core.export.export_gguf and measured by casp_core.eval.engine.measure_gguf: llama.cpp perplexity at one
+casp_core.artifacts.gguf.writer.export_gguf and measured by casp_core.artifacts.gguf.engine.measure_gguf: llama.cpp
+perplexity at one
 thread on the first `--eval-windows` windows of `--eval-seq-len` tokens of WikiText-2 test and PTB test, the
 same windows for every row of a model; the checkpoint's own transformers perplexity on them is beside it.
 The compressed-tensors rows are read from bench/results/compressed_tensors.json (its own settings, recorded).
 
-Speed: llama.cpp prefill and decode tokens/s at one thread (casp_core.eval.engine.engine_speed, `--speed-repeats`
+Speed: llama.cpp prefill and decode tokens/s at one thread (casp_core.artifacts.gguf.engine.engine_speed,
+`--speed-repeats`
 timed runs after one untimed) on a random-initialised LLaMA of Llama-3.2-1B's shape. Speed depends only on the
 shapes, so instead of pruning a random model the bench builds, for each ratio, the uniform-shape checkpoint
 whose heads and FFN width are those casp's uniform shape keeps at that ratio for a K-quant GGUF (whole blocks of
-256 FFN channels, o_proj rows a multiple of 256): `casp_core.budget.plan_uniform_shape`.
+256 FFN channels, o_proj rows a multiple of 256): `casp_core.method.budget.plan_uniform_shape`.
 
 Writes bench/results/quantized.json, quantized.md and quantized.png.
 """
@@ -51,18 +53,18 @@ from bench.common import (
     write_json,
 )
 from bench.quality import CALIBRATION_SET, EVAL_SETS
-from casp_core.allocation import layer_sensitivities
-from casp_core.budget import plan_uniform_shape
-from casp_core.calibration import calibration_windows
-from casp_core.checkpoint import save_pruned
-from casp_core.config import CalibrationConfig, PruneConfig
-from casp_core.eval import engine
+from casp_core.artifacts.checkpoint import save_pruned
+from casp_core.artifacts.gguf import engine
+from casp_core.artifacts.gguf.writer import export_gguf
 from casp_core.eval.perplexity import evaluation_text, windows_perplexity
-from casp_core.export.gguf import export_gguf
-from casp_core.export.gguf_types import block_of
+from casp_core.method.allocation import layer_sensitivities
+from casp_core.method.budget import plan_uniform_shape
+from casp_core.method.calibration import calibration_windows
+from casp_core.method.prune import prune
 from casp_core.model import decoder_layers, load_model
-from casp_core.prune import prune
+from casp_core.rounding import block_of
 from casp_core.run import Run
+from casp_core.settings import CalibrationConfig, PruneConfig
 
 MODELS = ("ptbwiki-7M", "stories260K")
 RATIOS = (0.0, 0.2, 0.3, 0.5)
@@ -484,7 +486,7 @@ def render(payload: dict[str, Any]) -> str:
             "and FFN width casp's uniform shape keeps at that ratio when planned for a K-quant "
             "(`budget.plan_uniform_shape` with gguf_type q4_k_m: whole blocks of 256 FFN channels, heads x 64 a "
             "multiple of 256), the same shape for every type. Per-layer shapes of a real pruned model differ layer "
-            f"by layer. llama.cpp (casp_core.eval.engine.engine_speed): a prefill of {engine.PREFILL_TOKENS} "
+            f"by layer. llama.cpp (casp_core.artifacts.gguf.engine.engine_speed): a prefill of {engine.PREFILL_TOKENS} "
             f"tokens, then {engine.DECODE_TOKENS} tokens decoded one at a time, median of "
             f"{settings['speed_repeats']} timed run(s) after 1 untimed run (fewer than the engine's default "
             f"{engine.SPEED_REPEATS}, for time), one thread. `x dense`: against the dense file of the same type.",

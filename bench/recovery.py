@@ -28,15 +28,15 @@ from bench.common import (
     machine_line,
     write_json,
 )
-from casp_core.config import CalibrationConfig, PruneConfig, RecoveryConfig
 from casp_core.eval.perplexity import evaluation_text, windows_perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot
+from casp_core.method.placement import ModelShape, estimate_recovery_memory
+from casp_core.method.prune import prune
 from casp_core.model import load_model
-from casp_core.placement import ModelShape, estimate_recovery_memory
-from casp_core.prune import prune
-from casp_core.recovery import recover
-from casp_core.recovery_data import load_training_data
-from casp_core.teacher import compute_teacher, teacher_fingerprint
+from casp_core.recovery.data import load_training_data
+from casp_core.recovery.teacher import compute_teacher, teacher_fingerprint
+from casp_core.recovery.train import recover
+from casp_core.settings import CalibrationConfig, PruneConfig, RecoveryConfig
 
 MODELS = ("stories260K", "ptbwiki-7M")
 RATIOS = (0.3, 0.5)
@@ -179,8 +179,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Memory: casp_core.placement's estimate of the device memory at these settings in float32 (the CPU has no "
-        "per-run peak to measure); the teacher cache costs 388 bytes per training token at top-64.",
+        "Memory: casp_core.method.placement's estimate of the device memory at these settings in float32 (the CPU has "
+        "no per-run peak to measure); the teacher cache costs 388 bytes per training token at top-64.",
         "",
         "The paper (LLaMA2-7B, CASP at 50 %, LoRA on cleaned Alpaca, 2 epochs, lr 1e-4, batch 128):",
         "",

@@ -113,7 +113,7 @@ def model_path(settings: dict[str, Any]) -> str:
 
 
 def prune_config(settings: dict[str, Any], ratio: float, overrides: dict[str, Any]) -> Any:
-    from casp_core.config import CalibrationConfig, PruneConfig
+    from casp_core.settings import CalibrationConfig, PruneConfig
 
     calibration = {**CALIBRATION, "dataset": str(Path(settings["datasets_dir"]) / CALIBRATION["dataset"])}
     return PruneConfig(
@@ -144,7 +144,7 @@ def prune_record(settings: dict[str, Any], key: str) -> dict[str, Any] | None:
     planned = planned_prune(key)
     if planned is None:
         return None
-    from casp_core.prune import uses_sensitivities
+    from casp_core.method.prune import uses_sensitivities
 
     config = prune_config(settings, *planned)
     record = {field: value for field, value in config.to_dict().items() if field in PRUNE_FIELDS}
@@ -173,8 +173,8 @@ def sensitivities_row(settings: dict[str, Any]) -> dict[str, Any]:
     """The gradient allocation's S_l on the calibration windows, as `prune` measures them, with their seconds."""
     import torch
 
-    from casp_core.allocation import layer_sensitivities
-    from casp_core.calibration import calibration_windows
+    from casp_core.method.allocation import layer_sensitivities
+    from casp_core.method.calibration import calibration_windows
     from casp_core.model import load_model
     from casp_core.run import Run
 
@@ -197,8 +197,8 @@ def pruned(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """The model pruned at `ratio` with `overrides` (ratio 0: dense), given the S_l (measured inside when None),
     with the prune's seconds and peak RSS."""
+    from casp_core.method.prune import prune
     from casp_core.model import load_model
-    from casp_core.prune import prune
 
     model, tokenizer = load_model(model_path(settings))
     start = time.perf_counter()
@@ -273,7 +273,7 @@ def gguf_rows(
 ) -> list[dict[str, Any]]:
     """Each type's file of `checkpoint`, measured; with `dense` (the dense checkpoint), the dense file of the same
     type is timed right after each of its speed runs, in the same process."""
-    from casp_core.export.gguf import export_gguf
+    from casp_core.artifacts.gguf.writer import export_gguf
 
     rows = []
     for gguf_type in gguf_types:
@@ -298,7 +298,7 @@ def file_figures(path: Path, texts: dict[str, Any], reference: Path | None = Non
     file's speed too, each of its runs right after the file's at the same thread count. This machine's speed
     drifts between sessions by a third (the dense q8_0 decoded 153 tokens/s in one session and 102 in the next, on
     the same VM type), so a speed is set only against one timed beside it."""
-    from casp_core.eval import engine
+    from casp_core.artifacts.gguf import engine
 
     start = time.perf_counter()
     ppl = engine.gguf_perplexity(path, texts)
@@ -341,8 +341,8 @@ def ladder_row(
 
 def save_checkpoint(model: Any, tokenizer: Any, checkpoint: Path, settings: dict[str, Any]) -> None:
     """As a job writes it: the source file's own vocabulary kept."""
-    from casp_core.checkpoint import save_pruned
-    from casp_core.export.tokenizer import keep_source_vocabulary
+    from casp_core.artifacts.checkpoint import save_pruned
+    from casp_core.artifacts.gguf.tokenizer import keep_source_vocabulary
 
     save_pruned(model, tokenizer, checkpoint)
     keep_source_vocabulary(Path(model_path(settings)), checkpoint)
@@ -351,12 +351,12 @@ def save_checkpoint(model: Any, tokenizer: Any, checkpoint: Path, settings: dict
 def recovery_row(
     settings: dict[str, Any], ratio: float, recipe: str, sensitivities: list[float] | None
 ) -> dict[str, Any]:
-    from casp_core.config import RecoveryConfig
     from casp_core.eval.perplexity import windows_perplexity
     from casp_core.model import load_model
-    from casp_core.recovery import recover
-    from casp_core.recovery_data import load_training_data
-    from casp_core.teacher import compute_teacher, teacher_fingerprint
+    from casp_core.recovery.data import load_training_data
+    from casp_core.recovery.teacher import compute_teacher, teacher_fingerprint
+    from casp_core.recovery.train import recover
+    from casp_core.settings import RecoveryConfig
 
     method, loss = RECIPES[recipe]
     recovery = RecoveryConfig(

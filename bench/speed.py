@@ -39,14 +39,14 @@ from bench.common import (
     write_json,
 )
 from bench.shapes import llama_config
-from casp_core.allocation import layer_sensitivities
-from casp_core.calibration import capture_first_layer_inputs, record_inputs, run_layer
-from casp_core.checkpoint import save_pruned
-from casp_core.interaction import block_aggregate, interaction_matrix
+from casp_core.artifacts.checkpoint import save_pruned
+from casp_core.method.allocation import layer_sensitivities
+from casp_core.method.calibration import capture_first_layer_inputs, record_inputs, run_layer
+from casp_core.method.interaction import block_aggregate, interaction_matrix
+from casp_core.method.solvers import greedy
+from casp_core.method.surgery import LayerPruning, mask_layer, remove_units
 from casp_core.model import attention_geometry, decoder_layers, return_freed_heap
 from casp_core.run import Run
-from casp_core.solvers import greedy
-from casp_core.surgery import LayerPruning, mask_layer, remove_units
 
 CPU = torch.device("cpu")
 HEAD_DIM = 64
@@ -144,7 +144,7 @@ def timed(record: dict[str, float], name: str) -> Iterator[None]:
 
 
 def pipeline_pass(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int, out_dir: Path) -> dict[str, Any]:
-    """The stages of `casp_core.prune.prune`, called directly with a timer and a memory probe on each.
+    """The stages of `casp_core.method.prune.prune`, called directly with a timer and a memory probe on each.
 
     Each layer prunes half its heads and channels with greedy; the baseline ops are timed beside them, under a
     memory probe of their own: the probe's sampling thread takes CPU time, so a stage timed with it and its
@@ -466,7 +466,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         "## Greedy at LLaMA2-7B's FFN width",
         "",
-        f"`casp_core.solvers.greedy` at d = {scale['d']}, k = {scale['k']} ({scale['dtype']}, random PSD Q): "
+        f"`casp_core.method.solvers.greedy` at d = {scale['d']}, k = {scale['k']} ({scale['dtype']}, random PSD Q): "
         f"median **{scale['median_seconds']:.3f} s** over {scale['repeats']} runs "
         f"({', '.join(f'{t:.3f}' for t in scale['all_seconds'])}) of wall time; it **{verdict}** the 1 s target "
         f"on this machine. Its CPU time with one torch thread (time.thread_time, which excludes time spent "
@@ -495,7 +495,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"({memory['model_mb']['layer_weights']:.0f} MB), one batch's activations and the d x d statistics "
         f"({memory['model_mb']['statistics']:.0f} MB in float64).",
         "",
-        "How the pipeline does it (`casp_core/calibration.py`, `casp_core/prune.py`): "
+        "How the pipeline does it (`casp_core/method/calibration.py`, `casp_core/method/prune.py`): "
         "`capture_first_layer_inputs` runs the embeddings "
         "with recorders in place of the decoder layers (they note each attention type's mask and rotary tables, "
         "and the last one needed stops the pass), keeping one hidden-state tensor per batch on the `store` device "

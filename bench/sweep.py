@@ -1,4 +1,5 @@
-"""The cost of a sweep of ratios: k ratios through `casp_core.prune.prune_ratios` (the windows, the sensitivities
+"""The cost of a sweep of ratios: k ratios through `casp_core.job.sweep.shared_pass.prune_ratios` (the windows, the
+sensitivities
 S_l and the first layer's inputs once; in dense calibration each layer's statistics and Q once too) against k
 separate prunes (`prune`, each with its own calibration text, sensitivities and statistics).
 
@@ -83,10 +84,11 @@ def _stage_seconds(timings: dict[str, dict[str, float]]) -> dict[str, float]:
 def measure_here(model_dir: str, settings: str, ratios: str, how: str) -> None:
     """In this (fresh) process: load the model, then time `how` ("sweep": prune_ratios over all `ratios`;
     "single": prune at the one ratio given) and print the figures as one JSON line."""
-    from casp_core.config import PruneConfig
+    from casp_core.job.sweep.shared_pass import prune_ratios, ratio_config
+    from casp_core.method.prune import prune
     from casp_core.model import load_model
-    from casp_core.prune import prune, prune_ratios, ratio_config
     from casp_core.run import Run
+    from casp_core.settings import PruneConfig
 
     model, tokenizer = load_model(model_dir)
     config = PruneConfig(**json.loads(settings))

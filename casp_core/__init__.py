@@ -1,10 +1,17 @@
-"""casp_core: Correlation-Aware Structured Pruning, as a library.
+"""casp_core: Correlation-Aware Structured Pruning, as a library. Its rooms, one folder each (docs/architecture.md):
 
-The method's stages, one module each, in the paper's order: calibration (windows, layer inputs, statistics),
-interaction (Q), allocation (r_l; `temperature` chooses alpha "auto"), budget (heads and channels per layer),
-solvers (`selection` applies them to one layer), compensation, surgery, verification; `prune` runs them over the
-layers and returns a `results.PruneResult`; `recovery` optionally fine-tunes LoRA adapters on the pruned model and
-merges them; `job.run_job` is the whole job (load, evaluate, prune, [recover,] save, report) with `job.STAGES` its
-stages. Beside the method: `model` (loading and the supported families), `data` (texts), `checkpoint`, `run`
-(progress, cancellation, timing), and the subpackages `eval/`, `report/` and `cli/`.
+- `method/`: the paper's loop in its order (calibration, interaction, allocation, temperature, budget, selection with
+  the solvers, compensation, surgery, verification; `prune` runs them over the layers). It writes no files and
+  knows no job.
+- `families/`: one module per model family behind `family_of`; `families/modeling/` the pruned model classes a
+  checkpoint carries.
+- `recovery/`: fine-tuning the pruned model (LoRA or full, cross-entropy or distillation), its data and teacher.
+- `artifacts/`: everything written and read back: the checkpoint, the retry snapshot, `casp upgrade`, the caches,
+  the GGUF files (`gguf/`) and compressed-tensors (`compressed_tensors/`), each with its size estimate.
+- `eval/`: perplexity, zero-shot and efficiency behind `evaluate`. `report/`: report.json, report.md, the plots and
+  the model card. `cli/`: `casp prune`, `eval`, `export`, `recover`, `upgrade`.
+- `job/`: `run_job`, the whole job as its list of stages, and `job/sweep/`, a job with a target.
+
+The root holds the foundation every room imports: `settings` (every setting, pydantic), `errors`, `run` (progress,
+cancellation, timing), `units`, `rounding`, `numerics`, `model` (loading, the model's layers) and `data` (texts).
 """

@@ -63,7 +63,7 @@ class NumericalError(CaspError):
 
 
 class DeviceMemoryTooSmall(CaspError):
-    """Even one decoder layer's working set (casp_core.placement's estimate) exceeds the memory the job may use
+    """Even one decoder layer's working set (casp_core.method.placement's estimate) exceeds the memory the job may use
     on the device, or a resident model was asked for that does not fit, or recovery's estimate does not fit:
     refused before any work."""
 

@@ -28,10 +28,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from casp_core.caches import default_cache_dir
+from casp_core.artifacts.caches import default_cache_dir
+from casp_core.artifacts.gguf.source import converted_folder, gguf_config, gguf_dtype, is_gguf_reference
 from casp_core.errors import DeviceUnavailable, InvalidConfig, ModelNotFound, UnsupportedModel
 from casp_core.families import family_of, projection_parameters, projections
-from casp_core.gguf_source import converted_folder, gguf_config, gguf_dtype, is_gguf_reference
 from casp_core.units import AttentionGeometry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -128,7 +128,7 @@ def _first_line(error: Exception) -> str:
 
 def load_config(name_or_path: str, *, revision: str | None = None) -> PretrainedConfig:
     """The model's config, checked by `check_supported_config`; a config that cannot be read is `model_not_found`. A
-    GGUF file's comes from its header, which is checked first (casp_core.gguf_source)."""
+    GGUF file's comes from its header, which is checked first (casp_core.artifacts.gguf.source)."""
     if is_gguf_reference(name_or_path):
         check_model_reference(name_or_path)
         config = gguf_config(Path(name_or_path).expanduser())
@@ -163,8 +163,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load weights on the CPU; the pipeline moves one decoder layer at a time to the accelerator (`device`, the
     CPU when None). `token`: a Hugging Face token for a private repository, handed to the hub's calls only (never
-    kept or written). A GGUF file is loaded from the folder it was dequantized into (casp_core.gguf_source), made
-    in `cache_dir` (default: casp_core.caches) the first time."""
+    kept or written). A GGUF file is loaded from the folder it was dequantized into (casp_core.artifacts.gguf.source),
+    made in `cache_dir` (default: casp_core.artifacts.caches) the first time."""
     torch_dtype: str | torch.dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     if is_gguf_reference(name_or_path):
         check_model_reference(name_or_path)
@@ -280,7 +280,7 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
 @contextmanager
 def on_device(module: nn.Module, device: torch.device, home: torch.device) -> Iterator[None]:
     """`module` on `device` while it works, then back at `home`, where its weights rest between uses (the device
-    itself when the model is resident there, the CPU when it is offloaded: casp_core.placement)."""
+    itself when the model is resident there, the CPU when it is offloaded: casp_core.method.placement)."""
     module.to(device)
     try:
         yield

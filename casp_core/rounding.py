@@ -12,18 +12,24 @@ exact, ptbwiki-7M's 704 keep multiples of 8 (the perplexity cost: bench/results/
 
 A job that exports a quantized GGUF rounds to the quantizer's block instead (`block`: 256 for the K-quants, 32
 for q8_0, q4_0, q5_0 and iq4_nl), on every layer at least twice the block wide, so that llama.cpp's quantizer
-gives each ffn_down its own type: a row of another length falls back to another type (casp_core.export.gguf_types).
+gives each ffn_down its own type: a row of another length falls back to another type (casp_core.artifacts.gguf.types).
 Narrower layers keep auto's unit (the block would leave them one or no choice of width).
 """
 
 import math
 
 from casp_core.errors import InvalidConfig
+from casp_core.settings import PruneSettings
 
 AUTO = "auto"
 WIDEST_UNIT = 64  # measured to give llama.cpp its prefill speedup at 4096 channels
 NARROWEST_UNIT = 8  # below this auto keeps the exact count
 UNITS_PER_LAYER = 64  # auto's unit is at most this fraction of the layer's width
+# llama.cpp quantizer's blocks: a row of a quantized weight is a whole number of them.
+SUPER_BLOCK = 256  # QK_K
+BLOCK = 32  # QK8_0, QK4_0, QK5_0, QK4_NL
+K_QUANTS = ("q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m", "q2_k")
+BLOCK_32_TYPES = ("q8_0", "q4_0", "q5_0", "iq4_nl")
 
 
 def auto_round_to(width: int) -> int:
@@ -101,3 +107,15 @@ def fallback_warning(widths: list[int], setting: int | str, gguf_type: str, bloc
         f"exports), not {gguf_type}'s (round_to auto, the default, picks {block} on layers of {min(wide)} channels "
         "or more)"
     )
+
+
+def block_of(gguf_type: str) -> int | None:
+    """The row multiple llama.cpp's quantizer needs for `gguf_type`'s own weights; None for the float types."""
+    if gguf_type in K_QUANTS:
+        return SUPER_BLOCK
+    return BLOCK if gguf_type in BLOCK_32_TYPES else None
+
+
+def quantizer_block(settings: PruneSettings) -> int | None:
+    """The block a job's widths should fit: that of its GGUF type when it exports a quantized GGUF, else None."""
+    return block_of(settings.gguf_type) if "gguf" in settings.export else None

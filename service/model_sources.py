@@ -27,8 +27,8 @@ from pathlib import Path
 from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
+from casp_core.artifacts.gguf.source import GGUF_MAGIC, check_gguf_file
 from casp_core.errors import Cancelled, InvalidModelFile, ModelNotFound
-from casp_core.gguf_source import GGUF_MAGIC, check_gguf_file
 from service.paths import S3_SCHEME, bucket_and_prefix, upload_id_of
 from service.settings import Settings
 from service.storage import S3Location, Storage, s3_client

@@ -14,12 +14,12 @@ from pathlib import Path
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from casp_core.config import PruneConfig
+from casp_core.artifacts.gguf.source import is_gguf_reference
 from casp_core.data import LOCAL_FILES, TextSource, calibration_source, evaluation_source, local_copy, parse_source
 from casp_core.errors import CaspError, DatasetNotFound, InvalidDataset, ModelNotFound
-from casp_core.gguf_source import is_gguf_reference
 from casp_core.model import is_local_reference
-from casp_core.recovery_data import TRAINING_SPLIT, read_training_file
+from casp_core.recovery.data import TRAINING_SPLIT, read_training_file
+from casp_core.settings import PruneConfig
 from service.settings import Settings
 
 DATASET_FILE_SUFFIXES = (".txt", ".jsonl")

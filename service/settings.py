@@ -174,8 +174,8 @@ class Settings(BaseSettings):
 
     @property
     def cache(self) -> Path:
-        """What workers compute once per model and reuse (casp_core.caches): GGUF sources dequantized, the dense
-        models' evaluations. CASP_CACHE_DIR, the variable casp_core and the CLI read, else `home`/cache."""
+        """What workers compute once per model and reuse (casp_core.artifacts.caches): GGUF sources dequantized, the
+        dense models' evaluations. CASP_CACHE_DIR, the variable casp_core and the CLI read, else `home`/cache."""
         return self.cache_dir or self.home / "cache"
 
     @property

@@ -54,9 +54,9 @@ class S3Location:
 
     @property
     def is_gguf_file(self) -> bool:
-        # Imported here: casp_core.gguf_source loads torch, which the admin commands that reach this module
+        # Imported here: casp_core.artifacts.gguf.source loads torch, which the admin commands that reach this module
         # (`casp keys ...` through service.api_keys) would otherwise pay for, ten seconds each.
-        from casp_core.gguf_source import is_gguf_reference
+        from casp_core.artifacts.gguf.source import is_gguf_reference
 
         return is_gguf_reference(self.prefix)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# What casp_core keeps per model (casp_core.caches): one folder for the whole run, so that the suite dequantizes the
-# SmolLM2 GGUF once and no figure measured by an earlier run is reused.
+# What casp_core keeps per model (casp_core.artifacts.caches): one folder for the whole run, so that the suite
+# dequantizes the SmolLM2 GGUF once and no figure measured by an earlier run is reused.
 if "CASP_CACHE_DIR" not in os.environ:
     os.environ["CASP_CACHE_DIR"] = tempfile.mkdtemp(prefix="casp-test-cache-")
     atexit.register(shutil.rmtree, os.environ["CASP_CACHE_DIR"], ignore_errors=True)
@@ -48,7 +48,7 @@ def datasets_dir() -> str:
 
 def small_config(ratio: float, **overrides):
     """Settings small enough for a test, on real text: 16 windows of 128 tokens from WikiText-2 valid."""
-    from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
+    from casp_core.settings import CalibrationConfig, EvaluationConfig, PruneConfig
 
     calibration = CalibrationConfig(dataset="wikitext2:validation", n_samples=16, seq_len=128, batch_size=8)
     evaluation = EvaluationConfig(perplexity=["wikitext2"], seq_len=128, limit=20)
@@ -60,7 +60,7 @@ def small_config(ratio: float, **overrides):
 def tiny_config(ratio: float, **overrides):
     """A whole job in seconds, for tests of what it writes rather than of the method: 2 windows of 32 tokens, the
     diagonal solver, uniform allocation, no perplexity."""
-    from casp_core.config import CalibrationConfig, EvaluationConfig
+    from casp_core.settings import CalibrationConfig, EvaluationConfig
 
     calibration = CalibrationConfig(dataset="wikitext2:validation", n_samples=2, seq_len=32, batch_size=2)
     evaluation = EvaluationConfig(perplexity=[], seq_len=32, limit=1)

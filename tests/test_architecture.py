@@ -5,6 +5,11 @@ casp_core <- service <- api, worker <- casp_cli: the library knows no service; s
 the workers; the API and the workers never import each other; only the `casp` command (casp_cli) wires them, and
 its HTTP client imports none of them.
 And no module imports itself back through others.
+
+Inside casp_core, the rooms (its folders, docs/architecture.md) stand on the root's modules, the foundation, and form
+no cycle between them; the paper's method writes no files and knows no job; the shipped modeling files import nothing
+of casp_core (a checkpoint carries them alone); the settings load no torch (the API and the CLI check settings
+before any heavy import).
 """
 
 import ast
@@ -165,3 +170,119 @@ def test_a_familys_behaviour_comes_through_family_of_alone() -> None:
         if alias.name in classes
     )
     assert named == []
+
+
+CASP_CORE = REPO / "casp_core"
+ROOM_DIRS = sorted(path.name for path in CASP_CORE.iterdir() if (path / "__init__.py").is_file())
+# What of the rooms the foundation may import: the families (a model's family decides how it loads), and where a
+# model comes from besides a folder or the hub (a GGUF file, dequantized into the cache).
+FOUNDATION_REACHES = {"casp_core.families", "casp_core.artifacts.gguf.source", "casp_core.artifacts.caches"}
+
+
+def room_of(module: str) -> str | None:
+    """The room (`casp_core.<folder>`) a module of casp_core lives in; None for the root's modules and others."""
+    parts = module.split(".")
+    if parts[0] != "casp_core" or len(parts) < 2 or parts[1] not in ROOM_DIRS:
+        return None
+    return f"casp_core.{parts[1]}"
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Room -> the other rooms its modules import."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if (room := room_of(module)) is not None:
+            rooms.setdefault(room, set()).update(
+                target_room for target in targets if (target_room := room_of(target)) not in (None, room)
+            )
+    return rooms
+
+
+def test_the_rooms_are_the_folders_and_the_root_holds_the_foundation() -> None:
+    """casp_core's root keeps the modules every room imports (at most 10); the shipped modeling files are one flat
+    folder, casp_core/families/modeling (transformers copies only a modeling file's siblings into a checkpoint)."""
+    root_modules = sorted(path.name for path in CASP_CORE.glob("*.py"))
+    assert len(root_modules) <= 10, root_modules
+    assert {"families", "method", "recovery", "artifacts", "eval", "report", "cli", "job"} <= set(ROOM_DIRS)
+    modeling = sorted(path.relative_to(REPO).as_posix() for path in CASP_CORE.rglob("modeling_casp_*.py"))
+    assert modeling and all(path.startswith("casp_core/families/modeling/") for path in modeling), modeling
+
+
+def test_the_rooms_form_no_cycle() -> None:
+    assert cycles(room_graph(import_graph())) == []
+
+
+def test_the_room_graph_sees_a_cycle() -> None:
+    """The rule above can fail: an import of the job from the method closes a cycle."""
+    graph = import_graph()
+    graph["casp_core.method.prune"] = graph["casp_core.method.prune"] | {"casp_core.job.run"}
+    assert any({"casp_core.job", "casp_core.method"} <= set(cycle) for cycle in cycles(room_graph(graph)))
+
+
+def test_the_foundation_imports_only_the_foundation_and_what_loads_a_model() -> None:
+    reached = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module.startswith("casp_core") and room_of(module) is None and not module.endswith("__main__")
+        for target in targets
+        if room_of(target) is not None and not {target, room_of(target)} & FOUNDATION_REACHES
+    )
+    assert reached == []
+
+
+def imports_of_room(graph: dict[str, set[str]], importer: str, forbidden: set[str]) -> list[str]:
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if module == importer or module.startswith(f"{importer}.")
+        for target in targets
+        if any(target == room or target.startswith(f"{room}.") for room in forbidden)
+    )
+
+
+METHOD_MUST_NOT_REACH = {f"casp_core.{room}" for room in ("job", "artifacts", "eval", "report", "recovery")}
+
+
+def test_the_method_writes_no_files_and_knows_no_job() -> None:
+    assert imports_of_room(import_graph(), "casp_core.method", METHOD_MUST_NOT_REACH) == []
+
+
+def test_the_method_rule_sees_a_forbidden_import() -> None:
+    graph = import_graph()
+    graph["casp_core.method.budget"] = graph["casp_core.method.budget"] | {"casp_core.artifacts.gguf.types"}
+    assert imports_of_room(graph, "casp_core.method", METHOD_MUST_NOT_REACH) == [
+        "casp_core.method.budget imports casp_core.artifacts.gguf.types"
+    ]
+
+
+def test_the_modeling_files_import_nothing_of_casp_core() -> None:
+    """Every import of a modeling file, relative ones made absolute: a checkpoint runs its copy where casp_core is
+    not installed."""
+    modeling = CASP_CORE / "families" / "modeling"
+    imported = sorted(
+        f"{path.name} imports {name}"
+        for path in modeling.glob("modeling_casp_*.py")
+        for name in imported_names(path, module_name(path))
+        if name.startswith("casp_core") and not name.startswith("casp_core.families.modeling.modeling_casp_")
+    )
+    assert imported == []
+
+
+def external_imports(module: str, graph: dict[str, set[str]], modules: dict[str, Path]) -> set[str]:
+    """The top-level packages outside casp_core that `module` and every casp_core module it reaches import."""
+    seen, todo, found = set(), [module], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        found |= {name.split(".")[0] for name in imported_names(modules[current], current)} - {"casp_core"}
+        todo += [target for target in graph[current] if target.startswith("casp_core")]
+    return found
+
+
+def test_the_settings_load_no_torch() -> None:
+    modules = all_modules()
+    found = external_imports("casp_core.settings", import_graph(), modules)
+    assert "pydantic" in found  # the walk reads the settings' own imports
+    assert not found & {"torch", "transformers", "safetensors", "gguf", "llama_cpp", "compressed_tensors"}

@@ -11,7 +11,7 @@ import pytest
 
 from bench import device_memory, engines, frontier, load, quality, quantized, recovery, smollm2, speed, sweep
 from bench.common import all_finite, default_datasets_dir, default_models_dir
-from casp_core.config import PruneConfig
+from casp_core.settings import PruneConfig
 
 pytestmark = pytest.mark.skipif(
     not (Path(default_models_dir()) / "stories260K").is_dir() or not Path(default_datasets_dir()).is_dir(),

@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from casp_core.config import PruneConfig
+from casp_core.artifacts.snapshot import SNAPSHOT_FILE
 from casp_core.errors import Cancelled, CaspError
-from casp_core.job import STAGES, job_stages, run_job
+from casp_core.job.run import STAGES, job_stages, run_job
+from casp_core.job.sweep.run import SWEEP_STATE_FILE
 from casp_core.model import resolve_device
-from casp_core.pruned_snapshot import SNAPSHOT_FILE
-from casp_core.recovery import STATE_FILE
+from casp_core.recovery.teacher import TEACHER_FILE
+from casp_core.recovery.train import STATE_FILE
 from casp_core.run import Run
-from casp_core.sweep import SWEEP_STATE_FILE
-from casp_core.teacher import TEACHER_FILE
+from casp_core.settings import PruneConfig
 from service import job_queue, jobs
 from service.db import session_scope
 from service.logs import add_log_context, job_log_context

@@ -30,15 +30,15 @@ from api.schemas import (
 )
 from api.streams import StreamResponse, StreamSlots, event_stream
 from api.unavailable import RETRY_AFTER_SECONDS
-from casp_core.config import SERVER_SIDE, PruneConfig
+from casp_core.artifacts.compressed_tensors.quantize import check_quantization
+from casp_core.artifacts.gguf.source import is_gguf_reference
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
 from casp_core.families import check_export, family_of
-from casp_core.gguf_source import is_gguf_reference
+from casp_core.job.sweep.candidates import sweep_candidates
 from casp_core.model import is_local_reference, load_config
-from casp_core.quantization import check_quantization
-from casp_core.recovery_data import check_length
-from casp_core.targets import sweep_candidates
+from casp_core.recovery.data import check_length
+from casp_core.settings import SERVER_SIDE, PruneConfig
 from service import api_keys, jobs, uploaded_models, webhook_deliveries
 from service.db import session_scope
 from service.dispatch import queue_for, send

@@ -30,8 +30,8 @@ from api.schemas import (
     PresignedUploadIn,
     PresignedUploadOut,
 )
+from casp_core.artifacts.gguf.source import GGUF_MAGIC, GGUF_SUFFIX, is_gguf_reference
 from casp_core.errors import CaspError
-from casp_core.gguf_source import GGUF_MAGIC, GGUF_SUFFIX, is_gguf_reference
 from casp_core.model import check_model_folder, load_config
 from service import api_keys, uploaded_models
 from service.paths import UPLOAD_SCHEME, local_models

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from casp_core.cli.arguments import names, non_negative_int, positive_int
-from casp_core.config import ZERO_SHOT_TASKS, EfficiencyConfig
 from casp_core.errors import InvalidConfig, ModelNotFound
+from casp_core.settings import ZERO_SHOT_TASKS, EfficiencyConfig
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -90,16 +90,17 @@ def evaluate_checkpoint(
     cache_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Loads `model_path` and evaluates it; `efficiency` holds measure_efficiency's settings, None skips it. A GGUF
-    file is evaluated dequantized (casp_core.gguf_source, converted once into `cache_dir`), and its perplexity is
-    also measured in llama.cpp on the same windows: the figure of the file the user serves, their baseline."""
+    file is evaluated dequantized (casp_core.artifacts.gguf.source, converted once into `cache_dir`), and its
+    perplexity is also measured in llama.cpp on the same windows: the figure of the file the user serves, their
+    baseline."""
     # torch, transformers and the harness load only when a command needs them.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from casp_core.artifacts.gguf.source import is_gguf_reference
+    from casp_core.artifacts.gguf.types import require_llama_cpp
     from casp_core.eval.evaluate import EvaluationPlan, evaluate
     from casp_core.eval.perplexity import default_seq_len, evaluation_text
     from casp_core.eval.zeroshot import resolve_datasets_dir
-    from casp_core.export.gguf_types import require_llama_cpp
-    from casp_core.gguf_source import is_gguf_reference
     from casp_core.model import load_model, resolve_device
 
     unknown = [task for task in tasks if task not in ZERO_SHOT_TASKS]
@@ -153,8 +154,8 @@ def evaluate_checkpoint(
 def gguf_file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
     """The GGUF file as llama.cpp serves it: its source record (name, sha256, tensor types), size, bits per weight
     and, on the evaluation's windows, its perplexity in llama.cpp."""
-    from casp_core.eval.engine import engine_convention, gguf_bits_per_weight, gguf_perplexity
-    from casp_core.gguf_source import check_gguf_file
+    from casp_core.artifacts.gguf.engine import engine_convention, gguf_bits_per_weight, gguf_perplexity
+    from casp_core.artifacts.gguf.source import check_gguf_file
 
     return {
         **check_gguf_file(path).summary(),

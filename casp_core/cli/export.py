@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from casp_core.config import EXPORT_FORMATS, GGUF_TYPES, PruneSettings
+from casp_core.settings import EXPORT_FORMATS, GGUF_TYPES, PruneSettings
 
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +32,7 @@ def warn_about(export: dict) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from casp_core.export.gguf import export_gguf  # torch and gguf load only when needed
+    from casp_core.artifacts.gguf.writer import export_gguf  # torch and gguf load only when needed
 
     summary = export_gguf(args.checkpoint, args.out, args.gguf_type).summary()
     warn_about(summary)

@@ -19,8 +19,8 @@ from casp_core.cli.progress import StageBars
 from casp_core.cli.recover import add_recover_parser
 from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, settings_from_args
 from casp_core.cli.upgrade import add_upgrade_parser
-from casp_core.config import PruneConfig
 from casp_core.errors import CaspError
+from casp_core.settings import PruneConfig
 
 BAD_INPUT_CODES = {
     "invalid_config",
@@ -52,12 +52,12 @@ def prune_config(args: argparse.Namespace) -> PruneConfig:
 
 def run_prune(args: argparse.Namespace) -> int:
     # torch and transformers load only when needed
+    from casp_core.artifacts.gguf.source import is_gguf_reference
     from casp_core.families import check_export
-    from casp_core.gguf_source import is_gguf_reference
-    from casp_core.job import run_job
+    from casp_core.job.run import run_job
+    from casp_core.job.sweep.candidates import sweep_candidates
     from casp_core.model import load_config
     from casp_core.run import Run
-    from casp_core.targets import sweep_candidates
 
     config = prune_config(args)
     # A GGUF file that is no model to prune, an export the family cannot take and a budget no candidate meets are

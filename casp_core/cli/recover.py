@@ -1,5 +1,5 @@
 """`casp recover CHECKPOINT --dataset SPEC --out DIR`: recovery of a saved checkpoint into a new one (LoRA, or every
-decoder weight with `--method full`), with the recovery settings of a job (casp_core.config.RecoveryConfig) as flags
+decoder weight with `--method full`), with the recovery settings of a job (casp_core.settings.RecoveryConfig) as flags
 of their own names (`--max-steps`, `--rank`)."""
 
 import argparse
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from casp_core.cli.progress import StageBars
 from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, bare_flag, settings_from_args
-from casp_core.config import LORA_ONLY_SETTINGS, RecoveryConfig
 from casp_core.errors import InvalidConfig
+from casp_core.settings import LORA_ONLY_SETTINGS, RecoveryConfig
 
 # Distillation needs the dense model, which a saved checkpoint does not bring: a job's settings only.
 DISTILLATION = ("loss", "temperature", "ce_weight", "teacher_top_k")
@@ -50,7 +50,7 @@ def add_recover_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_recover(args: argparse.Namespace) -> int:
-    from casp_core.job import recover_checkpoint  # torch and transformers load only when needed
+    from casp_core.job.run import recover_checkpoint  # torch and transformers load only when needed
     from casp_core.model import resolve_device
     from casp_core.run import Run
 

@@ -1,4 +1,4 @@
-"""Command-line flags made from the settings (casp_core.config): `casp prune` and `casp submit` take the same flag,
+"""Command-line flags made from the settings (casp_core.settings): `casp prune` and `casp submit` take the same flag,
 help text, default and range for each setting.
 
 A flag is the setting's name in kebab case (`calibration.n_samples` is `--n-samples`), prefixed with its part where
@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from casp_core.cli.arguments import names
-from casp_core.config import (
+from casp_core.settings import (
     PruneConfig,
     PruneSettings,
     choices_of,
@@ -146,7 +146,7 @@ def add_setting_flags(
 
 
 def add_machine_flags(parser: argparse.ArgumentParser) -> None:
-    """The machine's own settings, which on the service are the server's (casp_core.config.SERVER_SIDE)."""
+    """The machine's own settings, which on the service are the server's (casp_core.settings.SERVER_SIDE)."""
     parser.add_argument(
         "--datasets-dir",
         default=os.environ.get("CASP_DATASETS_DIR"),
@@ -194,7 +194,7 @@ def allowed(info: FieldInfo) -> str:
 
 
 def settings_table() -> str:
-    """The README's table of settings: one row per setting, from casp_core.config (tests/test_settings_table.py
+    """The README's table of settings: one row per setting, from casp_core.settings (tests/test_settings_table.py
     keeps the README equal to it)."""
     rows = ["| setting | flag | default | allowed | meaning |", "|---|---|---|---|---|"]
     for name, info in setting_fields(PruneSettings):

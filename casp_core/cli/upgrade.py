@@ -1,5 +1,5 @@
 """`casp upgrade CHECKPOINT`: a checkpoint written by an earlier casp gets the current modeling file and config, in
-place, verified, with a backup of the old files (casp_core.upgrade)."""
+place, verified, with a backup of the old files (casp_core.artifacts.upgrade)."""
 
 import argparse
 import json
@@ -16,7 +16,7 @@ def add_upgrade_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_upgrade(args: argparse.Namespace) -> int:
-    from casp_core.upgrade import upgrade_checkpoint  # torch and transformers load only when needed
+    from casp_core.artifacts.upgrade import upgrade_checkpoint  # torch and transformers load only when needed
 
     print(json.dumps(upgrade_checkpoint(args.checkpoint)))
     return 0

@@ -1,6 +1,6 @@
 """One model's figures: perplexity per text, and zero-shot accuracy and efficiency when asked for.
 
-The job calls `evaluate` on the dense model (through casp_core.eval.dense_cache, which reuses an earlier job's
+The job calls `evaluate` on the dense model (through casp_core.artifacts.dense_cache, which reuses an earlier job's
 figures of the same model) and then on the pruned model (`EvaluationPlan.for_job`), `casp eval` on a saved
 checkpoint; `side_by_side` lays the job's two sets of figures out for the report.
 """
@@ -10,14 +10,14 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from casp_core.config import PruneConfig
 from casp_core.eval.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.eval.perplexity import EvaluationText, evaluation_text, windows_perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot, harness
 from casp_core.run import Run
+from casp_core.settings import PruneConfig
 
 # The version of what `evaluate` measures and how: part of the key of the dense models' evaluations kept for later
-# jobs (casp_core.eval.dense_cache). Raise it with any change that moves a figure: the texts, their windows or
+# jobs (casp_core.artifacts.dense_cache). Raise it with any change that moves a figure: the texts, their windows or
 # tokens, the perplexity's arithmetic, the zero-shot tasks' settings.
 EVALUATION_VERSION = 1
 
@@ -68,7 +68,7 @@ class Figures:
     zero_shot: dict[str, Any] | None = None
     efficiency: dict[str, Any] | None = None
     # Set when the perplexity and zero-shot figures were not measured in this run but reused from an earlier one's
-    # (casp_core.eval.dense_cache): when they were measured, ISO 8601 in UTC.
+    # (casp_core.artifacts.dense_cache): when they were measured, ISO 8601 in UTC.
     reused_from: str | None = None
 
 

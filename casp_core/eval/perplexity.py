@@ -2,7 +2,7 @@
 rows joined with "\n\n" (PTB: validation unless `ptb:test` is asked for), tokenized once with BOS once at the
 start, non-overlapping windows of `seq_len` (remainder dropped), exp(mean next-token NLL over every predicted
 token). docs/evaluation.md states it for users. The NLL is taken from the final hidden states a chunk of tokens at
-a time (casp_core.next_token), never from a batch's logits."""
+a time (casp_core.method.next_token), never from a batch's logits."""
 
 import math
 from dataclasses import dataclass
@@ -12,8 +12,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
+from casp_core.method.next_token import final_hidden_states, token_losses
 from casp_core.model import resolve_device
-from casp_core.next_token import final_hidden_states, token_losses
 from casp_core.run import Run
 
 BOS_POLICY = "once, at the start of the joined text"

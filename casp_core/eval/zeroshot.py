@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.data import POINT_ELSEWHERE
 from casp_core.errors import DatasetNotFound, InvalidConfig
 from casp_core.model import resolve_device
+from casp_core.settings import ZERO_SHOT_TASKS
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager

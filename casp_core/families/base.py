@@ -4,8 +4,8 @@ A decoder layer has attention and a gated MLP. The units CASP prunes:
 - query heads: `head_dim` consecutive rows of q_proj and the same columns of o_proj each; a key/value head
   (`head_dim` rows of k_proj and v_proj) goes when the last query head that reads it goes;
 - FFN channels: one row of gate_proj and up_proj and one column of down_proj each.
-Masking (casp_core.surgery.mask_layer), the calibration hooks and compensation work on o_proj and down_proj, which
-are real modules in every family (`layer.self_attn.o_proj`, `layer.mlp.down_proj`). Every other access to the
+Masking (casp_core.method.surgery.mask_layer), the calibration hooks and compensation work on o_proj and down_proj,
+which are real modules in every family (`layer.self_attn.o_proj`, `layer.mlp.down_proj`). Every other access to the
 projections goes through `Family.projections`, so a family that fuses them (q/k/v in one matrix) answers with row
 views of its fused weights.
 
@@ -20,10 +20,10 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from casp_core.config import LORA_TARGETS, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel, VerificationFailed
-from casp_core.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
+from casp_core.families.modeling.modeling_casp_llama import CaspLlamaConfig, CaspLlamaForCausalLM
 from casp_core.rounding import channel_counts
+from casp_core.settings import LORA_TARGETS, MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneSettings
 from casp_core.units import AttentionGeometry, LayerPruning, kept_kv_heads
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -152,8 +152,8 @@ def kept_index(total: int, pruned: tuple[int, ...], device: torch.device) -> tor
 class Family:
     """LLaMA (Llama 1/2/3/3.x, and any rope scaling transformers computes): the reference every family subclasses.
 
-    Pruned, a model of this family is a `casp_llama` checkpoint (casp_core.modeling_casp_llama: each layer keeps
-    its own heads and FFN width), or with `shape: uniform` the family's own class (LlamaForCausalLM).
+    Pruned, a model of this family is a `casp_llama` checkpoint (casp_core.families.modeling.modeling_casp_llama: each
+    layer keeps its own heads and FFN width), or with `shape: uniform` the family's own class (LlamaForCausalLM).
     """
 
     name: ClassVar[str] = "Llama"
@@ -386,7 +386,7 @@ class Family:
 
     def check_gguf(self, config: PretrainedConfig) -> None:
         """Refuse (UnsupportedExport), from the config alone, a GGUF export of this family or of settings the
-        GGUF writer (casp_core.export.gguf) cannot write."""
+        GGUF writer (casp_core.artifacts.gguf.writer) cannot write."""
         if self.gguf is None:
             raise UnsupportedExport(f"GGUF export: {self.name} (model type {config.model_type!r}): {self.gguf_refusal}")
         activation = getattr(config, "hidden_act", "silu")

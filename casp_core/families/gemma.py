@@ -5,7 +5,8 @@ with their last query head, FFN channels (rows of gate_proj and up_proj, columns
 around them is kept whole by the base surgery, which carries every other parameter of the layer: the four norms
 (before and after attention and the MLP) and Gemma 3's q/k norms over head_dim, shared by the heads. Masking a unit
 zeroes its o_proj/down_proj columns before the post-norm, and the pruned layer computes the same sum before the
-same post-norm, so pruned equals masked exactly. The pruned checkpoint is casp_core/modeling_casp_gemma.py.
+same post-norm, so pruned equals masked exactly. The pruned checkpoint is
+casp_core/families/modeling/modeling_casp_gemma.py.
 """
 
 from transformers import PretrainedConfig
@@ -13,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from casp_core.errors import UnsupportedModel
 from casp_core.families.base import Family
-from casp_core.modeling_casp_gemma import (
+from casp_core.families.modeling.modeling_casp_gemma import (
     CaspGemma2Config,
     CaspGemma2ForCausalLM,
     CaspGemma3ForCausalLM,

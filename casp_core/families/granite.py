@@ -6,7 +6,7 @@ import math
 from transformers import PretrainedConfig
 
 from casp_core.families.base import Family, GgufScales
-from casp_core.modeling_casp_granite import CaspGraniteConfig, CaspGraniteForCausalLM
+from casp_core.families.modeling.modeling_casp_granite import CaspGraniteConfig, CaspGraniteForCausalLM
 
 
 class Granite(Family):
@@ -14,7 +14,7 @@ class Granite(Family):
     and the logits scaling act outside the layers, the attention multiplier (the scale in place of 1/sqrt(head_dim))
     acts within each head, and the residual multiplier scales o_proj's and down_proj's outputs, to which a removed
     unit, like a masked one, contributes nothing. Heads and channels are pruned as in LLaMA; the per-layer class
-    (casp_core.modeling_casp_granite) is Granite's own with the LLaMA-family pruned attention and MLP.
+    (casp_core.families.modeling.modeling_casp_granite) is Granite's own with the LLaMA-family pruned attention and MLP.
 
     GGUF: llama.cpp's granite architecture applies the multipliers but takes one head count and FFN width for all
     layers; its deci architecture takes them per layer but has no multipliers. Each multiplier is linear in a

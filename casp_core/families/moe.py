@@ -5,8 +5,8 @@ token x. Written as one FFN, its channels are every expert's channels one after 
 channel e x width + c of the layer) and its input is y = (w_e(x) y_e(x))_e, zero for the experts not picked; the
 layer's output is then down y exactly, as in a dense layer. So the budget, the reports and the masks speak of the
 layer's channels in that numbering (`ExpertStack` stands for the stacked projections), while statistics, Q,
-selection and compensation are taken one expert at a time (casp_core.moe): no statistic of two experts together is
-ever held.
+selection and compensation are taken one expert at a time (casp_core.method.experts): no statistic of two experts
+together is ever held.
 
 Why heads stay whole (`prunes_heads = False`): the experts hold nearly all of an MoE layer's parameters (Mixtral
 8x7B: 1.4 B of a layer's 1.45 B), so the ratio is met by the experts' channels; the router loses only the rows of
@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from casp_core.config import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, NO_QUANTIZATION, PruneSettings
 from casp_core.errors import InvalidConfig, VerificationFailed
 from casp_core.families.base import SOURCE_ONLY_KEYS, ExpertStack, Family, LayerProjections, kept_index
 from casp_core.rounding import channel_counts
+from casp_core.settings import DENSE_TARGET_COMPENSATION, MEAN_BIAS_COMPENSATION, NO_QUANTIZATION, PruneSettings
 from casp_core.units import AttentionGeometry, LayerPruning, kept
 
 # The prefix of the experts' parameters in a decoder layer; everything else in it (attention, router, norms) is kept

@@ -4,7 +4,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.errors import VerificationFailed
 from casp_core.families.base import Family
-from casp_core.modeling_casp_olmo2 import CaspOlmo2Config, CaspOlmo2ForCausalLM
+from casp_core.families.modeling.modeling_casp_olmo2 import CaspOlmo2Config, CaspOlmo2ForCausalLM
 
 
 class Olmo2(Family):

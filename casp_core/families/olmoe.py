@@ -1,8 +1,8 @@
 """OLMoE: OLMo's attention (q/k norms over all heads) and a mixture of experts (softmax over all experts, top-k,
 renormalised when `norm_topk_prob`) in every layer."""
 
+from casp_core.families.modeling.modeling_casp_olmoe import CaspOlmoeConfig, CaspOlmoeForCausalLM
 from casp_core.families.moe import MixtureOfExperts
-from casp_core.modeling_casp_olmoe import CaspOlmoeConfig, CaspOlmoeForCausalLM
 
 
 class Olmoe(MixtureOfExperts):

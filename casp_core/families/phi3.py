@@ -6,7 +6,7 @@ LLaMA's: a query head is head_dim rows of the query block and head_dim columns o
 head_dim rows of the key block and of the value block; an FFN channel is one row of each half of gate_up_proj
 and one column of down_proj. `projections` hands the pipeline those blocks as row views of the fused weights, so
 geometry, counting, budgets and calibration see a LLaMA layer; surgery cuts the kept rows out of each fused weight
-in one gather, keeping it fused (casp_core/modeling_casp_phi3.py).
+in one gather, keeping it fused (casp_core/families/modeling/modeling_casp_phi3.py).
 """
 
 import torch
@@ -23,7 +23,7 @@ from casp_core.families.base import (
     pruned_rows,
     unit_rows,
 )
-from casp_core.modeling_casp_phi3 import CaspPhi3Config, CaspPhi3ForCausalLM
+from casp_core.families.modeling.modeling_casp_phi3 import CaspPhi3Config, CaspPhi3ForCausalLM
 from casp_core.units import AttentionGeometry, LayerPruning
 
 QKV, GATE_UP = "self_attn.qkv_proj", "mlp.gate_up_proj"

@@ -6,8 +6,8 @@ from transformers import PretrainedConfig
 
 from casp_core.errors import UnsupportedModel
 from casp_core.families.base import Family
+from casp_core.families.modeling.modeling_casp_qwen2_moe import CaspQwen2MoeConfig, CaspQwen2MoeForCausalLM
 from casp_core.families.moe import MixtureOfExperts
-from casp_core.modeling_casp_qwen2_moe import CaspQwen2MoeConfig, CaspQwen2MoeForCausalLM
 
 
 class Qwen2Moe(MixtureOfExperts):

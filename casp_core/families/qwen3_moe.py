@@ -4,8 +4,8 @@ renormalised when `norm_topk_prob`) in every layer."""
 from transformers import PretrainedConfig
 
 from casp_core.errors import UnsupportedModel
+from casp_core.families.modeling.modeling_casp_qwen3_moe import CaspQwen3MoeConfig, CaspQwen3MoeForCausalLM
 from casp_core.families.moe import MixtureOfExperts
-from casp_core.modeling_casp_qwen3_moe import CaspQwen3MoeConfig, CaspQwen3MoeForCausalLM
 
 
 class Qwen3Moe(MixtureOfExperts):

@@ -7,14 +7,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from casp_core.compensation import DENSE_MODEL, SAME_INPUTS
-from casp_core.config import PruneConfig
-from casp_core.placement import byte_size
+from casp_core.method.compensation import DENSE_MODEL, SAME_INPUTS
+from casp_core.method.placement import byte_size
+from casp_core.method.results import PruneResult
+from casp_core.method.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
 from casp_core.report.evaluation_section import render_evaluation_section
 from casp_core.report.frontier_section import dense_pick_reason, render_frontier_section
 from casp_core.report.gguf_section import render_gguf_section
-from casp_core.results import PruneResult
-from casp_core.verification import VERIFY_RELATIVE_TOLERANCE, VERIFY_RULE
+from casp_core.settings import PruneConfig
 
 LIBRARIES = ("casp", "torch", "transformers", "safetensors", "lm_eval")
 
@@ -31,7 +31,7 @@ def library_versions() -> dict[str, str | None]:
 
 def pruning_section(result: PruneResult) -> dict[str, Any]:
     """The part of the report that comes from pruning, as plain JSON: what a retry resumed after pruning reads back
-    instead of pruning again (see `casp_core.pruned_snapshot`)."""
+    instead of pruning again (see `casp_core.artifacts.snapshot`)."""
     layers = [asdict(layer) for layer in result.layers]
     return {
         "achieved_ratio": result.achieved_ratio,
@@ -59,8 +59,8 @@ def pruning_section(result: PruneResult) -> dict[str, Any]:
 
 
 def unpruned_section(params: int) -> dict[str, Any]:
-    """`pruning_section`'s shape for a model handed back unpruned (a sweep's dense pick, casp_core.sweep): nothing
-    removed, no layer pruned, nothing to verify."""
+    """`pruning_section`'s shape for a model handed back unpruned (a sweep's dense pick, casp_core.job.sweep.run):
+    nothing removed, no layer pruned, nothing to verify."""
     return {
         "achieved_ratio": 0.0,
         "params": {"dense": params, "pruned": params, "counted": "decoder attention + MLP"},
@@ -86,8 +86,8 @@ def build_report(
     evaluation: dict[str, Any] | None = None,
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`pruning` is `pruning_section`'s; `source` is a GGUF source's summary (casp_core.gguf_source), None for a
-    model folder or hub id."""
+    """`pruning` is `pruning_section`'s; `source` is a GGUF source's summary (casp_core.artifacts.gguf.source), None
+    for a model folder or hub id."""
     return {
         "model": model_name,
         **({"source": source} if source is not None else {}),
@@ -166,7 +166,7 @@ def _budget(report: dict[str, Any]) -> str:
 
 
 def _placement(placement: dict[str, Any] | None) -> str:
-    """How pruning placed the weights on the device, with the memory model's estimate (casp_core.placement)."""
+    """How pruning placed the weights on the device, with the memory model's estimate (casp_core.method.placement)."""
     if not placement or placement["device"] == "cpu":
         return ""
     limit = placement["limit_bytes"]

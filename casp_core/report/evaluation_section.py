@@ -9,11 +9,12 @@ The evaluation dict it renders (each section optional; a side missing from a sec
                     "dataset", "split" (None for a file), "seq_len", "n_windows", "n_tokens", "bos"
       "zero_shot": {"dense": evaluate_zero_shot(...), "pruned": evaluate_zero_shot(...)},
       "dense_reused": {"measured_at": ISO 8601 time}, when the dense perplexity and zero-shot figures were reused
-                    from an earlier job's evaluation (casp_core.eval.dense_cache) rather than measured in this run,
+                    from an earlier job's evaluation (casp_core.artifacts.dense_cache) rather than measured in this run,
       "efficiency": compare_efficiency(...), i.e. {"dense": measure_efficiency(...),
                     "pruned": measure_efficiency(...), "pruned_over_dense": {...} (optional)},
-      "artifacts": casp_core.eval.engine.artifact_table(...), i.e. {"rows": [one per file written: format, type,
-                    bytes, bits per weight, perplexity by data set, tokens/s in llama.cpp], "engine", "note"},
+      "artifacts": casp_core.artifacts.gguf.engine.artifact_table(...), i.e. {"rows": [one per file written:
+                    format, type, bytes, bits per weight, perplexity by data set, tokens/s in llama.cpp],
+                    "engine", "note"},
     }
 
 `EvaluationText` is in casp_core.eval.perplexity, `evaluate_zero_shot` in casp_core.eval.zeroshot,

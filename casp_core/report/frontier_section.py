@@ -1,5 +1,5 @@
 """A sweep's candidates, for report.md and the model card: the target, the pick and the table of every point
-measured (`report["frontier"]`, casp_core.sweep), with the frontier plot."""
+measured (`report["frontier"]`, casp_core.job.sweep.run), with the frontier plot."""
 
 from typing import Any
 

@@ -138,8 +138,8 @@ def point_name(point: dict[str, Any]) -> str:
 
 
 def plot_frontier(frontier: dict[str, Any], path: Path) -> Path:
-    """A sweep's candidates (`report["frontier"]`, casp_core.sweep): perplexity on the first text against the file
-    size, one line per ratio across its variants (the dense points as ratio 0), the Pareto front and the pick
+    """A sweep's candidates (`report["frontier"]`, casp_core.job.sweep.run): perplexity on the first text against the
+    file size, one line per ratio across its variants (the dense points as ratio 0), the Pareto front and the pick
     marked, and the budget: a bytes budget as a vertical line, a perplexity increase as a horizontal one (a
     parameters budget has no place on this axis; its candidates' `within_target` says which met it)."""
     figure = Figure(figsize=(8, 5))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from casp_cli.client import CaspClient  # noqa: E402
 from casp_cli.main import demo_request  # noqa: E402
-from casp_core.checkpoint import load_pruned  # noqa: E402
+from casp_core.artifacts.checkpoint import load_pruned  # noqa: E402
 from tests.service_fixtures import wait_for  # noqa: E402
 
 DEBIAN_MIRROR = "http://deb.debian.org/debian"

@@ -1,15 +1,15 @@
 """Budgets as job input through POST /v1/jobs (issue 23): a job gives `ratio` or `target`, and each way of getting
 that wrong is a 422 naming the field; a local model's impossible budget is refused at submit with the smallest size
-its candidates reach (by the estimate from its config, casp_core.targets)."""
+its candidates reach (by the estimate from its config, casp_core.job.sweep.candidates)."""
 
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from casp_core.config import PruneConfig
+from casp_core.job.sweep.candidates import sweep_candidates
 from casp_core.model import load_config
-from casp_core.targets import sweep_candidates
+from casp_core.settings import PruneConfig
 from tests.api.test_api import refusal
 from tests.service_fixtures import DEMO_MODEL, SMALL_JOB
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from casp_cli.app import service_app
-from casp_core.export.gguf import export_gguf
+from casp_core.artifacts.gguf.writer import export_gguf
 from service import api_keys
 from service.db import session_scope
 from tests.api.test_api import refusal

@@ -19,7 +19,7 @@ import pytest
 
 from casp_cli.client import CaspClient
 from casp_cli.main import DEMO_PERPLEXITY_NOTE
-from casp_core.checkpoint import load_pruned
+from casp_core.artifacts.checkpoint import load_pruned
 from service.security import sign_download
 from tests.service_fixtures import (
     DEMO_MODEL,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from casp_core.checkpoint import load_pruned
-from casp_core.job import TEACHER_WORK
+from casp_core.artifacts.checkpoint import load_pruned
+from casp_core.job.run import TEACHER_WORK
 from tests.cli.test_embedded import casp_serve
 from tests.conftest import PTBWIKI
 from tests.service_fixtures import FIXTURE_DATA, SMALL_JOB, free_port
@@ -63,7 +63,7 @@ def test_embedded_job_with_alpaca_recovery(tmp_path: Path) -> None:
 
 
 # `make test-slow`: 60-100 s of recovery on the toy fixtures; make test keeps distillation in
-# tests/core/test_distillation.py and a recovery job through a worker in tests/worker/test_recovery_e2e.py.
+# tests/core/recovery/test_distillation.py and a recovery job through a worker in tests/worker/test_recovery_e2e.py.
 @pytest.mark.slow
 def test_embedded_distillation_jobs_on_both_fixtures(tmp_path: Path) -> None:
     """`{"method": "lora", "loss": "distill"}` through the API on stories260K and ptbwiki-7M: the dense model's

@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from casp_core.checkpoint import load_pruned
-from casp_core.config import PruneConfig
-from casp_core.export.gguf import export_gguf, gguf_file_name
-from casp_core.job import job_stages
-from casp_core.sweep import FRONTIER_FILE
+from casp_core.artifacts.checkpoint import load_pruned
+from casp_core.artifacts.gguf.writer import export_gguf, gguf_file_name
+from casp_core.job.run import job_stages
+from casp_core.job.sweep.run import FRONTIER_FILE
+from casp_core.settings import PruneConfig
 from tests.cli.test_embedded import casp_serve
 from tests.conftest import PTBWIKI
 from tests.service_fixtures import free_port
 from worker.runner import FRONTIER_SUMMARY, Segments
 
 # slow (`make test-slow`): a `casp serve` of its own sweeping ptbwiki-7M; `make test` keeps the sweep in the library
-# (tests/core/test_sweep.py), its retry in the runner (tests/worker/test_sweep_retry.py) and a budget job through the
-# service from the console (tests/console/test_console.py).
+# (tests/core/job/sweep/test_sweep.py), its retry in the runner (tests/worker/test_sweep_retry.py) and a budget job
+# through the service from the console (tests/console/test_console.py).
 pytestmark = [pytest.mark.service, pytest.mark.slow]
 
 

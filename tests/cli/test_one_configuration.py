@@ -1,4 +1,4 @@
-"""Every setting of casp_core's config (casp_core.config.PruneSettings, walked field by field) is settable with the
+"""Every setting of casp_core's config (casp_core.settings.PruneSettings, walked field by field) is settable with the
 same name, default and range through POST /v1/jobs, `casp submit` and `casp prune`, and reaches the PruneConfig the
 pipeline receives."""
 
@@ -12,7 +12,7 @@ from pydantic.fields import FieldInfo
 from casp_cli.main import register, submit_request
 from casp_core.cli import main as cli
 from casp_core.cli.setting_flags import flag_of
-from casp_core.config import PruneConfig, PruneSettings, choices_of, setting_fields, without_none
+from casp_core.settings import PruneConfig, PruneSettings, choices_of, setting_fields, without_none
 from service.db import session_scope
 from service.settings import Settings
 from service.tables import Job
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.service
 PARKED = {**SMALL_JOB, "device": "cuda", "recovery": {"dataset": "ptb"}}
 # Settings the walk cannot make a value for: free text (a named data set the server has, other than the default),
 # keyword-or-number (alpha's word, round_to's number) and size-or-number (max_device_memory, which arrives in bytes;
-# its unit forms are tested in tests/core/test_placement.py).
+# its unit forms are tested in tests/core/method/test_placement.py).
 TEXT_SAMPLES: dict[str, Any] = {
     "calibration.dataset": "ptb",
     "evaluation.perplexity": ["ptb"],

@@ -22,9 +22,9 @@ import pytest
 from playwright.sync_api import Browser, BrowserContext, Locator, Page, Playwright, Route, expect, sync_playwright
 
 from casp_cli.app import service_app
-from casp_core.config import PruneConfig
+from casp_core.job.sweep.run import Point, Target, first_perplexity, on_front
 from casp_core.report.frontier_section import render_frontier_section
-from casp_core.sweep import Point, Target, first_perplexity, on_front
+from casp_core.settings import PruneConfig
 from service import api_keys
 from service.db import session_scope
 from service.settings import Settings

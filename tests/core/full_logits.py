@@ -1,5 +1,5 @@
 """References taken the plain way, from the model's own forward and its vocabulary-wide logits: what the chunked
-losses of casp_core.next_token must reproduce (the allocation's S_l, the held-out and perplexity losses)."""
+losses of casp_core.method.next_token must reproduce (the allocation's S_l, the held-out and perplexity losses)."""
 
 import torch
 from torch import nn

@@ -4,7 +4,7 @@
 
 A pruned checkpoint loads the way a user loads it (`from_pretrained(path, trust_remote_code=True)`), so its own copy
 of the modeling file runs under the installed transformers. For each checkpoint and attention implementation
-(eager, sdpa) it prints one JSON object per line with the tokens that tests/core/test_generation.py compares:
+(eager, sdpa) it prints one JSON object per line with the tokens that tests/core/artifacts/test_generation.py compares:
 greedy generation with the cache and without it and the reference's (the masked dense model's), in float64; the
 shapes the cache holds per layer; and, in float32, left-padded prompts generated as one batch and each alone.
 transformers' masks add float64's lowest value to the scores, which overflows to -inf on the padded rows and

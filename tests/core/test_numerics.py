@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from casp_core.errors import NumericalError
-from casp_core.prune import prune
+from casp_core.method.prune import prune
 from tests.conftest import small_config
 from tests.core.cli.test_cli import SMALL, casp
 
@@ -39,7 +39,7 @@ def test_nan_in_a_weight_stops_at_q(stories):
     assert message.startswith("interaction: NaN in Q of the FFN channels of decoder layer 3. ")
 
 
-# The CPU, and the CPU under another name, taken as an accelerator would be (tests/core/test_allocation.py).
+# The CPU, and the CPU under another name, taken as an accelerator would be (tests/core/method/test_allocation.py).
 ALLOCATION_PATHS = pytest.mark.parametrize("device", ["cpu", "cpu:0"], ids=["cpu", "as-a-device"])
 
 

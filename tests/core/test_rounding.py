@@ -4,20 +4,23 @@ pipeline keeping auto's multiples on a real model (ptbwiki-7M: 8 layers of 704 F
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from casp_core.budget import plan_budget, plan_uniform_shape
-from casp_core.config import GGUF_TYPES
-from casp_core.export.gguf_types import BLOCK_32_TYPES, FLOAT_TYPES, K_QUANTS, block_of
+from casp_core.artifacts.gguf.types import FLOAT_TYPES
+from casp_core.method.budget import plan_budget, plan_uniform_shape
+from casp_core.method.prune import prune
 from casp_core.model import decoder_layers, load_model
-from casp_core.prune import prune
 from casp_core.rounding import (
+    BLOCK_32_TYPES,
+    K_QUANTS,
     aligned_heads,
     auto_round_to,
+    block_of,
     channel_counts,
     fallback_warning,
     head_multiple,
     round_to_for,
     speed_warning,
 )
+from casp_core.settings import GGUF_TYPES
 from tests.conftest import PTBWIKI, STORIES, small_config
 
 

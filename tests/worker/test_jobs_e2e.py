@@ -15,10 +15,10 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
-from casp_core.checkpoint import load_pruned
-from casp_core.config import PruneConfig
-from casp_core.eval.dense_cache import CACHE_FOLDER as DENSE_EVALUATIONS
-from casp_core.job import job_stages
+from casp_core.artifacts.checkpoint import load_pruned
+from casp_core.artifacts.dense_cache import CACHE_FOLDER as DENSE_EVALUATIONS
+from casp_core.job.run import job_stages
+from casp_core.settings import PruneConfig
 from service.dispatch import CeleryDispatcher
 from service.settings import Settings
 from service.storage import make_storage

@@ -25,14 +25,14 @@ from transformers import AutoModelForCausalLM
 
 from casp_cli.app import service_app
 from casp_cli.client import CaspClient
-from casp_core.export.gguf import export_gguf
+from casp_core.artifacts.gguf.writer import export_gguf
 from service.db import session_scope
 from service.reaper import sweep_expired_pending_uploads, sweep_expired_uploads
 from service.settings import S3Credentials, Settings
 from service.storage import make_storage
 from service.tables import PendingUpload, UploadedModel, utcnow
 from tests.api.test_api import refusal
-from tests.core.test_gguf_source import write_gguf
+from tests.core.artifacts.gguf.test_gguf_source import write_gguf
 from tests.service_fixtures import (
     ALLOWED_MODELS_PREFIX,
     DEMO_MODEL,

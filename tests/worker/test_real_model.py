@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import SMOLLM2_GGUF
-from tests.core.test_gguf_source import SMOLLM2_SHA256
+from tests.core.artifacts.gguf.test_gguf_source import SMOLLM2_SHA256
 from tests.service_fixtures import WorkerProcess, download_artifacts, finished, wait_job
 
 pytestmark = pytest.mark.service
@@ -83,7 +83,8 @@ def test_a_real_gguf_is_pruned_through_the_service_and_its_artifacts_serve(
     assert completion["choices"][0]["text"].strip()
 
 
-# slow: make test's job above is the job; the dense cache's reuse is also tests/core/test_dense_evaluation_cache.py's
+# slow: make test's job above is the job; the dense cache's reuse is also
+# tests/core/artifacts/test_dense_evaluation_cache.py's
 @pytest.mark.slow
 def test_a_second_job_on_the_same_file_reuses_the_dense_evaluation(
     api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess, tmp_path: Path

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from casp_core.pruned_snapshot import SNAPSHOT_FILE
-from casp_core.recovery import STATE_FILE
+from casp_core.artifacts.snapshot import SNAPSHOT_FILE
+from casp_core.recovery.train import STATE_FILE
 from service.settings import Settings
 from service.storage import S3Storage, make_storage
 from tests.service_fixtures import SMALL_JOB, WorkerProcess, finished, wait_for, wait_job

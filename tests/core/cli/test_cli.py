@@ -12,14 +12,14 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from casp_cli.main import register
-from casp_core.checkpoint import load_pruned
+from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig
 from casp_core.eval.perplexity import BOS_POLICY
 from casp_core.families import SUPPORTED_MODEL_TYPES
+from casp_core.method.temperature import ALPHA_GRID
 from casp_core.model import resolve_device
 from casp_core.rounding import speed_warning
-from casp_core.temperature import ALPHA_GRID
 from tests.conftest import DATASETS_DIR, PTBWIKI, REPO, STORIES
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from peft import PeftModel
 
-from casp_core.checkpoint import load_pruned
+from casp_core.artifacts.checkpoint import load_pruned
 from tests.conftest import DATASETS_DIR, STORIES
 from tests.core.cli.test_cli import SMALL, casp
 
 # slow (`make test-slow`): `casp prune` with recovery and `casp recover` in fresh processes; recovery itself is in
-# tests/core/test_recovery.py.
+# tests/core/recovery/test_recovery.py.
 pytestmark = pytest.mark.slow
 
 RECOVERY = ["--recovery", "lora", "--max-steps", "3", "--recovery-batch-size", "4", "--grad-accum", "1"]

@@ -11,12 +11,12 @@ import pytest
 from PIL import Image
 from transformers import AutoConfig
 
-from casp_core.checkpoint import load_pruned
+from casp_core.artifacts.checkpoint import load_pruned
+from casp_core.artifacts.gguf.writer import export_gguf, gguf_file_name
 from casp_core.cli import main as cli
-from casp_core.config import PruneConfig
-from casp_core.export.gguf import export_gguf, gguf_file_name
-from casp_core.sweep import CANDIDATES_DIR, FRONTIER_FILE
-from casp_core.targets import sweep_candidates
+from casp_core.job.sweep.candidates import sweep_candidates
+from casp_core.job.sweep.run import CANDIDATES_DIR, FRONTIER_FILE
+from casp_core.settings import PruneConfig
 from tests.conftest import DATASETS_DIR, PTBWIKI
 
 CALIBRATION_FILE = DATASETS_DIR / "wikitext-2" / "wiki.valid.tokens"

@@ -7,9 +7,9 @@ import pytest
 
 from casp_cli.main import register, submit_request
 from casp_core.cli import main as cli
-from casp_core.config import DEFAULT_SWEEP_RATIOS, PruneConfig
+from casp_core.job.sweep.candidates import sweep_candidates
 from casp_core.model import load_config
-from casp_core.targets import sweep_candidates
+from casp_core.settings import DEFAULT_SWEEP_RATIOS, PruneConfig
 from tests.conftest import STORIES
 
 FLAGS = ["--target-bytes", "--target-format", "--target-params", "--max-perplexity-increase", "--ratios"]

@@ -10,8 +10,8 @@ from pathlib import Path
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from casp_core.config import CalibrationConfig, EvaluationConfig, PruneConfig
-from casp_core.job import run_job
+from casp_core.job.run import run_job
+from casp_core.settings import CalibrationConfig, EvaluationConfig, PruneConfig
 from tests.conftest import STORIES
 
 

@@ -11,9 +11,9 @@ import yaml
 from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from casp_core.config import ZERO_SHOT_TASKS
 from casp_core.errors import DatasetNotFound, InvalidConfig
 from casp_core.eval.zeroshot import LOCAL_TASKS, evaluate_zero_shot
+from casp_core.settings import ZERO_SHOT_TASKS
 from tests.conftest import STORIES
 from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from casp_core.checkpoint import load_pruned, save_pruned
-from casp_core.config import LORA_TARGETS, RecoveryConfig
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
 from casp_core.model import load_model
-from casp_core.recovery import recover
+from casp_core.recovery.train import recover
+from casp_core.settings import LORA_TARGETS, RecoveryConfig
 from tests.conftest import REPO
 from tests.core.families.helpers import VOCAB, WINDOW, prune_small, small_training_data
 from tests.core.fresh_process import run_python

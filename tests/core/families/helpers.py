@@ -1,8 +1,8 @@
 """What every family's tests share: tiny random checkpoints of transformers' own classes, masking, pruning through
 the real pipeline, and the exactness check (pruned == masked, after writing and loading back).
 
-A family's test file (tests/core/families/test_<family>.py) imports these; tests/core/test_families.py uses them
-for Llama, Mistral, Qwen2 and Qwen3.
+A family's test file (tests/core/families/test_<family>.py) imports these; tests/core/families/test_families.py uses
+them for Llama, Mistral, Qwen2 and Qwen3.
 """
 
 import copy
@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from casp_core.checkpoint import load_pruned, save_pruned
-from casp_core.config import CalibrationConfig, PruneConfig
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
+from casp_core.method.prune import prune
+from casp_core.method.results import PruneResult
+from casp_core.method.surgery import LayerPruning, mask_layer
 from casp_core.model import attention_geometry, decoder_layers
-from casp_core.prune import prune
-from casp_core.recovery_data import TrainingData, load_training_data
-from casp_core.results import PruneResult
-from casp_core.surgery import LayerPruning, mask_layer
+from casp_core.recovery.data import TrainingData, load_training_data
+from casp_core.settings import CalibrationConfig, PruneConfig
 from tests.conftest import DATASETS_DIR, STORIES
 
 VOCAB, WIDTH, LAYERS = 512, 96, 3  # the stories260K tokenizer has 512 tokens

@@ -26,20 +26,21 @@ from transformers import (
     PreTrainedModel,
 )
 
-from casp_core.calibration import capture_first_layer_inputs, run_layer
-from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.gguf.writer import export_gguf
+from casp_core.artifacts.upgrade import upgrade_checkpoint
 from casp_core.cli import main as cli
-from casp_core.config import RecoveryConfig
 from casp_core.errors import InvalidConfig, UnsupportedExport, UnsupportedModel
-from casp_core.export.gguf import export_gguf
 from casp_core.families import family_of
+from casp_core.families.modeling.modeling_casp_gemma import CaspGemma2ForCausalLM, CaspGemma3ForCausalLM
+from casp_core.method.calibration import capture_first_layer_inputs, run_layer
+from casp_core.method.surgery import remove_units
 from casp_core.model import attention_geometry, check_supported_config, decoder_layers, load_model
-from casp_core.modeling_casp_gemma import CaspGemma2ForCausalLM, CaspGemma3ForCausalLM
-from casp_core.recovery import recover
+from casp_core.recovery.train import recover
 from casp_core.run import CPU
-from casp_core.surgery import remove_units
-from casp_core.upgrade import upgrade_checkpoint
+from casp_core.settings import RecoveryConfig
 from tests.conftest import REPO
+from tests.core.artifacts.test_generation import lowest_supported_transformers
 from tests.core.families.helpers import (
     COMMON,
     VOCAB,
@@ -55,7 +56,6 @@ from tests.core.families.helpers import (
     written_and_loaded_back,
 )
 from tests.core.fresh_process import run_python
-from tests.core.test_generation import lowest_supported_transformers
 
 GEMMA = {**COMMON, "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24, "tie_word_embeddings": False}
 GEMMA3_ROPE = {  # Gemma 3 4B's layout: the global layers' rope scaled, the sliding layers' with their own base
@@ -74,7 +74,9 @@ CLASSES = {
     "gemma2": (CaspGemma2ForCausalLM, Gemma2ForCausalLM),
     "gemma3": (CaspGemma3ForCausalLM, Gemma3ForCausalLM),
 }
-LOWEST_TRANSFORMERS = REPO / ".venv" / "transformers-lowest"  # `make install`, as for tests/core/test_generation.py
+LOWEST_TRANSFORMERS = (
+    REPO / ".venv" / "transformers-lowest"
+)  # `make install`, as for tests/core/artifacts/test_generation.py
 VERSIONS = ("locked", "lowest")
 # Gemma 2's soft-capping has no SDPA path in transformers 5.24 (it refuses the implementation); Gemma 3 runs both.
 ATTENTIONS = {"gemma2": ("eager",), "gemma3": ("eager", "sdpa")}

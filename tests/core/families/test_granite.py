@@ -13,12 +13,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
 
-from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.gguf.writer import export_gguf
 from casp_core.cli import main as cli
-from casp_core.export.gguf import export_gguf
+from casp_core.families.modeling.modeling_casp_granite import CaspGraniteConfig, CaspGraniteForCausalLM
+from casp_core.method.surgery import remove_units
 from casp_core.model import attention_geometry, decoder_layers, load_model
-from casp_core.modeling_casp_granite import CaspGraniteConfig, CaspGraniteForCausalLM
-from casp_core.surgery import remove_units
+from tests.core.artifacts.test_generation import lowest_supported_transformers
 from tests.core.families.checkpoints import (
     assert_recovery_trains_and_reloads,
     fresh_logits,
@@ -35,7 +36,6 @@ from tests.core.families.helpers import (
     write_dense,
     written_and_loaded_back,
 )
-from tests.core.test_generation import lowest_supported_transformers
 
 # Far from 1 (and attention's far from 1/sqrt(head_dim)), so that a multiplier lost anywhere changes the logits.
 MULTIPLIERS = {
@@ -121,7 +121,7 @@ def pipeline_checkpoints(dense_folder: Path, tmp_path_factory: pytest.TempPathFa
     return pipeline_checkpoints_of(dense_folder, tmp_path_factory.mktemp("granite-pruned"))
 
 
-# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+# the lowest transformers: `make test-slow` (tests/core/artifacts/test_generation.py keeps it for LLaMA in `make test`)
 @pytest.mark.parametrize("lowest", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["locked", "lowest"])
 def test_written_checkpoints_load_where_casp_core_is_not(
     lowest: bool, pipeline_checkpoints: dict[str, tuple], tmp_path: Path
@@ -194,7 +194,7 @@ def test_f32_gguf_computes_what_transformers_computes(
     tmp_path: Path,
 ) -> None:
     """The multipliers folded into the weights: llama.cpp's deci (per layer: uneven groups, a layer without heads)
-    or llama graph computes Granite's logits, as for LLaMA (tests/core/test_gguf.py's bound, 1e-4)."""
+    or llama graph computes Granite's logits, as for LLaMA (tests/core/artifacts/gguf/test_gguf.py's bound, 1e-4)."""
     if checkpoint == "dense":
         folder = dense_folder
     elif checkpoint == "uniform":

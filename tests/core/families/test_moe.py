@@ -1,5 +1,5 @@
 """The mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE) prune each expert's FFN
-channels exactly (casp_core/families/moe.py, casp_core/moe.py): chosen channels and the real pipeline give a
+channels exactly (casp_core/families/moe.py, casp_core/method/experts.py): chosen channels and the real pipeline give a
 checkpoint whose experts keep their own widths and that computes the masked model's logits, in this process and in
 a user's fresh one; an expert no calibration token reaches is reported and kept whole unless allowed; what MoE
 pruning does not take is refused before any work. With `moe.prune_experts` whole experts go too (the lowest S_e,
@@ -19,17 +19,15 @@ from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, PretrainedConf
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from casp_core.budget import channel_params, check_reachable, plan_budget
-from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
 from casp_core.cli import main as cli
-from casp_core.config import LORA_TARGETS, PruneConfig, RecoveryConfig
 from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.families import check_export, family_of
+from casp_core.families.modeling.modeling_casp_mixtral import CaspMixtralConfig, CaspMixtralForCausalLM
 from casp_core.families.moe import route_to_kept_experts, routed_experts, stacked_expert
-from casp_core.model import decoder_layers, load_model, sublayer_parameters
-from casp_core.modeling_casp_mixtral import CaspMixtralConfig, CaspMixtralForCausalLM
-from casp_core.moe import ExpertTraffic, RoutedBatch, expert_counts, expert_moment, lowest_energy_experts
-from casp_core.placement import (
+from casp_core.method.budget import channel_params, check_reachable, plan_budget
+from casp_core.method.experts import ExpertTraffic, RoutedBatch, expert_counts, expert_moment, lowest_energy_experts
+from casp_core.method.placement import (
     FLOAT32,
     OPTIMIZER_STATE,
     JobShape,
@@ -37,10 +35,13 @@ from casp_core.placement import (
     estimate_device_memory,
     estimate_recovery_memory,
 )
-from casp_core.recovery import recover
+from casp_core.method.surgery import LayerPruning, remove_units
+from casp_core.model import decoder_layers, load_model, sublayer_parameters
+from casp_core.recovery.train import recover
 from casp_core.report.build import recovery_section
 from casp_core.run import Run
-from casp_core.surgery import LayerPruning, remove_units
+from casp_core.settings import LORA_TARGETS, PruneConfig, RecoveryConfig
+from tests.core.artifacts.test_generation import lowest_supported_transformers
 from tests.core.families.checkpoints import fresh_logits, masked_logits, test_tokens
 from tests.core.families.helpers import (
     COMMON,
@@ -53,7 +54,6 @@ from tests.core.families.helpers import (
     written_and_loaded_back,
 )
 from tests.core.fresh_process import run_python
-from tests.core.test_generation import lowest_supported_transformers
 
 EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 48
 SHARED_WIDTH = 40  # Qwen2-MoE's shared expert: one more expert, of its own width, that every token goes through
@@ -358,7 +358,7 @@ def test_the_written_checkpoints_load_where_casp_core_is_not(written_checkpoints
         assert (logits[str(folder)] - expected).abs().max().item() <= 1e-9 * expected.abs().max().item()
 
 
-# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+# the lowest transformers: `make test-slow` (tests/core/artifacts/test_generation.py keeps it for LLaMA in `make test`)
 @pytest.mark.slow
 def test_the_written_checkpoints_load_under_the_lowest_transformers(written_checkpoints: list, tmp_path: Path) -> None:
     """The pruned classes subclass transformers 5.4's MoE classes as well (the lowest the project supports)."""
@@ -657,9 +657,9 @@ def test_gguf_export_is_refused_before_any_work() -> None:
 
 
 def test_the_memory_model_counts_every_expert_and_one_expert_s_statistics(dense_folder: Path) -> None:
-    """casp_core.placement: the shape has every expert's weights and the router (the model's own parameter count);
-    the statistics are one expert's: at a width of 4096 (C, Q, C_kk and its factor: 4 x 128 MiB in float64) a layer
-    of 128 narrow experts needs well under five such matrices, where all experts' C and Q would need 256."""
+    """casp_core.method.placement: the shape has every expert's weights and the router (the model's own parameter
+    count); the statistics are one expert's: at a width of 4096 (C, Q, C_kk and its factor: 4 x 128 MiB in float64)
+    a layer of 128 narrow experts needs well under five such matrices, where all experts' C and Q would need 256."""
     model, _ = load_model(str(dense_folder))
     shape = ModelShape.of(model)
     assert (shape.experts, shape.intermediate) == (EXPERTS, EXPERT_WIDTH)
@@ -674,8 +674,8 @@ def test_the_memory_model_counts_every_expert_and_one_expert_s_statistics(dense_
 def test_the_recovery_memory_model_counts_the_adapters_lora_trains(
     family: str, dense_folders: dict[str, Path], tmp_path: Path
 ) -> None:
-    """casp_core.placement's recovery estimate: LoRA's adapters on attention, every expert and a shared expert are
-    as many as peft trains (a step of the real recovery on the dense model, whose widths the estimate takes); each
+    """casp_core.method.placement's recovery estimate: LoRA's adapters on attention, every expert and a shared expert
+    are as many as peft trains (a step of the real recovery on the dense model, whose widths the estimate takes); each
     token's activations go through its top-k experts."""
     model, tokenizer = load_model(str(dense_folders[family]))
     shape = ModelShape.of(model)

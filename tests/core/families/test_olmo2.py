@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from transformers import Olmo2Config, Olmo2ForCausalLM
 
-from casp_core.budget import channel_params
 from casp_core.cli import main as cli
 from casp_core.errors import InvalidConfig, UnsupportedExport, VerificationFailed
 from casp_core.families import check_export
+from casp_core.families.modeling.modeling_casp_olmo2 import CaspOlmo2ForCausalLM
+from casp_core.method.budget import channel_params
+from casp_core.method.surgery import LayerPruning, remove_units
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
-from casp_core.modeling_casp_olmo2 import CaspOlmo2ForCausalLM
-from casp_core.surgery import LayerPruning, remove_units
+from tests.core.artifacts.test_generation import lowest_supported_transformers
 from tests.core.families.checkpoints import (
     assert_recovery_trains_and_reloads,
     fresh_logits,
@@ -32,7 +33,6 @@ from tests.core.families.helpers import (
     write_dense,
     written_and_loaded_back,
 )
-from tests.core.test_generation import lowest_supported_transformers
 
 # The stories260K tokenizer's <s> and </s> (Olmo2Config's defaults lie outside its 512 tokens).
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
@@ -139,7 +139,7 @@ def test_written_checkpoints_load_where_casp_core_is_not(
     assert isinstance(pipeline_checkpoints["uniform"][2], Olmo2ForCausalLM)
 
 
-# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+# the lowest transformers: `make test-slow` (tests/core/artifacts/test_generation.py keeps it for LLaMA in `make test`)
 @pytest.mark.slow
 def test_the_per_layer_checkpoint_loads_under_the_lowest_transformers(
     pipeline_checkpoints: dict[str, tuple], tmp_path: Path

@@ -17,17 +17,19 @@ import transformers
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import AutoTokenizer, Phi3Config, Phi3ForCausalLM, PretrainedConfig
 
-from casp_core.budget import attention_params_removed, channel_params
-from casp_core.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.checkpoint import load_pruned, save_pruned
+from casp_core.artifacts.gguf.writer import export_gguf
 from casp_core.cli import main as cli
-from casp_core.config import RecoveryConfig
 from casp_core.errors import InvalidConfig, UnsupportedExport
-from casp_core.export.gguf import export_gguf
 from casp_core.families import check_export, family_of, projections
+from casp_core.families.modeling.modeling_casp_phi3 import CaspPhi3ForCausalLM
+from casp_core.method.budget import attention_params_removed, channel_params
+from casp_core.method.surgery import remove_units
 from casp_core.model import attention_geometry, decoder_layers, load_model, sublayer_parameters
-from casp_core.modeling_casp_phi3 import CaspPhi3ForCausalLM
-from casp_core.recovery import recover
-from casp_core.surgery import remove_units
+from casp_core.recovery.train import recover
+from casp_core.settings import RecoveryConfig
+from tests.core.artifacts.gguf.test_gguf import EXACT, engine
+from tests.core.artifacts.test_generation import LOWEST_TRANSFORMERS
 from tests.core.families.helpers import (
     COMMON,
     VOCAB,
@@ -42,8 +44,6 @@ from tests.core.families.helpers import (
     written_and_loaded_back,
 )
 from tests.core.fresh_process import run_python
-from tests.core.test_generation import LOWEST_TRANSFORMERS
-from tests.core.test_gguf import EXACT, engine
 
 PHI3 = {**COMMON, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
 HEAD_DIM = COMMON["hidden_size"] // COMMON["num_attention_heads"]
@@ -208,7 +208,7 @@ def test_longrope_keeps_the_head_counts_phi3config_accepts() -> None:
     assert family_of(CONFIGS["phi3-mini"]()).allows_head_count(CONFIGS["phi3-mini"](), 3)  # plain RoPE: any count
 
 
-# the lowest transformers: `make test-slow` (tests/core/test_generation.py keeps it for LLaMA in `make test`)
+# the lowest transformers: `make test-slow` (tests/core/artifacts/test_generation.py keeps it for LLaMA in `make test`)
 @pytest.mark.parametrize("version", ["locked", pytest.param("lowest", marks=pytest.mark.slow)])
 def test_checkpoints_load_in_a_fresh_process_as_the_masked_model(
     version: str, pipeline_checkpoints: list[tuple], tmp_path: Path

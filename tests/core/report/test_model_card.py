@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from huggingface_hub import ModelCard, metadata_load
 
-from casp_core.job import run_job
+from casp_core.job.run import run_job
 from casp_core.report.model_card import render_model_card
 from casp_core.report.publish import base_model_of, without_local_paths
 from tests.conftest import DATASETS_DIR, REPO, STORIES, small_config

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from casp_core.job import run_job
+from casp_core.job.run import run_job
 from tests.conftest import REPO, STORIES, tiny_config
 from tests.core.fresh_process import run_python
 

@@ -1,0 +1,68 @@
+"""Recovery's device memory (casp_core.method.placement.estimate_recovery_memory): what each setting costs by the model,
+and a job whose recovery would not fit within max_device_memory refused before any pruning, with what would fit."""
+
+from pathlib import Path
+
+import pytest
+
+from bench.shapes import llama2_7b_config
+from casp_core.errors import DeviceMemoryTooSmall
+from casp_core.job.run import run_job
+from casp_core.method.placement import GIB, ModelShape, byte_size, check_recovery_fits, estimate_recovery_memory
+from casp_core.model import load_model
+from casp_core.run import Run
+from casp_core.settings import RecoveryConfig
+from tests.conftest import STORIES, small_config
+from tests.core.device_placement import OTHER_DEVICE
+
+LLAMA2_7B = ModelShape.from_config(llama2_7b_config(), dtype_bytes=2, eager_attention=False)
+
+
+def recovery(**changes) -> RecoveryConfig:
+    return RecoveryConfig(**{"method": "lora", **changes})
+
+
+def test_what_each_setting_costs_at_llama2_7b_pruned_by_half():
+    lora = estimate_recovery_memory(LLAMA2_7B, recovery(), 0.5, autocast=True)
+    # About 3.5 B kept decoder weights and 0.26 B of embedding and head in bf16.
+    assert 6.9e9 < lora.weights < 7.1e9
+    # Rank 8 on all seven projections: about 20 M adapter weights, 16 bytes each with gradient and moments.
+    assert 0.25 * GIB < lora.optimizer_state < 0.35 * GIB
+    full = estimate_recovery_memory(LLAMA2_7B, recovery(method="full"), 0.5, autocast=True)
+    # Full: 4 bytes of float32 weight and 12 of gradient and moments per kept decoder weight.
+    assert full.optimizer_state == pytest.approx(3 * (full.weights - 0.26e9 * 2), rel=0.02)
+    assert full.peak > 48 * GIB > 2 * lora.peak
+    checkpointed = estimate_recovery_memory(LLAMA2_7B, recovery(gradient_checkpointing=True), 0.5, autocast=True)
+    assert checkpointed.activations < lora.activations / 5
+    # Logits grow with the batch's tokens and the vocabulary; distillation holds more copies.
+    distill = estimate_recovery_memory(LLAMA2_7B, recovery(loss="distill"), 0.5, autocast=True)
+    assert distill.logits == 2 * lora.logits == 2 * 3 * 8 * 256 * 32000 * 4
+    longer = estimate_recovery_memory(LLAMA2_7B, recovery(max_seq_len=512), 0.5, autocast=True)
+    assert longer.activations == pytest.approx(2 * lora.activations) and longer.logits == 2 * lora.logits
+    # Without bf16 autocast everything is float32.
+    float32 = estimate_recovery_memory(LLAMA2_7B, recovery(), 0.5, autocast=False)
+    assert float32.weights == 2 * lora.weights
+
+
+def test_a_recovery_that_does_not_fit_is_refused_before_any_pruning(tmp_path: Path):
+    model, _ = load_model(str(STORIES))
+    big = {"method": "lora", "batch_size": 64, "max_seq_len": 512, "max_steps": 1}
+    config = small_config(0.3, device=str(OTHER_DEVICE), recovery=big, max_device_memory="64MiB")
+    needed = check_recovery_fits(model, small_config(0.3, device=str(OTHER_DEVICE), recovery=big), OTHER_DEVICE)
+    # Eager attention's scores of 64 x 512 tokens lead, then the float32 logits over 512 tokens, three times.
+    assert (needed.activations, needed.logits) == (1011 * 2**20, 192 * 2**20)
+    stages: list[str] = []
+    run = Run(progress=lambda stage, fraction, message="": stages.append(stage))
+    with pytest.raises(DeviceMemoryTooSmall) as error:
+        run_job(str(STORIES), config, tmp_path / "out", run)
+    assert error.value.code == "device_memory_too_small"
+    message = error.value.message
+    assert message.startswith(
+        f"max_device_memory: 64.0 MiB on cpu:0 is less than the estimated {byte_size(needed.peak)} recovery "
+        f"needs ({needed.parts()})"
+    ), message
+    # What would fit, each with its own estimate: halved until it does.
+    assert message.endswith("; would fit: max_seq_len 16 (39.0 MiB), batch_size 2 (39.0 MiB)"), message
+    assert not {"allocation", "pruning"} & set(stages) and not (tmp_path / "out").exists()
+    # Within the limit the same job is planned as before.
+    assert check_recovery_fits(model, config.model_copy(update={"max_device_memory": needed.peak}), OTHER_DEVICE)
