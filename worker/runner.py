@@ -17,13 +17,11 @@ from typing import Any
 
 import torch
 
-from casp_core.artifacts.snapshot import SNAPSHOT_FILE
 from casp_core.errors import Cancelled, CaspError
-from casp_core.job.run import STAGES, job_stages, run_job
-from casp_core.job.sweep.run import SWEEP_STATE_FILE
+from casp_core.job.run import run_job
+from casp_core.job.stages import SINGLE_RATIO, Stage, job_stages
+from casp_core.job.steps import RETRY_FILES
 from casp_core.model import resolve_device
-from casp_core.recovery.teacher import TEACHER_FILE
-from casp_core.recovery.train import STATE_FILE
 from casp_core.run import Run
 from casp_core.settings import PruneConfig
 from service import job_queue, jobs
@@ -38,43 +36,27 @@ from service.tables import ApiKey, Job
 
 log = logging.getLogger(__name__)
 
-# The share of the overall 0-100 progress each stage gets, in the order run_job reports them (casp_core's
-# STAGES, where "evaluation" comes for the dense, the pruned (with recovery) and the published model), then
-# "upload", the service's own; "download" (a model from a bucket or an upload) comes first. A job without
-# recovery skips its segments. The e2e test checks this order against the real pipeline.
-STAGE_WEIGHTS = {
-    "download": 5,
-    "load": 5,
-    "calibration": 5,
-    "evaluation": 10,
-    "allocation": 20,
-    "pruning": 35,
-    "verification": 3,
-    "recovery": 30,
-    "checkpoint": 5,
-    "quantization": 5,
-    "dense_points": 5,
-    "sweep": 60,
-    "report": 2,
-    "upload": 5,
-}
+# The service's own stages around the job's (casp_core.job.stages): a model from a bucket or an upload is fetched
+# first, the job's files are stored last. The e2e test checks the whole order against the real pipeline.
+DOWNLOAD = Stage("download", 5)
+UPLOAD = Stage("upload", 5)
 
 
 @dataclass(frozen=True)
 class Segments:
-    """The job's stages (`job_stages`, then "upload") and where each starts on the overall 0-100 scale: the
-    weights above, scaled so that the stages this job reports add up to 100."""
+    """The job's stages (`job_stages`, then "upload") and where each starts on the overall 0-100 scale: their
+    weights, scaled so that the stages this job reports add up to 100."""
 
     stages: tuple[str, ...]
     starts: tuple[float, ...]
     shares: tuple[float, ...]
 
     @classmethod
-    def of(cls, stages: tuple[str, ...]) -> "Segments":
-        stages = (*stages, "upload")
-        total = sum(STAGE_WEIGHTS[stage] for stage in stages)
-        shares = tuple(100 * STAGE_WEIGHTS[stage] / total for stage in stages)
-        return cls(stages, tuple(sum(shares[:i]) for i in range(len(stages))), shares)
+    def of(cls, stages: tuple[Stage, ...]) -> "Segments":
+        stages = (*stages, UPLOAD)
+        total = sum(stage.weight for stage in stages)
+        shares = tuple(100 * stage.weight / total for stage in stages)
+        return cls(tuple(stage.name for stage in stages), tuple(sum(shares[:i]) for i in range(len(stages))), shares)
 
     def next(self, stage: str, current: int) -> int:
         """The segment a report of `stage` belongs to: the current one or the next of that name (a stage the
@@ -107,7 +89,7 @@ class Attempt:
     number: int
     deadline: float
     stop_requested: Callable[[], bool] = lambda: False  # the embedded server shutting down
-    segments: Segments = field(default_factory=lambda: Segments.of(STAGES))
+    segments: Segments = field(default_factory=lambda: Segments.of(SINGLE_RATIO))
     stage: str | None = None
     segment: int = 0
     progress: float = 0.0
@@ -212,7 +194,6 @@ class Heartbeat(threading.Thread):
 # job again) resumes after pruning, and the recovery stage from its last save; a sweep after the candidates it
 # measured; on whichever machine it runs.
 RETRY_STATE = "retry-state"
-RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE)
 RECOVERY_SUMMARY = ("steps", "tokens", "tokens_per_second", "precision", "resumed_from_step", "teacher")
 FRONTIER_SUMMARY = ("ratio", "format", "variant", "bytes", "params", "perplexity", "within_target", "dense")
 
@@ -277,7 +258,7 @@ def execute(
             number,
             deadline=time.monotonic() + settings.job_time_limit_seconds,
             stop_requested=stop_requested,
-            segments=Segments.of((*(("download",) if is_remote_model(model) else ()), *job_stages(config))),
+            segments=Segments.of((*((DOWNLOAD,) if is_remote_model(model) else ()), *job_stages(config))),
         )
         out_dir = settings.home / "work" / job_id / f"attempt-{number}"
         shutil.rmtree(out_dir, ignore_errors=True)  # a rerun starts clean: nothing half-written is kept

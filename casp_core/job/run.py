@@ -1,9 +1,8 @@
 """The whole job: load, evaluate the dense model, prune, [evaluate, recover,] save, evaluate the result, [quantize,]
 report; or, for a job with a target instead of a ratio, the sweep (casp_core.job.sweep.run).
 
-The command line and the service call `run_job`; `STAGES` (`SWEEP_STAGES` for a sweep) is what it reports, in
-order, and the worker's progress bar is built from it; `job_stages` is the part of it one job reports. The steps
-both kinds of job share are in casp_core.job.steps.
+The command line and the service call `run_job`; what it reports, in order, is casp_core.job.stages' (the worker's
+progress bar is built from it). The steps both kinds of job share are in casp_core.job.steps.
 """
 
 import json
@@ -49,41 +48,9 @@ from casp_core.rounding import quantizer_block
 from casp_core.run import Run
 from casp_core.settings import NO_QUANTIZATION, PruneConfig, RecoveryConfig
 
-# The stages run_job reports progress under, in order. "calibration" is reading the texts (calibration,
-# evaluation and recovery data); "evaluation" comes for the dense model, then (with recovery) for the pruned model
-# before it is recovered, then for the model that is published.
-STAGES = (
-    "load",
-    "calibration",
-    "evaluation",
-    "allocation",
-    "pruning",
-    "verification",
-    "evaluation",
-    "recovery",
-    "checkpoint",
-    "evaluation",
-    "quantization",
-    "report",
-)
-RECOVERY_STAGES = (6, 7)  # the indices in STAGES of the stages only a job with recovery reports
-QUANTIZATION_STAGE = 10  # the index in STAGES of the stage only a job with quantization reports
-# A sweep's: "dense_points" is the dense model written and measured in each candidate format; "sweep" is every
-# candidate in turn (pruned, written, measured); "checkpoint" the pick's files as a single-ratio job writes them.
-SWEEP_STAGES = ("load", "calibration", "evaluation", "dense_points", "sweep", "checkpoint", "report")
 # Where the teacher cache goes when the job keeps no retry state (the command line): inside the staging folder,
 # removed once recovery has used it.
 TEACHER_WORK = ".teacher"
-
-
-def job_stages(config: PruneConfig) -> tuple[str, ...]:
-    """The stages run_job reports for `config`, in order."""
-    if config.is_sweep:
-        return SWEEP_STAGES
-    skipped = set() if config.recovery.method != "none" else set(RECOVERY_STAGES)
-    if config.quantization == NO_QUANTIZATION:
-        skipped.add(QUANTIZATION_STAGE)
-    return tuple(stage for index, stage in enumerate(STAGES) if index not in skipped)
 
 
 def run_job(

@@ -18,7 +18,7 @@ from casp_core.artifacts.compressed_tensors.quantize import QuantizedCheckpoint,
 from casp_core.artifacts.gguf.source import gguf_source_for, is_gguf_reference
 from casp_core.artifacts.gguf.tokenizer import keep_source_vocabulary, vocabulary_of
 from casp_core.artifacts.gguf.writer import GgufExport, export_checkpoint
-from casp_core.artifacts.snapshot import PrunedSnapshot, load_snapshot, save_snapshot
+from casp_core.artifacts.snapshot import SNAPSHOT_FILE, PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, Figures
 from casp_core.eval.perplexity import default_seq_len
@@ -27,7 +27,9 @@ from casp_core.method.budget import check_reachable
 from casp_core.method.calibration import calibration_windows
 from casp_core.model import decoder_layers, load_model
 from casp_core.recovery.data import TrainingData, load_training_data
+from casp_core.recovery.teacher import TEACHER_FILE
 from casp_core.recovery.train import ADAPTER_DIR, RecoveryResult
+from casp_core.recovery.train import STATE_FILE as TRAINING_STATE_FILE
 from casp_core.report.build import build_report, write_report
 from casp_core.report.model_card import write_model_card
 from casp_core.report.plots import write_plots
@@ -72,6 +74,12 @@ class Pruned:
     pruning: dict[str, Any]  # `pruning_section`
     dense_figures: Figures
     pruned_figures: Figures | None  # measured before recovery; without recovery, on the published model at the end
+
+
+SWEEP_STATE_FILE = "sweep-state.json"  # a sweep's candidates measured so far (casp_core.job.sweep.run)
+# What a retry resumes from, in the retry state's folder: the pruned model's snapshot, recovery's training state, a
+# sweep's state and the teacher's cache. The worker stores each save and restores them for the next attempt.
+RETRY_FILES = (SNAPSHOT_FILE, TRAINING_STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 
 from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.artifacts.gguf.writer import export_gguf, gguf_file_name
-from casp_core.job.run import job_stages
+from casp_core.job.stages import job_stages
 from casp_core.job.sweep.run import FRONTIER_FILE
 from casp_core.settings import PruneConfig
 from tests.cli.test_embedded import casp_serve

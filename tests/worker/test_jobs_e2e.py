@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.artifacts.dense_cache import CACHE_FOLDER as DENSE_EVALUATIONS
-from casp_core.job.run import job_stages
+from casp_core.job.stages import job_stages
 from casp_core.settings import PruneConfig
 from service.dispatch import CeleryDispatcher
 from service.settings import Settings

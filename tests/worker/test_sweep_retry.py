@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from casp_core.artifacts.snapshot import SNAPSHOT_FILE
-from casp_core.job.sweep.run import SWEEP_STATE_FILE
+from casp_core.job.steps import SWEEP_STATE_FILE
 from service.storage import make_storage
 from tests.service_fixtures import TINY_JOB, embedded_settings
 from tests.worker.test_jobs_e2e import events_of

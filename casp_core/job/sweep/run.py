@@ -58,7 +58,9 @@ from casp_core.artifacts.gguf.writer import GgufExport, export_gguf, gguf_file_n
 from casp_core.artifacts.snapshot import PrunedSnapshot
 from casp_core.errors import BudgetUnmet
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
+from casp_core.job.stages import CANDIDATE_STAGES, DENSE_POINTS, SWEEP_STAGE
 from casp_core.job.steps import (
+    SWEEP_STATE_FILE,
     Inputs,
     Pruned,
     RetryState,
@@ -81,16 +83,10 @@ from casp_core.rounding import quantizer_block
 from casp_core.run import Run
 from casp_core.settings import NO_QUANTIZATION, PruneConfig, TargetConfig
 
-SWEEP_STAGE = "sweep"
-DENSE_POINTS_STAGE = "dense_points"
 CANDIDATES_DIR = "candidates"
 DENSE_DIR = "dense"
 FRONTIER_FILE = "frontier.json"
-SWEEP_STATE_FILE = "sweep-state.json"
 GGUF = "gguf"
-# How a unit's work divides its share of the sweep's progress: the stages casp_core reports while pruning and
-# measuring a candidate, in order (any other keeps the share reached).
-UNIT_STEPS = ("allocation", "pruning", "verification", "checkpoint", "evaluation", "quantization")
 
 
 @dataclass(frozen=True)
@@ -175,13 +171,15 @@ class SweepProgress:
     def start(self, name: str) -> None:
         self.name, self._within, self.started = name, 0.0, time.perf_counter()
         self.run.check_cancelled()
-        self.report(SWEEP_STAGE, 0.0, "")
+        self.report(SWEEP_STAGE.name, 0.0, "")
 
     def report(self, stage: str, fraction: float, message: str = "") -> None:
-        if stage in UNIT_STEPS:
-            self._within = max(self._within, (UNIT_STEPS.index(stage) + fraction) / len(UNIT_STEPS))
+        if stage in CANDIDATE_STAGES:  # any other keeps the share reached
+            self._within = max(self._within, (CANDIDATE_STAGES.index(stage) + fraction) / len(CANDIDATE_STAGES))
         what = f"candidate {self.done + 1} of {self.count}: {self.name}"
-        self.run.report(SWEEP_STAGE, (self.done + self._within) / self.count, f"{what}: {message}" if message else what)
+        self.run.report(
+            SWEEP_STAGE.name, (self.done + self._within) / self.count, f"{what}: {message}" if message else what
+        )
 
     def finish(self) -> None:
         self.done += 1
@@ -512,7 +510,7 @@ def run_sweep(
         )
         if state.dense_figures is None:
             measure_dense(sweep, dense, run)
-        with run.stage(SWEEP_STAGE):
+        with run.stage(SWEEP_STAGE.name):
             sweep_candidates_of(sweep, dense, units, placement, run)
         report = write_pick(sweep, dense, device, run)
     run.report("report", 1.0, "report.json, report.md, frontier.json and the model card written")
@@ -564,11 +562,11 @@ def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
     started = time.perf_counter()
     state.dense_figures = evaluate_dense(dense, sweep.tokenizer, sweep.inputs.plan, run, sweep.cache_dir)
     seconds = time.perf_counter() - started
-    with run.stage(DENSE_POINTS_STAGE):
+    with run.stage(DENSE_POINTS.name):
         variants = [point.variant for point in dense_points(dense.config, sweep.config)]
-        run.report(DENSE_POINTS_STAGE, 0.0, f"the dense model in {', '.join(variants)}")
+        run.report(DENSE_POINTS.name, 0.0, f"the dense model in {', '.join(variants)}")
         folder = sweep.staging / CANDIDATES_DIR / DENSE_DIR
-        within = reporting_as(run, DENSE_POINTS_STAGE)
+        within = reporting_as(run, DENSE_POINTS.name)
         # Saved as a dense pick is (its GGUF files named alike, so that the pick's file is the one measured).
         config = sweep.config.model_copy(update={"export": []})
         save_checkpoint(dense, sweep.tokenizer, sweep.model, sweep.revision, config, within, folder)
@@ -577,7 +575,7 @@ def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
         for index, variant in enumerate(variants):
             point = measure_variant(measured, sweep.tokenizer, sweep.fmt, variant, sweep.inputs.plan, within)
             points.append(replace(point, path=sweep.kept(variant_path(folder, sweep.fmt, variant))))
-            run.report(DENSE_POINTS_STAGE, (index + 1) / len(variants), f"the dense model in {variant} measured")
+            run.report(DENSE_POINTS.name, (index + 1) / len(variants), f"the dense model in {variant} measured")
         state.points = sweep.finish_points(points)
         drop_unless_kept(sweep, folder)
     state.keep(sweep.retry)
@@ -605,7 +603,7 @@ def sweep_candidates_of(
     todo = [unit for unit in units if unit.key not in sweep.state.finished]
     progress.done = len(units) - len(todo)
     if progress.done:  # a retry
-        run.report(SWEEP_STAGE, progress.done / len(units), f"{progress.done} of {len(units)} candidates measured")
+        run.report(SWEEP_STAGE.name, progress.done / len(units), f"{progress.done} of {len(units)} candidates measured")
     progress.sharing(todo)
     unit_run = progress.unit_run()
 
