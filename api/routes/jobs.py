@@ -30,14 +30,11 @@ from api.schemas import (
 )
 from api.streams import StreamResponse, StreamSlots, event_stream
 from api.unavailable import RETRY_AFTER_SECONDS
-from casp_core.artifacts.compressed_tensors.quantize import check_quantization
 from casp_core.artifacts.gguf.source import is_gguf_reference
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
-from casp_core.families import check_export, family_of
-from casp_core.job.sweep.candidates import sweep_candidates
+from casp_core.job.plan import plan_job
 from casp_core.model import is_local_reference, load_config
-from casp_core.recovery.data import check_length
 from casp_core.settings import SERVER_SIDE, PruneConfig
 from service import api_keys, jobs, uploaded_models, webhook_deliveries
 from service.db import session_scope
@@ -95,20 +92,12 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
             ) from exc
     elif is_local_reference(model):  # a GGUF file in a bucket is no local one, though its name says .gguf
         try:
-            # An unsupported family is refused now, not after the worker loads it; so are an export the family
-            # cannot take (unsupported_export, under `export`), settings it is not pruned with (a mixture of
-            # experts: the uniform shape, alpha auto, ...), a uniform shape its own class cannot hold, a
-            # quantization its widths cannot take, recovery windows longer than its context and a budget no
-            # candidate meets by the sizes estimated from the config (a hub model's, when the job starts).
-            model_config = load_config(model)
-            check_export(model_config, body.export)
-            family_of(model_config).check_settings(model_config, body)
-            family_of(model_config).check_plain_shape(model_config, body)
-            check_quantization(model_config, body)
-            if body.recovery.method != "none":
-                check_length(body.recovery.max_seq_len, model_config.max_position_embeddings)
-            if body.target is not None:  # a budget no candidate meets, by the sizes estimated from the config
-                sweep_candidates(model_config, PruneConfig.from_dict(body.settings()).validate())
+            # What the job would refuse from the model's config (casp_core.job.plan) is refused now, with the
+            # job's message: an unsupported family, an export it cannot take (unsupported_export, under `export`),
+            # settings it is not pruned with, a ratio it cannot reach, a quantization its widths cannot take,
+            # recovery windows longer than its context, a budget no candidate meets (a hub model's, when the job
+            # starts).
+            plan_job(PruneConfig.from_dict(body.settings()), load_config(model))
         except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first
             field, _, reason = exc.message.partition(": ")
             raise invalid(tuple(field.split(".")), reason or exc.message) from exc

@@ -52,21 +52,16 @@ def prune_config(args: argparse.Namespace) -> PruneConfig:
 
 def run_prune(args: argparse.Namespace) -> int:
     # torch and transformers load only when needed
-    from casp_core.artifacts.gguf.source import is_gguf_reference
-    from casp_core.families import check_export
+    from casp_core.job.plan import plan_job
     from casp_core.job.run import run_job
-    from casp_core.job.sweep.candidates import sweep_candidates
     from casp_core.model import load_config
     from casp_core.run import Run
 
     config = prune_config(args)
-    # A GGUF file that is no model to prune, an export the family cannot take and a budget no candidate meets are
-    # refused before any work (before the weights load), from the model's config.
-    if config.is_sweep or config.export or is_gguf_reference(args.model):
-        model_config = load_config(args.model, revision=args.revision)
-        check_export(model_config, config.export)
-        if config.is_sweep:
-            sweep_candidates(model_config, config)
+    # What the job would refuse from the model's config (casp_core.job.plan), refused before the weights load and
+    # with the job's message: a GGUF file that is no model to prune, an export or settings the family cannot take,
+    # a ratio it cannot reach, a quantization its widths cannot take, a budget no candidate meets.
+    plan_job(config, load_config(args.model, revision=args.revision))
     bars = StageBars()
     try:
         run = Run(progress=bars, on_warning=lambda message: print(f"casp: warning: {message}", file=sys.stderr))

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.artifacts.checkpoint import save_pruned
-from casp_core.artifacts.compressed_tensors.quantize import QuantizedCheckpoint, check_quantization
+from casp_core.artifacts.compressed_tensors.quantize import QuantizedCheckpoint
 from casp_core.artifacts.gguf.source import gguf_source_for, is_gguf_reference
 from casp_core.artifacts.gguf.tokenizer import keep_source_vocabulary, vocabulary_of
 from casp_core.artifacts.gguf.writer import GgufExport, export_checkpoint
@@ -22,8 +22,8 @@ from casp_core.artifacts.snapshot import SNAPSHOT_FILE, PrunedSnapshot, load_sna
 from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, Figures
 from casp_core.eval.perplexity import default_seq_len
-from casp_core.families import check_export, projections
-from casp_core.method.budget import check_reachable
+from casp_core.families import projections
+from casp_core.job.plan import plan_job
 from casp_core.method.calibration import calibration_windows
 from casp_core.model import decoder_layers, load_model
 from casp_core.recovery.data import TrainingData, load_training_data
@@ -139,12 +139,9 @@ def check_gguf_tokenizer(model: str, dense: PreTrainedModel, tokenizer: PreTrain
 
 
 def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> None:
-    """Refuses, before any work, an export its family cannot take, a ratio the model cannot reach, a quantization
-    its widths cannot take;
-    warns of a rounding that forfeits the speedup or forces fallback types (once per warning)."""
-    check_export(dense.config, config.export)
-    check_reachable(dense, config)
-    check_quantization(dense.config, config)
+    """Refuses, before any work, what the API and the command line refuse (`plan_job`, on the loaded model's
+    config); warns of a rounding that forfeits the speedup or forces fallback types (once per warning)."""
+    plan_job(config, dense.config)
     widths = [projections(layer).down.in_features for layer in decoder_layers(dense)]
     for warning in (
         speed_warning(widths, config.round_to),

@@ -4,7 +4,7 @@ candidate as a single-ratio job of that ratio and format would have written it.
 
 `run_sweep`, step by step:
 
-1. load the dense model; the candidates from the target before any statistics (`targets.sweep_candidates`), as
+1. load the dense model; the candidates from the target before any statistics (`candidates.sweep_candidates`), as
    units of work: one pruned model per ratio serves every variant (GGUF type or quantization scheme) whose widths
    round alike (a quantized GGUF type rounds the FFN widths to its block, as its single-ratio job would);
 2. read the texts; evaluate the dense model in transformers (or reuse an earlier job's figures of it:
@@ -58,6 +58,7 @@ from casp_core.artifacts.gguf.writer import GgufExport, export_gguf, gguf_file_n
 from casp_core.artifacts.snapshot import PrunedSnapshot
 from casp_core.errors import BudgetUnmet
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
+from casp_core.job.plan import plan_job
 from casp_core.job.stages import CANDIDATE_STAGES, DENSE_POINTS, SWEEP_STAGE
 from casp_core.job.steps import (
     SWEEP_STATE_FILE,
@@ -72,7 +73,7 @@ from casp_core.job.steps import (
     staged_output,
     write_job_report,
 )
-from casp_core.job.sweep.candidates import Candidate, dense_points, sweep_candidates, within_target
+from casp_core.job.sweep.candidates import Candidate, dense_points, within_target
 from casp_core.job.sweep.shared_pass import prune_configs
 from casp_core.method.placement import Placement, choose_placement
 from casp_core.method.results import PruneResult
@@ -487,7 +488,7 @@ def run_sweep(
             dense, tokenizer = load_model(
                 model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
             )
-            candidates = sweep_candidates(dense.config, config)
+            candidates = list(plan_job(config, dense.config).candidates)
             units = sweep_units(candidates, config)
             check_candidates(model, dense, tokenizer, config, candidates, run)
             placement = choose_placement(dense, unit_config(config, units[0], candidates[0].format), device)
