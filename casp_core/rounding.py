@@ -118,4 +118,4 @@ def block_of(gguf_type: str) -> int | None:
 
 def quantizer_block(settings: PruneSettings) -> int | None:
     """The block a job's widths should fit: that of its GGUF type when it exports a quantized GGUF, else None."""
-    return block_of(settings.gguf_type) if "gguf" in settings.export else None
+    return block_of(settings.gguf_type) if settings.exports_gguf else None

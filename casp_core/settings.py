@@ -56,7 +56,8 @@ QUANTIZATIONS = (NO_QUANTIZATION, "w8a8_int8", "fp8_dynamic", "w4a16")
 # decoder layer at a time; on the CPU nothing is ever offloaded.
 PLACEMENTS = ("auto", "resident", "offload")
 # lora: adapters on the projections, merged after training; full: every kept weight of the decoder layers trained.
-RECOVERY_METHODS = ("none", "lora", "full")
+NO_RECOVERY = "none"
+RECOVERY_METHODS = (NO_RECOVERY, "lora", "full")
 FULL_RECOVERY = "full"
 # The adapters' own settings: with method full there are no adapters, so setting one is a mistake worth naming.
 LORA_ONLY_SETTINGS = ("rank", "alpha", "dropout", "target_modules")
@@ -313,6 +314,11 @@ class RecoveryConfig(ConfigPart):
     )
     save_every: int = Field(50, ge=1, le=10_000_000, description="optimizer steps between saves of training state")
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the job recovers the pruned model at all."""
+        return self.method != NO_RECOVERY
+
 
 class MoeConfig(ConfigPart):
     """Mixture-of-experts models only (Mixtral: docs/moe.md)."""
@@ -505,13 +511,13 @@ class PruneConfig(PruneSettings):
             )
         if checked.is_sweep and not max(checked.ratios) <= checked.r_max:
             raise InvalidConfig(f"ratios: must be at most r_max ({checked.r_max}), got {max(checked.ratios)}")
-        if checked.is_sweep and checked.recovery.method != "none":
+        if checked.is_sweep and checked.recovery.enabled:
             raise InvalidConfig("recovery: a sweep (target) does not recover its candidates; give a ratio to recover")
         if checked.is_sweep and not checked.evaluation.perplexity:
             raise InvalidConfig("evaluation.perplexity: a sweep (target) picks by perplexity: give at least one text")
         if checked.ratio is not None and not checked.ratio <= checked.r_max:
             raise InvalidConfig(f"r_max: must be in [ratio, 1], got {checked.r_max}")
-        if checked.recovery.method == "none" and checked.recovery.loss != CROSS_ENTROPY_LOSS:
+        if not checked.recovery.enabled and checked.recovery.loss != CROSS_ENTROPY_LOSS:
             raise InvalidConfig(
                 f"recovery.loss: {checked.recovery.loss} trains the pruned model: give recovery.method lora or full"
             )
@@ -527,6 +533,11 @@ class PruneConfig(PruneSettings):
         if checked.alpha == AUTO_ALPHA and checked.calibration.n_samples < 2:
             raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
         return self
+
+    @property
+    def exports_gguf(self) -> bool:
+        """A GGUF file is written beside the checkpoint."""
+        return "gguf" in self.export
 
     @property
     def is_sweep(self) -> bool:

@@ -229,5 +229,5 @@ def check_job_inputs(model: str, config: PruneConfig, settings: Settings) -> Non
     check_dataset(config.calibration.dataset, ("calibration", "dataset"), settings, calibration_source)
     for i, spec in enumerate(config.evaluation.perplexity):
         check_dataset(spec, ("evaluation", "perplexity", i), settings, evaluation_source)
-    if config.recovery.method != "none":
+    if config.recovery.enabled:
         check_training_data(config.recovery.dataset, settings)

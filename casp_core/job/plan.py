@@ -46,7 +46,7 @@ def plan_job(settings: PruneConfig, model_config: PretrainedConfig) -> JobPlan:
     family.check_settings(model_config, settings)
     family.check_plain_shape(model_config, settings)
     check_quantization(model_config, settings)
-    if settings.recovery.method != "none":
+    if settings.recovery.enabled:
         check_length(settings.recovery.max_seq_len, model_config.max_position_embeddings)
     if settings.is_sweep:
         candidates = tuple(sweep_candidates(model_config, settings))  # each one's reach and quantization too

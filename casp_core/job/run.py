@@ -82,7 +82,7 @@ def run_job(
     run = run or Run()
     out_dir = Path(out_dir)
     retry = RetryState(
-        retry_state if config.recovery.method != "none" or config.is_sweep else None,
+        retry_state if config.recovery.enabled or config.is_sweep else None,
         snapshot_fingerprint(model, revision, config),
         on_retry_state_saved,
     )
@@ -99,7 +99,7 @@ def run_job(
                 # Refused here when even one layer cannot fit on the device, or recovery would not, before hours
                 # of evaluation and pruning.
                 placement = choose_placement(dense, config, device)
-                if config.recovery.method != "none":
+                if config.recovery.enabled:
                     recovery_memory = check_recovery_fits(dense, config, device)
             else:
                 run.report("load", 1.0, f"resumed after pruning (snapshot saved {snapshot.saved_at})")

@@ -19,7 +19,7 @@ def always(settings: PruneConfig) -> bool:
 
 
 def with_recovery(settings: PruneConfig) -> bool:
-    return settings.recovery.method != "none"
+    return settings.recovery.enabled
 
 
 def with_quantization(settings: PruneConfig) -> bool:

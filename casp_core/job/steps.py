@@ -125,7 +125,7 @@ def load_dense(
         model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
     )
     check_settings(dense, config, run)
-    if "gguf" in config.export:
+    if config.exports_gguf:
         check_gguf_tokenizer(model, dense, tokenizer)
     return dense, tokenizer, str(dense.dtype).removeprefix("torch.")
 
@@ -163,7 +163,7 @@ def read_inputs(
     windows = calibration_windows(model, tokenizer, config) if snapshot is None else None
     plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(model))
     training = None
-    if config.recovery.method != "none":
+    if config.recovery.enabled:
         training = load_training_data(
             config.recovery.dataset,
             tokenizer,

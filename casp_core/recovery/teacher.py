@@ -44,7 +44,7 @@ FLOAT32 = 4
 
 
 def needs_teacher(config: RecoveryConfig) -> bool:
-    return config.method != "none" and config.loss != CROSS_ENTROPY_LOSS
+    return config.enabled and config.loss != CROSS_ENTROPY_LOSS
 
 
 @dataclass

@@ -41,7 +41,7 @@ def sweep_format(settings: PruneSettings) -> str:
     assert settings.target is not None, "only a job with a target sweeps"
     if settings.target.max_bytes is not None:
         return settings.target.format or GGUF
-    return GGUF if GGUF in settings.export else SAFETENSORS
+    return GGUF if settings.exports_gguf else SAFETENSORS
 
 
 def sweep_variants(model_config: PretrainedConfig, settings: PruneSettings) -> list[str]:
