@@ -242,15 +242,15 @@ def check_model_folder(folder: Path) -> PretrainedConfig:
     return config
 
 
-def check_supported_config(config: PretrainedConfig) -> None:
+def check_supported_config(model_config: PretrainedConfig) -> None:
     """Refuse, from the config alone, any model whose settings the pruned model class cannot carry."""
-    family_of(config).check_config(config)
+    family_of(model_config).check_config(model_config)
 
 
-def attention_layer_types(config: PretrainedConfig) -> tuple[int | None, list[str]]:
+def attention_layer_types(model_config: PretrainedConfig) -> tuple[int | None, list[str]]:
     """The sliding window and, per layer, whether attention is full or within that window, as the family's
     own modeling reads them (casp_core.families: Family.layer_types)."""
-    return family_of(config).layer_types(config)
+    return family_of(model_config).layer_types(model_config)
 
 
 def check_supported(model: nn.Module) -> None:

@@ -102,8 +102,8 @@ def config_from_dict(settings: dict[str, Any]) -> PretrainedConfig:
     return CONFIG_MAPPING[model_type].from_dict(settings)
 
 
-def check_export(config: PretrainedConfig, formats: Iterable[str]) -> None:
+def check_export(model_config: PretrainedConfig, formats: Iterable[str]) -> None:
     """Refuse (UnsupportedExport), from the dense config alone and so before any work, the export `formats` a job
     asks for (its `export`, or a sweep's format) that the model's family or settings cannot take."""
     if "gguf" in formats:
-        family_of(config).check_gguf(config)
+        family_of(model_config).check_gguf(model_config)

@@ -199,28 +199,28 @@ class Family:
 
     # ------------------------------------------------------------ what the family is and what it accepts
 
-    def check_config(self, config: PretrainedConfig) -> None:
+    def check_config(self, model_config: PretrainedConfig) -> None:
         """Refuse (UnsupportedModel), from the config alone, settings the pruned class cannot carry."""
-        model_type = config.model_type
-        if config.num_attention_heads % config.num_key_value_heads:
+        model_type = model_config.model_type
+        if model_config.num_attention_heads % model_config.num_key_value_heads:
             raise UnsupportedModel(
-                f"model type {model_type!r}: {config.num_attention_heads} attention heads cannot share "
-                f"{config.num_key_value_heads} key/value heads in equal groups"
+                f"model type {model_type!r}: {model_config.num_attention_heads} attention heads cannot share "
+                f"{model_config.num_key_value_heads} key/value heads in equal groups"
             )
-        if getattr(config, "quantization_config", None) is not None:
+        if getattr(model_config, "quantization_config", None) is not None:
             raise UnsupportedModel(
                 f"model type {model_type!r}: quantized weights (quantization_config) cannot be pruned"
             )
-        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        rope_type = (getattr(model_config, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
             raise UnsupportedModel(f"model type {model_type!r}: rope type {rope_type!r} is not supported")
-        unknown = set(self.layer_types(config)[1]) - set(ATTENTION_LAYER_TYPES)
+        unknown = set(self.layer_types(model_config)[1]) - set(ATTENTION_LAYER_TYPES)
         if unknown:
             raise UnsupportedModel(
                 f"model type {model_type!r}: attention layer types {sorted(unknown)} are not supported"
             )
 
-    def check_settings(self, config: PretrainedConfig, settings: PruneSettings) -> None:
+    def check_settings(self, model_config: PretrainedConfig, settings: PruneSettings) -> None:
         """Refuse (InvalidConfig), from the config alone, pruning settings the family cannot be pruned with; the
         LLaMA-layout families take them all but whole-expert removal, having no experts."""
         if settings.moe.prune_experts:
@@ -229,13 +229,15 @@ class Family:
     def prepare(self, model: PreTrainedModel) -> None:
         """Set the loaded model up for pruning (a mixture of experts: the experts' eager implementation)."""
 
-    def layer_types(self, config: PretrainedConfig) -> tuple[int | None, list[str]]:
+    def layer_types(self, model_config: PretrainedConfig) -> tuple[int | None, list[str]]:
         """The sliding window (None when no layer slides) and, per layer, "full_attention" or
         "sliding_attention", as the family's own modeling reads them. Llama has no `layer_types` and attends
         fully; a config that states `layer_types` (Qwen2/3 compute them from their own settings, the pruned
         config stores them) is followed."""
-        window = getattr(config, "sliding_window", None)
-        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        window = getattr(model_config, "sliding_window", None)
+        layer_types = list(
+            getattr(model_config, "layer_types", None) or ["full_attention"] * model_config.num_hidden_layers
+        )
         return (window if "sliding_attention" in layer_types else None), layer_types
 
     # ------------------------------------------------------------ the units
@@ -342,25 +344,25 @@ class Family:
 
     # ------------------------------------------------------------ the uniform shape: the family's own class
 
-    def check_plain_shape(self, config: PretrainedConfig, settings: PruneSettings) -> None:
+    def check_plain_shape(self, model_config: PretrainedConfig, settings: PruneSettings) -> None:
         """Refuse (InvalidConfig), from the config alone, a uniform-shape job whose result the family's own class
         cannot hold."""
         if settings.shape != UNIFORM_SHAPE or settings.compensation != MEAN_BIAS_COMPENSATION:
             return
         if not self.plain_bias_switches:
-            family = (config.architectures or [config.model_type])[0]
+            family = (model_config.architectures or [model_config.model_type])[0]
             raise InvalidConfig(
                 f"compensation: bias puts a bias on o_proj and down_proj, which {family} has not, so shape uniform "
                 "cannot save it as a plain checkpoint; use shape per_layer or another compensation"
             )
 
-    def allows_head_count(self, config: PretrainedConfig, heads: int) -> bool:
+    def allows_head_count(self, model_config: PretrainedConfig, heads: int) -> bool:
         """Whether the family's config accepts `heads` query heads."""
-        return heads > 0 and (not self.plain_heads_divide_hidden or config.hidden_size % heads == 0)
+        return heads > 0 and (not self.plain_heads_divide_hidden or model_config.hidden_size % heads == 0)
 
     def plain_config(
         self,
-        config: PretrainedConfig,
+        model_config: PretrainedConfig,
         *,
         heads: int,
         kv_heads: int,
@@ -370,13 +372,13 @@ class Family:
         mlp_bias: bool,
     ) -> PretrainedConfig:
         """The dense config with the pruned counts: same class, so the same model_type and architectures."""
-        settings = {k: v for k, v in config.to_dict().items() if k not in SOURCE_ONLY_KEYS}
+        settings = {k: v for k, v in model_config.to_dict().items() if k not in SOURCE_ONLY_KEYS}
         settings.update(
             num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=ffn_width, head_dim=head_dim
         )
         if self.plain_bias_switches:
             settings.update(attention_bias=attention_bias, mlp_bias=mlp_bias)
-        return type(config)(**settings)
+        return type(model_config)(**settings)
 
     # ------------------------------------------------------------ exports
 
@@ -384,33 +386,35 @@ class Family:
         """`pruned_layer_tensors`' tensors as the family's own class names them (the same for LLaMA)."""
         return tensors
 
-    def check_gguf(self, config: PretrainedConfig) -> None:
+    def check_gguf(self, model_config: PretrainedConfig) -> None:
         """Refuse (UnsupportedExport), from the config alone, a GGUF export of this family or of settings the
         GGUF writer (casp_core.artifacts.gguf.writer) cannot write."""
         if self.gguf is None:
-            raise UnsupportedExport(f"GGUF export: {self.name} (model type {config.model_type!r}): {self.gguf_refusal}")
-        activation = getattr(config, "hidden_act", "silu")
+            raise UnsupportedExport(
+                f"GGUF export: {self.name} (model type {model_config.model_type!r}): {self.gguf_refusal}"
+            )
+        activation = getattr(model_config, "hidden_act", "silu")
         if activation != "silu":
             raise UnsupportedExport(
-                f"GGUF export: activation {activation!r} of model type {config.model_type!r} "
+                f"GGUF export: activation {activation!r} of model type {model_config.model_type!r} "
                 "(llama.cpp's llama and deci use silu)"
             )
-        rope = getattr(config, "rope_parameters", None) or {}
+        rope = getattr(model_config, "rope_parameters", None) or {}
         if "full_attention" in rope:  # per layer type; the deci graph has one
             rope = rope["full_attention"]
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedExport(
-                f"GGUF export: model type {config.model_type!r} uses RoPE type {rope_type!r} with scaling, which "
+                f"GGUF export: model type {model_config.model_type!r} uses RoPE type {rope_type!r} with scaling, which "
                 "the GGUF writer does not write"
             )
-        if getattr(config, "qk_norm", False):
+        if getattr(model_config, "qk_norm", False):
             raise UnsupportedExport(
-                f"GGUF export: model type {config.model_type!r} has per-head q/k norms, which llama.cpp's deci "
+                f"GGUF export: model type {model_config.model_type!r} has per-head q/k norms, which llama.cpp's deci "
                 "architecture does not apply"
             )
 
-    def gguf_scales(self, config: PretrainedConfig) -> GgufScales:
+    def gguf_scales(self, model_config: PretrainedConfig) -> GgufScales:
         """What the GGUF writer multiplies into the weights so that llama.cpp computes what this family's own
         modeling computes; LLaMA's graph is llama.cpp's, so nothing."""
         return GgufScales()

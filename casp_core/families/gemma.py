@@ -44,11 +44,11 @@ class Gemma2(Family):
     gguf = None
     gguf_refusal = _GGUF_REFUSAL.format(arch="gemma2", cls="Gemma2ForCausalLM")
 
-    def check_config(self, config: PretrainedConfig) -> None:
-        super().check_config(config)
-        if getattr(config, "use_bidirectional_attention", None):
+    def check_config(self, model_config: PretrainedConfig) -> None:
+        super().check_config(model_config)
+        if getattr(model_config, "use_bidirectional_attention", None):
             raise UnsupportedModel(
-                f"model type {config.model_type!r}: use_bidirectional_attention (an encoder, not a causal LM) "
+                f"model type {model_config.model_type!r}: use_bidirectional_attention (an encoder, not a causal LM) "
                 "is not supported"
             )
 
@@ -64,14 +64,14 @@ class Gemma3Text(Gemma2):
     pruned_model_class = CaspGemma3ForCausalLM
     gguf_refusal = _GGUF_REFUSAL.format(arch="gemma3", cls="Gemma3ForCausalLM")
 
-    def check_config(self, config: PretrainedConfig) -> None:
-        super().check_config(config)
-        for layer_type, rope in (getattr(config, "rope_parameters", None) or {}).items():
+    def check_config(self, model_config: PretrainedConfig) -> None:
+        super().check_config(model_config)
+        for layer_type, rope in (getattr(model_config, "rope_parameters", None) or {}).items():
             rope_type = (rope or {}).get("rope_type", "default")
             if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
                 raise UnsupportedModel(
-                    f"model type {config.model_type!r}: rope type {rope_type!r} of the {layer_type} layers is not "
-                    "supported"
+                    f"model type {model_config.model_type!r}: rope type {rope_type!r} of the {layer_type} layers is "
+                    "not supported"
                 )
 
 

@@ -29,16 +29,18 @@ class Granite(Family):
     # GraniteConfig takes any head count with an explicit head_dim (its attention reads head_dim).
     plain_heads_divide_hidden = False
 
-    def gguf_scales(self, config: PretrainedConfig) -> GgufScales:
+    def gguf_scales(self, model_config: PretrainedConfig) -> GgufScales:
         """The embeddings times `embedding_multiplier`; q_proj's rows times `attention_multiplier * sqrt(head_dim)`
         (llama.cpp scales scores by 1/sqrt(head_dim), Granite by the multiplier; RoPE is linear in q); o_proj's and
         down_proj's weights and biases times `residual_multiplier`; the head divided by `logits_scaling`."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        )
         return GgufScales(
-            embedding=config.embedding_multiplier,
-            query=config.attention_multiplier * math.sqrt(head_dim),
-            sublayer_output=config.residual_multiplier,
-            logits=1.0 / config.logits_scaling,
+            embedding=model_config.embedding_multiplier,
+            query=model_config.attention_multiplier * math.sqrt(head_dim),
+            sublayer_output=model_config.residual_multiplier,
+            logits=1.0 / model_config.logits_scaling,
         )
 
 

@@ -15,10 +15,10 @@ class Mistral(Family):
     # MistralConfig takes any head count with an explicit head_dim.
     plain_heads_divide_hidden = False
 
-    def layer_types(self, config: PretrainedConfig) -> tuple[int | None, list[str]]:
+    def layer_types(self, model_config: PretrainedConfig) -> tuple[int | None, list[str]]:
         """Mistral's modeling slides on every layer when the config has a window, and ignores `layer_types`."""
-        window = getattr(config, "sliding_window", None)
-        return window, ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+        window = getattr(model_config, "sliding_window", None)
+        return window, ["sliding_attention" if window else "full_attention"] * model_config.num_hidden_layers
 
 
 MISTRAL = Mistral()

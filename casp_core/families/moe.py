@@ -149,21 +149,21 @@ class MixtureOfExperts(Family):
         "there; use the safetensors checkpoint"
     )
 
-    def check_config(self, config: PretrainedConfig) -> None:
-        super().check_config(config)
-        top_k, experts = config.num_experts_per_tok, self.num_experts(config)
+    def check_config(self, model_config: PretrainedConfig) -> None:
+        super().check_config(model_config)
+        top_k, experts = model_config.num_experts_per_tok, self.num_experts(model_config)
         if not 0 < top_k <= experts:
-            raise InvalidConfig(f"model type {config.model_type!r}: top-{top_k} routing over {experts} experts")
+            raise InvalidConfig(f"model type {model_config.model_type!r}: top-{top_k} routing over {experts} experts")
 
-    def num_experts(self, config: PretrainedConfig) -> int:
+    def num_experts(self, model_config: PretrainedConfig) -> int:
         """The routed experts of each layer (a shared expert apart)."""
-        return getattr(config, self.expert_count_key)
+        return getattr(model_config, self.expert_count_key)
 
-    def expert_width(self, config: PretrainedConfig) -> int:
+    def expert_width(self, model_config: PretrainedConfig) -> int:
         """One expert's FFN width in the dense config."""
-        return getattr(config, self.expert_width_key)
+        return getattr(model_config, self.expert_width_key)
 
-    def shared_expert_width(self, config: PretrainedConfig) -> int:
+    def shared_expert_width(self, model_config: PretrainedConfig) -> int:
         """The FFN width of the expert every token goes through (Qwen2-MoE's), 0 where there is none."""
         return 0
 
@@ -172,7 +172,7 @@ class MixtureOfExperts(Family):
         computes in: the eager loop over experts computes the same products."""
         model.set_experts_implementation("eager")
 
-    def check_settings(self, config: PretrainedConfig, settings: PruneSettings) -> None:
+    def check_settings(self, model_config: PretrainedConfig, settings: PruneSettings) -> None:
         refused = {
             "alpha": settings.alpha == "auto",
             "compensation": settings.compensation in (MEAN_BIAS_COMPENSATION, DENSE_TARGET_COMPENSATION),
@@ -191,7 +191,11 @@ class MixtureOfExperts(Family):
                 "the nn.Linear layers compressed-tensors quantizes, so only attention would be quantized; leave "
                 "quantization at none (docs/moe.md)"
             )
-        removed, experts, top_k = settings.moe.prune_experts, self.num_experts(config), config.num_experts_per_tok
+        removed, experts, top_k = (
+            settings.moe.prune_experts,
+            self.num_experts(model_config),
+            model_config.num_experts_per_tok,
+        )
         if experts - removed < top_k:
             raise InvalidConfig(
                 f"moe.prune_experts: removing {removed} of the {experts} experts of every layer leaves fewer than the "
@@ -253,14 +257,14 @@ class MixtureOfExperts(Family):
             if index not in pruning.removed_experts
         )
 
-    def stored_count_key(self, config: PretrainedConfig) -> str:
+    def stored_count_key(self, model_config: PretrainedConfig) -> str:
         """The key `to_dict` writes the experts' count under (Qwen3MoeConfig maps `num_experts` to
         `num_local_experts`), which the pruned config's settings must set."""
-        return config.attribute_map.get(self.expert_count_key, self.expert_count_key)
+        return model_config.attribute_map.get(self.expert_count_key, self.expert_count_key)
 
-    def routed_count(self, config: PretrainedConfig, widths: list) -> int:
+    def routed_count(self, model_config: PretrainedConfig, widths: list) -> int:
         """The routed experts each layer of `widths` (kept_width's) keeps: the same in every layer."""
-        shared = self.shared_expert_width(config) > 0
+        shared = self.shared_expert_width(model_config) > 0
         counts = {len(layer_widths) - shared for layer_widths in widths}
         if len(counts) != 1:
             raise VerificationFailed(f"the pruning left layers with different numbers of experts: {sorted(counts)}")
@@ -284,7 +288,7 @@ class MixtureOfExperts(Family):
 
     def plain_config(
         self,
-        config: PretrainedConfig,
+        model_config: PretrainedConfig,
         *,
         heads: int,
         kv_heads: int,
@@ -296,18 +300,18 @@ class MixtureOfExperts(Family):
         """The dense config with the routed experts' kept width; attention, the router and a shared expert as they
         were."""
         layer_widths = ffn_width if isinstance(ffn_width, tuple) else (ffn_width,)
-        shared = self.shared_expert_width(config)
+        shared = self.shared_expert_width(model_config)
         if shared:
             layer_widths, shared_kept = layer_widths[:-1], layer_widths[-1]
             if shared_kept != shared:
                 raise VerificationFailed("the uniform shape pruned the shared expert, which it keeps whole")
         widths = set(layer_widths)
-        if len(widths) != 1 or heads != config.num_attention_heads:
+        if len(widths) != 1 or heads != model_config.num_attention_heads:
             raise VerificationFailed("the uniform shape left experts of different widths or removed heads")
-        settings = {k: v for k, v in config.to_dict().items() if k not in SOURCE_ONLY_KEYS}
+        settings = {k: v for k, v in model_config.to_dict().items() if k not in SOURCE_ONLY_KEYS}
         settings[self.expert_width_key] = widths.pop()
-        settings[self.stored_count_key(config)] = self.routed_count(config, [ffn_width])
-        return type(config)(**settings)
+        settings[self.stored_count_key(model_config)] = self.routed_count(model_config, [ffn_width])
+        return type(model_config)(**settings)
 
     def plain_layer_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The experts' kept weights stacked into the family's 3-D parameters (all alike in the uniform shape)."""

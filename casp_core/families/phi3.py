@@ -88,10 +88,10 @@ class Phi3(Family):
             down=mlp.down_proj,
         )
 
-    def layer_types(self, config: PretrainedConfig) -> tuple[int | None, list[str]]:
+    def layer_types(self, model_config: PretrainedConfig) -> tuple[int | None, list[str]]:
         """Phi-3's modeling slides on every layer when the config has a window (Phi-3-mini-4k: 2047)."""
-        window = getattr(config, "sliding_window", None)
-        return window, ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+        window = getattr(model_config, "sliding_window", None)
+        return window, ["sliding_attention" if window else "full_attention"] * model_config.num_hidden_layers
 
     def pruned_config(
         self, model: PreTrainedModel, kv_maps: list[list[int]], widths: list[int], head_dim: int
@@ -133,17 +133,17 @@ class Phi3(Family):
             **self.whole_parameters(layer),
         }
 
-    def allows_head_count(self, config: PretrainedConfig, heads: int) -> bool:
+    def allows_head_count(self, model_config: PretrainedConfig, heads: int) -> bool:
         """Phi3Config checks longrope's factors against (hidden_size // heads) * partial_rotary_factor / 2 rotary
         frequencies, whatever head_dim says: with factors, only head counts that keep that number."""
-        rope = getattr(config, "rope_parameters", None) or {}
+        rope = getattr(model_config, "rope_parameters", None) or {}
         if heads <= 0:
             return False
         if rope.get("short_factor") is None and rope.get("long_factor") is None:
             return True
         factor = rope.get("partial_rotary_factor", 1.0)
-        rotary = int(config.hidden_size // heads * factor)
-        return rotary // 2 == int(config.hidden_size // config.num_attention_heads * factor) // 2
+        rotary = int(model_config.hidden_size // heads * factor)
+        return rotary // 2 == int(model_config.hidden_size // model_config.num_attention_heads * factor) // 2
 
     def unfused_rows(
         self, heads: int, kv_heads: int, ffn_width: int, head_dim: int
@@ -158,19 +158,19 @@ class Phi3(Family):
             "mlp.up_proj.weight": (f"{GATE_UP}.weight", (ffn_width, 2 * ffn_width)),
         }
 
-    def check_gguf(self, config: PretrainedConfig) -> None:
+    def check_gguf(self, model_config: PretrainedConfig) -> None:
         """The deci architecture rotates whole heads with plain RoPE: partial rotary and longrope are refused by
         name; the rest as the base checks it."""
-        rope = getattr(config, "rope_parameters", None) or {}
+        rope = getattr(model_config, "rope_parameters", None) or {}
         if rope.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("rope_type", "default") != "default":
             raise UnsupportedExport(
-                f"GGUF export: {self.name} (model type {config.model_type!r}) with "
+                f"GGUF export: {self.name} (model type {model_config.model_type!r}) with "
                 f"partial_rotary_factor {rope.get('partial_rotary_factor', 1.0)} and RoPE type "
                 f"{rope.get('rope_type', 'default')!r}: llama.cpp's deci architecture, the one that takes per-layer "
                 "head counts, rotates whole heads with plain RoPE, and its phi3 architecture cannot take pruned "
                 "heads; use the safetensors checkpoint"
             )
-        super().check_gguf(config)
+        super().check_gguf(model_config)
 
 
 PHI3 = Phi3()

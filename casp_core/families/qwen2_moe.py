@@ -25,8 +25,8 @@ class Qwen2Moe(MixtureOfExperts):
     # The shared expert is a dense MLP of nn.Linear projections named as LLaMA's: LoRA adapts them as modules.
     lora_targets = Family.lora_targets
 
-    def shared_expert_width(self, config: PretrainedConfig) -> int:
-        return config.shared_expert_intermediate_size
+    def shared_expert_width(self, model_config: PretrainedConfig) -> int:
+        return model_config.shared_expert_intermediate_size
 
     def width_settings(self, widths: list[tuple[int, ...]]) -> dict[str, list]:
         """The routed experts' widths and, apart, the shared expert's (the last of each layer's widths)."""
@@ -35,11 +35,11 @@ class Qwen2Moe(MixtureOfExperts):
             "layer_shared_expert_intermediate_sizes": [layer_widths[-1] for layer_widths in widths],
         }
 
-    def check_config(self, config: PretrainedConfig) -> None:
-        super().check_config(config)
-        if config.mlp_only_layers or config.decoder_sparse_step != 1:
+    def check_config(self, model_config: PretrainedConfig) -> None:
+        super().check_config(model_config)
+        if model_config.mlp_only_layers or model_config.decoder_sparse_step != 1:
             raise UnsupportedModel(
-                f"model type {config.model_type!r}: dense MLP layers among the mixture-of-experts layers "
+                f"model type {model_config.model_type!r}: dense MLP layers among the mixture-of-experts layers "
                 "(mlp_only_layers, decoder_sparse_step) are not supported"
             )
 

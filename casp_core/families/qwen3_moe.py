@@ -20,11 +20,11 @@ class Qwen3Moe(MixtureOfExperts):
 
     expert_width_key = "moe_intermediate_size"
 
-    def check_config(self, config: PretrainedConfig) -> None:
-        super().check_config(config)
-        if config.mlp_only_layers or config.decoder_sparse_step != 1:
+    def check_config(self, model_config: PretrainedConfig) -> None:
+        super().check_config(model_config)
+        if model_config.mlp_only_layers or model_config.decoder_sparse_step != 1:
             raise UnsupportedModel(
-                f"model type {config.model_type!r}: dense MLP layers among the mixture-of-experts layers "
+                f"model type {model_config.model_type!r}: dense MLP layers among the mixture-of-experts layers "
                 "(mlp_only_layers, decoder_sparse_step) are not supported"
             )
 

@@ -93,25 +93,25 @@ class ModelShape:
         return cls.from_config(model.config, dtype_bytes=model.dtype.itemsize, eager_attention=eager)
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig, *, dtype_bytes: int, eager_attention: bool) -> "ModelShape":
+    def from_config(cls, model_config: PretrainedConfig, *, dtype_bytes: int, eager_attention: bool) -> "ModelShape":
         """A checkpoint's shapes without its weights (bench/device_memory.py: models this machine cannot load)."""
-        heads = config.num_attention_heads
-        family = family_of(config)
-        experts = family.num_experts(config) if family.has_experts else 0
+        heads = model_config.num_attention_heads
+        family = family_of(model_config)
+        experts = family.num_experts(model_config) if family.has_experts else 0
         return cls(
-            hidden=config.hidden_size,
-            intermediate=family.expert_width(config) if experts else config.intermediate_size,
+            hidden=model_config.hidden_size,
+            intermediate=family.expert_width(model_config) if experts else model_config.intermediate_size,
             heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            layers=config.num_hidden_layers,
-            vocab=config.vocab_size,
-            tied_head=bool(config.tie_word_embeddings),
+            kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(model_config, "head_dim", None) or model_config.hidden_size // heads,
+            layers=model_config.num_hidden_layers,
+            vocab=model_config.vocab_size,
+            tied_head=bool(model_config.tie_word_embeddings),
             dtype_bytes=dtype_bytes,
             eager_attention=eager_attention,
             experts=experts,
-            shared_expert=family.shared_expert_width(config) if family.has_experts else 0,
-            experts_per_token=config.num_experts_per_tok if family.has_experts else 0,
+            shared_expert=family.shared_expert_width(model_config) if family.has_experts else 0,
+            experts_per_token=model_config.num_experts_per_tok if family.has_experts else 0,
         )
 
     def layer_parameters(self) -> int:

@@ -24,10 +24,10 @@ from casp_core.model import attention_geometry, decoder_layers
 from casp_core.settings import MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig, fixed_alpha
 
 
-def meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The model of `config` without weights: its modules and shapes, for the budget plan."""
+def meta_model(model_config: PretrainedConfig) -> PreTrainedModel:
+    """The model of `model_config` without weights: its modules and shapes, for the budget plan."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(model_config)
 
 
 def estimated_ratios(n_layers: int, config: PruneConfig) -> list[float]:
