@@ -92,12 +92,15 @@ def resolve_model(body: JobCreate, settings: Settings, session: SessionDep, call
             ) from exc
     elif is_local_reference(model):  # a GGUF file in a bucket is no local one, though its name says .gguf
         try:
-            # What the job would refuse from the model's config (casp_core.job.plan) is refused now, with the
-            # job's message: an unsupported family, an export it cannot take (unsupported_export, under `export`),
-            # settings it is not pruned with, a ratio it cannot reach, a quantization its widths cannot take,
-            # recovery windows longer than its context, a budget no candidate meets (a hub model's, when the job
-            # starts).
-            plan_job(PruneConfig.from_dict(body.settings()), load_config(model))
+            # An unsupported family is refused now (load_config), not after the worker loads it. With a ratio or
+            # a target, what the job would refuse from the model's config (casp_core.job.plan) is refused too, with
+            # the job's message: an export the family cannot take (unsupported_export, under `export`), settings
+            # it is not pruned with, a ratio it cannot reach, a quantization its widths cannot take, recovery
+            # windows longer than its context, a budget no candidate meets (a hub model's, when the job starts).
+            # `model` alone (POST /v1/models/check from the console's model field) checks the model by itself.
+            model_config = load_config(model)
+            if body.ratio is not None or body.target is not None:
+                plan_job(PruneConfig.from_dict(body.settings()), model_config)
         except (InvalidConfig, InvalidDataset) as exc:  # both name the setting first
             field, _, reason = exc.message.partition(": ")
             raise invalid(tuple(field.split(".")), reason or exc.message) from exc
