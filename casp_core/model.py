@@ -127,10 +127,11 @@ def _first_line(error: Exception) -> str:
 
 
 def load_config(name_or_path: str, *, revision: str | None = None) -> PretrainedConfig:
-    """The model's config, checked by `check_supported_config`; a config that cannot be read is `model_not_found`. A
-    GGUF file's comes from its header, which is checked first (casp_core.artifacts.gguf.source)."""
+    """The model's config, checked by `check_supported_config`; a reference that names no model
+    (`check_model_reference`) or a config that cannot be read is `model_not_found`. A GGUF file's comes from its
+    header, which is checked first (casp_core.artifacts.gguf.source)."""
+    check_model_reference(name_or_path)
     if is_gguf_reference(name_or_path):
-        check_model_reference(name_or_path)
         config = gguf_config(Path(name_or_path).expanduser())
         check_supported_config(config)
         return config
