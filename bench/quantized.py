@@ -2,24 +2,22 @@
 and pruned, measured in the engine that serves the file, and what pruning buys in llama.cpp's speed.
 
 Quality: ptbwiki-7M and stories260K, dense and pruned at `--ratios` (the job's defaults: per_layer shape, gradient
-allocation, greedy, least-squares compensation; calibration as bench/quality.py: ptb:train, 16 x 128 tokens,
-seed 0, shared by all ratios of a model). A job that exports a quantized GGUF rounds its widths to the type's
-block (`round_to: auto`), so ptbwiki-7M is pruned once per block family and ratio: with `gguf_type: q8_0` (FFN
-widths in multiples of 32) for f16, q8_0 and q4_0, and with `gguf_type: q4_k_m` (multiples of 256, heads in
-multiples of 8 where one head's move allows it) for f16, q6_k, q5_k_m and q4_k_m. stories260K (hidden 64, below
-the K-quants' block of 256, which casp refuses) gets the 32 family only. Each file is written by
-casp_core.artifacts.gguf.writer.export_gguf and measured by casp_core.artifacts.gguf.engine.measure_gguf: llama.cpp
-perplexity at one
-thread on the first `--eval-windows` windows of `--eval-seq-len` tokens of WikiText-2 test and PTB test, the
-same windows for every row of a model; the checkpoint's own transformers perplexity on them is beside it.
+allocation, greedy, least-squares compensation; calibration as bench/quality.py: ptb:train, 16 x 128 tokens, seed 0,
+shared by all ratios of a model). A job that exports a quantized GGUF rounds its widths to the type's block (`round_to:
+auto`), so ptbwiki-7M is pruned once per block family and ratio: with `gguf_type: q8_0` (FFN widths in multiples of 32)
+for f16, q8_0 and q4_0, and with `gguf_type: q4_k_m` (multiples of 256, heads in multiples of 8 where one head's move
+allows it) for f16, q6_k, q5_k_m and q4_k_m. stories260K (hidden 64, below the K-quants' block of 256, which casp
+refuses) gets the 32 family only. Each file is written by casp_core.artifacts.gguf.writer.export_gguf and measured by
+casp_core.artifacts.gguf.engine.measure_gguf: llama.cpp perplexity at one thread on the first `--eval-windows` windows
+of `--eval-seq-len` tokens of WikiText-2 test and PTB test, the same windows for every row of a model; the checkpoint's
+own transformers perplexity on them is beside it.
 The compressed-tensors rows are read from bench/results/compressed_tensors.json (its own settings, recorded).
 
 Speed: llama.cpp prefill and decode tokens/s at one thread (casp_core.artifacts.gguf.engine.engine_speed,
-`--speed-repeats`
-timed runs after one untimed) on a random-initialised LLaMA of Llama-3.2-1B's shape. Speed depends only on the
-shapes, so instead of pruning a random model the bench builds, for each ratio, the uniform-shape checkpoint
-whose heads and FFN width are those casp's uniform shape keeps at that ratio for a K-quant GGUF (whole blocks of
-256 FFN channels, o_proj rows a multiple of 256): `casp_core.method.budget.plan_uniform_shape`.
+`--speed-repeats` timed runs after one untimed) on a random-initialised LLaMA of Llama-3.2-1B's shape. Speed depends
+only on the shapes, so instead of pruning a random model the bench builds, for each ratio, the uniform-shape checkpoint
+whose heads and FFN width are those casp's uniform shape keeps at that ratio for a K-quant GGUF (whole blocks of 256 FFN
+channels, o_proj rows a multiple of 256): `casp_core.method.budget.plan_uniform_shape`.
 
 Writes bench/results/quantized.json, quantized.md and quantized.png.
 """

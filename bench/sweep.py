@@ -1,7 +1,6 @@
 """The cost of a sweep of ratios: k ratios through `casp_core.job.sweep.shared_pass.prune_ratios` (the windows, the
-sensitivities
-S_l and the first layer's inputs once; in dense calibration each layer's statistics and Q once too) against k
-separate prunes (`prune`, each with its own calibration text, sensitivities and statistics).
+sensitivities S_l and the first layer's inputs once; in dense calibration each layer's statistics and Q once too)
+against k separate prunes (`prune`, each with its own calibration text, sensitivities and statistics).
 
 Issue 23's goal: k ratios in dense mode cost at most 1 + 0.35 (k - 1) single prunes (k = 6: 0.1 to 0.6), on
 ptbwiki-7M and on a 1B-class random LLaMA (bench/memory.py's shape, bfloat16, written with `save_pretrained`:

@@ -1,7 +1,6 @@
 """The steps a job is made of, shared by the single-ratio job (casp_core.job.run) and the sweep
-(casp_core.job.sweep.run):
-the staging directory, loading and checking the dense model, reading the texts, what a retry keeps, writing the
-checkpoint with its exports, and the report with the model card."""
+(casp_core.job.sweep.run): the staging directory, loading and checking the dense model, reading the texts, what a
+retry keeps, writing the checkpoint with its exports, and the report with the model card."""
 
 import shutil
 from collections.abc import Callable, Iterator
@@ -28,8 +27,7 @@ from casp_core.method.calibration import calibration_windows
 from casp_core.model import decoder_layers, load_model
 from casp_core.recovery.data import TrainingData, load_training_data
 from casp_core.recovery.teacher import TEACHER_FILE
-from casp_core.recovery.train import ADAPTER_DIR, RecoveryResult
-from casp_core.recovery.train import STATE_FILE as TRAINING_STATE_FILE
+from casp_core.recovery.train import ADAPTER_DIR, STATE_FILE, RecoveryResult
 from casp_core.report.build import build_report, write_report
 from casp_core.report.model_card import write_model_card
 from casp_core.report.plots import write_plots
@@ -79,7 +77,7 @@ class Pruned:
 SWEEP_STATE_FILE = "sweep-state.json"  # a sweep's candidates measured so far (casp_core.job.sweep.run)
 # What a retry resumes from, in the retry state's folder: the pruned model's snapshot, recovery's training state, a
 # sweep's state and the teacher's cache. The worker stores each save and restores them for the next attempt.
-RETRY_FILES = (SNAPSHOT_FILE, TRAINING_STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE)
+RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE)
 
 
 @dataclass
