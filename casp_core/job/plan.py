@@ -18,7 +18,7 @@ Checked where they run, because they need more than the config:
 
 from dataclasses import dataclass
 
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.artifacts.compressed_tensors.quantize import check_quantization
 from casp_core.families import check_export, family_of
@@ -37,9 +37,10 @@ class JobPlan:
     candidates: tuple[Candidate, ...]  # a budget's, sized from the config; () for a single ratio
 
 
-def plan_job(settings: PruneConfig, model_config: PretrainedConfig) -> JobPlan:
+def plan_job(settings: PruneConfig, model_config: PretrainedConfig, model: PreTrainedModel | None = None) -> JobPlan:
     """The job `settings` asks for on a model of `model_config`, or the first refusal (InvalidConfig, whose message
-    names the setting first; UnsupportedModel or UnsupportedExport for the model)."""
+    names the setting first; UnsupportedModel or UnsupportedExport for the model). The reach is checked on `model`
+    where the job has loaded it, else on a model of `model_config` built on the meta device."""
     settings.validate()
     family = family_of(model_config)
     check_export(model_config, settings.export)
@@ -51,6 +52,6 @@ def plan_job(settings: PruneConfig, model_config: PretrainedConfig) -> JobPlan:
     if settings.is_sweep:
         candidates = tuple(sweep_candidates(model_config, settings))  # each one's reach and quantization too
     else:
-        check_reachable(meta_model(model_config), settings)
+        check_reachable(model if model is not None else meta_model(model_config), settings)
         candidates = ()
     return JobPlan(settings, job_stages(settings), candidates)

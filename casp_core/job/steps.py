@@ -139,7 +139,7 @@ def check_gguf_tokenizer(model: str, dense: PreTrainedModel, tokenizer: PreTrain
 def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> None:
     """Refuses, before any work, what the API and the command line refuse (`plan_job`, on the loaded model's
     config); warns of a rounding that forfeits the speedup or forces fallback types (once per warning)."""
-    plan_job(config, dense.config)
+    plan_job(config, dense.config, dense)
     widths = [projections(layer).down.in_features for layer in decoder_layers(dense)]
     for warning in (
         speed_warning(widths, config.round_to),
