@@ -21,20 +21,50 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.artifacts.compressed_tensors.quantize import check_quantization
+from casp_core.errors import InvalidConfig
 from casp_core.families import check_export, family_of
 from casp_core.job.stages import Stage, job_stages
-from casp_core.job.sweep.candidates import Candidate, sweep_candidates
+from casp_core.job.sweep.candidates import (
+    DEFAULT_GGUF_TYPES,
+    DEFAULT_QUANTIZATIONS,
+    GGUF,
+    Candidate,
+    Estimator,
+    nothing_fits,
+    sweep_format,
+    within_target,
+)
 from casp_core.job.sweep.shapes import meta_model
 from casp_core.method.budget import check_reachable
 from casp_core.recovery.data import check_length
-from casp_core.settings import PruneConfig
+from casp_core.settings import PruneConfig, PruneSettings
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """A budget's sweep: the format it writes, the candidates that fit the budget by the sizes estimated from the
+    config, and the dense model in each variant of the format the model takes (ratio 0.0: the curve's reference
+    points, measured whatever their size)."""
+
+    format: str  # "gguf" | "safetensors"
+    candidates: tuple[Candidate, ...]  # by ratio, then variant as given
+    dense_points: tuple[Candidate, ...]
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The GGUF types or quantization schemes, in the order given."""
+        return tuple(point.variant for point in self.dense_points)
 
 
 @dataclass(frozen=True)
 class JobPlan:
     settings: PruneConfig
     stages: tuple[Stage, ...]  # what the job will report, in order
-    candidates: tuple[Candidate, ...]  # a budget's, sized from the config; () for a single ratio
+    sweep: SweepPlan | None  # a budget's; None for a single ratio
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        return () if self.sweep is None else self.sweep.candidates
 
 
 def plan_job(settings: PruneConfig, model_config: PretrainedConfig, model: PreTrainedModel | None = None) -> JobPlan:
@@ -50,8 +80,65 @@ def plan_job(settings: PruneConfig, model_config: PretrainedConfig, model: PreTr
     if settings.recovery.enabled:
         check_length(settings.recovery.max_seq_len, model_config.max_position_embeddings)
     if settings.is_sweep:
-        candidates = tuple(sweep_candidates(model_config, settings))  # each one's reach and quantization too
+        sweep = plan_sweep(model_config, settings)
     else:
         check_reachable(model if model is not None else meta_model(model_config), settings)
-        candidates = ()
-    return JobPlan(settings, job_stages(settings), candidates)
+        sweep = None
+    return JobPlan(settings, job_stages(settings), sweep)
+
+
+def plan_sweep(model_config: PretrainedConfig, settings: PruneSettings) -> SweepPlan:
+    """The sweep of a job with a target: every (ratio, variant) whole units reach, ordered by ratio then variant,
+    without those a bytes or parameters budget excludes by estimate; InvalidConfig naming the budget and the
+    smallest size reachable when none is left."""
+    assert settings.target is not None, "only a job with a target sweeps"
+    estimator, fmt = Estimator(model_config, settings), sweep_format(settings)
+    variants = sweep_variants(model_config, settings)
+    candidates = [
+        estimator.candidate(ratio, fmt, variant)
+        for ratio in sorted(settings.ratios)
+        for variant in variants
+        if _reaches(estimator, ratio, fmt, variant)
+    ]
+    if not candidates:
+        raise InvalidConfig(
+            f"ratios: whole heads and FFN channels within r_max = {settings.r_max} reach none of "
+            f"{', '.join(map(str, sorted(settings.ratios)))} on this model (ask for less, or raise r_max)"
+        )
+    fitting = [c for c in candidates if within_target(c.estimated_bytes, c.estimated_params, settings.target)]
+    if not fitting:
+        raise InvalidConfig(nothing_fits(candidates, settings.target))
+    dense = tuple(estimator.candidate(0.0, fmt, variant) for variant in variants)
+    return SweepPlan(fmt, tuple(fitting), dense)
+
+
+def _reaches(estimator: Estimator, ratio: float, fmt: str, variant: str) -> bool:
+    """Whether whole units within r_max reach `ratio` under the rounding the variant asks for."""
+    try:
+        check_reachable(estimator.model, estimator.candidate_config(ratio, fmt, variant))
+    except InvalidConfig:
+        return False
+    return True
+
+
+def sweep_variants(model_config: PretrainedConfig, settings: PruneSettings) -> list[str]:
+    """The variants of the sweep's format: the ones asked for, each checked against the model; by default those of
+    the defaults the model's widths take (every GGUF type: llama.cpp quantizes any width, with its fallbacks)."""
+    if sweep_format(settings) == GGUF:
+        check_export(model_config, [GGUF])
+        return list(settings.gguf_types or DEFAULT_GGUF_TYPES)
+    if settings.quantizations is None:
+        return [scheme for scheme in DEFAULT_QUANTIZATIONS if _refusal(model_config, settings, scheme) is None]
+    for scheme in settings.quantizations:
+        if (refused := _refusal(model_config, settings, scheme)) is not None:
+            raise InvalidConfig(f"quantizations: {refused}")
+    return list(settings.quantizations)
+
+
+def _refusal(model_config: PretrainedConfig, settings: PruneSettings, scheme: str) -> str | None:
+    """Why this model's widths cannot take the compressed-tensors `scheme`, or None."""
+    try:
+        check_quantization(model_config, settings.model_copy(update={"quantization": scheme}))
+    except InvalidConfig as refused:
+        return refused.message.partition(": ")[2] or refused.message
+    return None

@@ -115,7 +115,8 @@ def layer_plan(
 
 
 def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
-    """Refuse, before any work, a ratio that whole heads and channels within r_max cannot reach."""
+    """Refuse, before any work, a ratio that whole heads and channels within r_max cannot reach (casp_core.job.plan
+    calls it for every job, on a model built on the meta device when no weights are loaded)."""
     family_of(model.config).check_settings(model.config, config)
     if config.shape == UNIFORM_SHAPE:
         plan_uniform_shape(model, config)  # refuses what the uniform shape cannot reach or save
@@ -126,20 +127,25 @@ def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
         counts = layer_channel_counts(layer, config, block)
         cap = heads_cap(model, attention_geometry(model, layer), config.r_max)
         most += layer_plan(model, layer, cap, counts, config.r_max).most_removed
+    if config.ratio > most / prunable_parameters(model) + 1e-9:
+        raise unreachable(model, config, most)
+
+
+def unreachable(model: PreTrainedModel, config: PruneConfig, most: int) -> InvalidConfig:
+    """The refusal of `config.ratio` where the layers remove at most `most` parameters."""
     reachable = most / prunable_parameters(model)
-    if config.ratio > reachable + 1e-9:
-        rounding = f" and round_to = {config.round_to}" if config.round_to != 1 else ""
-        family = family_of(model.config)
-        units = (
-            "whole heads and FFN channels"
-            if family.prunes_heads
-            else f"FFN channels alone ({family.name} keeps attention whole)"
-        )
-        raise InvalidConfig(
-            f"ratio: {config.ratio} cannot be reached on this model: {units}, at most "
-            f"r_max = {config.r_max} of each layer's{rounding}, remove at most {math.floor(reachable * 1e4) / 1e4} "
-            "of the decoder layers' parameters (ask for that or less, or raise r_max)"
-        )
+    rounding = f" and round_to = {config.round_to}" if config.round_to != 1 else ""
+    family = family_of(model.config)
+    units = (
+        "whole heads and FFN channels"
+        if family.prunes_heads
+        else f"FFN channels alone ({family.name} keeps attention whole)"
+    )
+    return InvalidConfig(
+        f"ratio: {config.ratio} cannot be reached on this model: {units}, at most "
+        f"r_max = {config.r_max} of each layer's{rounding}, remove at most {math.floor(reachable * 1e4) / 1e4} "
+        "of the decoder layers' parameters (ask for that or less, or raise r_max)"
+    )
 
 
 def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig) -> BudgetPlan:
@@ -185,7 +191,9 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
             index = spared.index(True)
             spared[index] = False
         else:
-            break  # unreachable: check_reachable refuses such a ratio before any work
+            # Every layer at r_max: the plan refused the job before any work (check_reachable); this is a caller
+            # of `prune` that did not plan, told the same after its calibration.
+            raise unreachable(model, config, sum(plan.most_removed for plan in plans))
         plans[index] = plan_of(index)
     return BudgetPlan(target, tuple(plans))
 

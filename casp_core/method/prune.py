@@ -19,7 +19,6 @@ from casp_core.method.budget import (
     BudgetPlan,
     UniformShape,
     channel_params,
-    check_reachable,
     plan_budget,
     plan_uniform_shape,
     rounding_units,
@@ -391,10 +390,15 @@ def prune(
     error); offloaded, one decoder layer (or the embedding, or the final norm and head) is there at a time. Surgery
     and verification start from the CPU either way (verification copies one layer of each model at a time), and
     both the masked and the pruned model are returned there.
+
+    A job's settings were checked against the model before any work (casp_core.job.plan.plan_job, for the API, the
+    command line and the job alike). Called directly, `prune` checks what a family refuses, and refuses a ratio
+    whole heads and channels cannot reach when it plans the budget (InvalidConfig, plan_job's message).
     """
     config.validate()
-    check_reachable(model, config)
-    family_of(model.config).prepare(model)
+    family = family_of(model.config)
+    family.check_settings(model.config, config)
+    family.prepare(model)
     run = run or Run()
     placement = place(model, config, run, placement)
     if windows is None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from casp_core.job.sweep.candidates import sweep_candidates
+from casp_core.job.plan import plan_sweep
 from casp_core.model import load_config
 from casp_core.settings import PruneConfig
 from tests.api.test_api import refusal
@@ -57,7 +57,7 @@ def smallest(target: dict[str, Any], measure: str) -> tuple[int, str]:
     settings = PruneConfig.from_dict(
         {**{k: v for k, v in SWEEP.items() if k not in ("model", "device")}, "target": target}
     )
-    candidates = sweep_candidates(load_config(str(DEMO_MODEL)), settings)
+    candidates = list(plan_sweep(load_config(str(DEMO_MODEL)), settings).candidates)
     best = min(candidates, key=lambda c: (getattr(c, measure), c.ratio))
     named = best.variant if best.format == "gguf" else f"safetensors {best.variant}"
     return getattr(best, measure), f"ratio {best.ratio}, {named}"

@@ -26,6 +26,13 @@ PARKED = {**SMALL_JOB, "device": "cuda"}  # the queue no test worker consumes, s
         ({"ratio": 0.88}, ["--ratio", "0.88"], "ratio", "at most 0.8785 of the decoder"),
         # w4a16's groups of 32 do not divide stories260K's head_dim of 8.
         ({"quantization": "w4a16"}, ["--ratio", "0.3", "--quantization", "w4a16"], "quantization", "head_dim is 8"),
+        # A budget no candidate meets, by the sizes the sweep's plan estimates from the config.
+        (
+            {"ratio": None, "target": {"max_bytes": 1000}},
+            ["--target-bytes", "1000"],
+            "target.max_bytes",
+            "no candidate fits in 1000 bytes: the smallest reachable is",
+        ),
     ],
 )
 def test_the_api_the_command_line_and_a_job_refuse_alike(

@@ -4,21 +4,19 @@ dense model's config before any statistics (casp_core.job.sweep.shapes).
 A job with `target` prunes at each of `ratios` and writes each pruned model in each variant of the sweep's format:
 GGUF types (`gguf_types`) or compressed-tensors schemes for safetensors (`quantizations`). A bytes or parameters
 budget leaves out, before any work, the candidates whose estimate exceeds it; none left is refused, naming the
-smallest size reachable. The dense model in each variant is a reference point of the curve.
+smallest size reachable. The dense model in each variant is a reference point of the curve. Which variants the
+model takes and which ratios whole units reach is the plan's to check (casp_core.job.plan.plan_sweep); this module
+sizes what it admits.
 """
 
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from casp_core.artifacts.compressed_tensors.quantize import check_quantization
 from casp_core.artifacts.compressed_tensors.size import safetensors_bytes
 from casp_core.artifacts.gguf.size import gguf_bytes
 from casp_core.artifacts.shapes import Geometry
-from casp_core.errors import InvalidConfig
-from casp_core.families import check_export
 from casp_core.job.sweep.shapes import meta_model, planned_shape
-from casp_core.method.budget import check_reachable
 from casp_core.settings import PruneConfig, PruneSettings, TargetConfig
 
 GGUF = "gguf"
@@ -44,41 +42,6 @@ def sweep_format(settings: PruneSettings) -> str:
     return GGUF if settings.exports_gguf else SAFETENSORS
 
 
-def sweep_variants(model_config: PretrainedConfig, settings: PruneSettings) -> list[str]:
-    """The variants of the sweep's format: the ones asked for, each checked against the model; by default those of
-    the defaults the model's widths take (every GGUF type: llama.cpp quantizes any width, with its fallbacks)."""
-    if sweep_format(settings) == GGUF:
-        check_export(model_config, [GGUF])
-        return _variants(model_config, settings, "gguf_types", settings.gguf_types, DEFAULT_GGUF_TYPES)
-    return _variants(model_config, settings, "quantizations", settings.quantizations, DEFAULT_QUANTIZATIONS)
-
-
-def _variants(
-    model_config: PretrainedConfig,
-    settings: PruneSettings,
-    name: str,
-    asked: list[str] | None,
-    default: tuple[str, ...],
-) -> list[str]:
-    if asked is None:
-        return [variant for variant in default if _refusal(model_config, settings, name, variant) is None]
-    for variant in asked:
-        if (refused := _refusal(model_config, settings, name, variant)) is not None:
-            raise InvalidConfig(f"{name}: {refused}")
-    return list(asked)
-
-
-def _refusal(model_config: PretrainedConfig, settings: PruneSettings, name: str, variant: str) -> str | None:
-    """Why this model cannot be written in `variant`, or None."""
-    if name == "gguf_types":
-        return None
-    try:
-        check_quantization(model_config, settings.model_copy(update={"quantization": variant}))
-    except InvalidConfig as refused:
-        return refused.message.partition(": ")[2] or refused.message
-    return None
-
-
 class Estimator:
     """Sizes of a model's candidates, from its config and a meta model (casp_core.job.sweep.shapes)."""
 
@@ -87,15 +50,13 @@ class Estimator:
         self.config = PruneConfig.from_dict(settings.model_dump(include=set(PruneSettings.model_fields)))
         self.geometry = Geometry.of(self.model, self.config.dtype)
 
-    def candidate(self, ratio: float, fmt: str, variant: str) -> Candidate | None:
-        """The candidate's sizes; None where whole units within r_max cannot reach `ratio` under its rounding."""
-        config = self.config.candidate_config(ratio, fmt, variant) if ratio else None
-        if config is not None:
-            try:
-                check_reachable(self.model, config)
-            except InvalidConfig:
-                return None
-        shape = planned_shape(self.model, config)
+    def candidate_config(self, ratio: float, fmt: str, variant: str) -> PruneConfig:
+        """The single-ratio settings of the candidate, as its unit will be pruned with them."""
+        return self.config.candidate_config(ratio, fmt, variant)
+
+    def candidate(self, ratio: float, fmt: str, variant: str) -> Candidate:
+        """The candidate's sizes (a ratio the plan found whole units reach under its rounding; 0.0: dense)."""
+        shape = planned_shape(self.model, self.candidate_config(ratio, fmt, variant) if ratio else None)
         if fmt == GGUF:
             size = gguf_bytes(self.geometry, shape, variant)
         else:
@@ -103,38 +64,8 @@ class Estimator:
         return Candidate(ratio, fmt, variant, size, shape.params)
 
 
-def dense_points(model_config: PretrainedConfig, settings: PruneSettings) -> list[Candidate]:
-    """The dense model in each variant of the sweep (ratio 0.0): the reference points of the curve."""
-    estimator, fmt = Estimator(model_config, settings), sweep_format(settings)
-    points = [estimator.candidate(0.0, fmt, variant) for variant in sweep_variants(model_config, settings)]
-    return [point for point in points if point is not None]
-
-
-def sweep_candidates(model_config: PretrainedConfig, settings: PruneSettings) -> list[Candidate]:
-    """Every (ratio, variant) the sweep tries, ordered by ratio then variant (as given), without those a bytes or
-    parameters budget excludes by estimate or whose ratio whole units cannot reach; InvalidConfig naming the
-    budget and the smallest size reachable when none is left."""
-    assert settings.target is not None, "only a job with a target sweeps"
-    estimator, fmt = Estimator(model_config, settings), sweep_format(settings)
-    variants = sweep_variants(model_config, settings)
-    candidates = [
-        candidate
-        for ratio in sorted(settings.ratios)
-        for variant in variants
-        if (candidate := estimator.candidate(ratio, fmt, variant)) is not None
-    ]
-    if not candidates:
-        raise InvalidConfig(
-            f"ratios: whole heads and FFN channels within r_max = {settings.r_max} reach none of "
-            f"{', '.join(map(str, sorted(settings.ratios)))} on this model (ask for less, or raise r_max)"
-        )
-    fitting = [c for c in candidates if within_target(c.estimated_bytes, c.estimated_params, settings.target)]
-    if not fitting:
-        raise InvalidConfig(_nothing_fits(candidates, settings.target))
-    return fitting
-
-
-def _nothing_fits(candidates: list[Candidate], target: TargetConfig) -> str:
+def nothing_fits(candidates: list[Candidate], target: TargetConfig) -> str:
+    """The refusal of a bytes or parameters budget none of `candidates` meets, naming the smallest."""
     if target.max_bytes is not None:
         smallest = min(candidates, key=lambda c: (c.estimated_bytes, c.ratio))
         return (

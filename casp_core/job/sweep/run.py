@@ -4,7 +4,7 @@ candidate as a single-ratio job of that ratio and format would have written it.
 
 `run_sweep`, step by step:
 
-1. load the dense model; the candidates from the target before any statistics (`candidates.sweep_candidates`), as
+1. load the dense model; the candidates from the target before any statistics (`casp_core.job.plan.plan_sweep`), as
    units of work: one pruned model per ratio serves every variant (GGUF type or quantization scheme) whose widths
    round alike (a quantized GGUF type rounds the FFN widths to its block, as its single-ratio job would);
 2. read the texts; evaluate the dense model in transformers (or reuse an earlier job's figures of it:
@@ -58,7 +58,7 @@ from casp_core.artifacts.gguf.writer import GgufExport, export_gguf, gguf_file_n
 from casp_core.artifacts.snapshot import PrunedSnapshot
 from casp_core.errors import BudgetUnmet
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
-from casp_core.job.plan import plan_job
+from casp_core.job.plan import SweepPlan, plan_job
 from casp_core.job.stages import CANDIDATE_STAGES, DENSE_POINTS, SWEEP_STAGE
 from casp_core.job.steps import (
     SWEEP_STATE_FILE,
@@ -73,7 +73,7 @@ from casp_core.job.steps import (
     staged_output,
     write_job_report,
 )
-from casp_core.job.sweep.candidates import Candidate, dense_points, within_target
+from casp_core.job.sweep.candidates import Candidate, within_target
 from casp_core.job.sweep.shared_pass import prune_configs
 from casp_core.method.placement import Placement, choose_placement
 from casp_core.method.results import PruneResult
@@ -444,7 +444,7 @@ class Sweep:
     inputs: Inputs
     staging: Path
     retry: RetryState
-    fmt: str
+    plan: SweepPlan
     dtype: str
     state: SweepState
     best: PrunedSnapshot | None  # the best unit's model so far, with its figures and pruning section
@@ -488,7 +488,9 @@ def run_sweep(
             dense, tokenizer = load_model(
                 model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
             )
-            candidates = list(plan_job(config, dense.config).candidates)
+            plan = plan_job(config, dense.config).sweep
+            assert plan is not None, "a job with a target has a sweep"
+            candidates = list(plan.candidates)
             units = sweep_units(candidates, config)
             check_candidates(model, dense, tokenizer, config, candidates, run)
             placement = choose_placement(dense, unit_config(config, units[0], candidates[0].format), device)
@@ -504,7 +506,7 @@ def run_sweep(
             inputs=inputs,
             staging=staging,
             retry=retry,
-            fmt=candidates[0].format,
+            plan=plan,
             dtype=str(dense.dtype).removeprefix("torch."),
             state=state,
             best=best,
@@ -564,7 +566,7 @@ def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
     state.dense_figures = evaluate_dense(dense, sweep.tokenizer, sweep.inputs.plan, run, sweep.cache_dir)
     seconds = time.perf_counter() - started
     with run.stage(DENSE_POINTS.name):
-        variants = [point.variant for point in dense_points(dense.config, sweep.config)]
+        variants = sweep.plan.variants
         run.report(DENSE_POINTS.name, 0.0, f"the dense model in {', '.join(variants)}")
         folder = sweep.staging / CANDIDATES_DIR / DENSE_DIR
         within = reporting_as(run, DENSE_POINTS.name)
@@ -574,8 +576,8 @@ def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
         measured = Measured(dense, folder, 0.0, state.dense_figures, seconds)
         points = []
         for index, variant in enumerate(variants):
-            point = measure_variant(measured, sweep.tokenizer, sweep.fmt, variant, sweep.inputs.plan, within)
-            points.append(replace(point, path=sweep.kept(variant_path(folder, sweep.fmt, variant))))
+            point = measure_variant(measured, sweep.tokenizer, sweep.plan.format, variant, sweep.inputs.plan, within)
+            points.append(replace(point, path=sweep.kept(variant_path(folder, sweep.plan.format, variant))))
             run.report(DENSE_POINTS.name, (index + 1) / len(variants), f"the dense model in {variant} measured")
         state.points = sweep.finish_points(points)
         drop_unless_kept(sweep, folder)
@@ -614,7 +616,7 @@ def sweep_candidates_of(
     pruned = prune_configs(
         dense,
         sweep.tokenizer,
-        [unit_config(sweep.config, unit, sweep.fmt) for unit in todo],
+        [unit_config(sweep.config, unit, sweep.plan.format) for unit in todo],
         unit_run,
         windows=sweep.inputs.windows,
         placement=placement,
@@ -632,7 +634,7 @@ def measure_unit(sweep: Sweep, unit: Unit, result: PruneResult, prune_seconds: f
     started = time.perf_counter()
     figures = evaluate(result.model, sweep.tokenizer, sweep.inputs.plan, run)
     folder = sweep.staging / CANDIDATES_DIR / unit.key
-    candidate = unit_config(sweep.config, unit, sweep.fmt)
+    candidate = unit_config(sweep.config, unit, sweep.plan.format)
     save_checkpoint(
         result.model,
         sweep.tokenizer,
@@ -645,8 +647,8 @@ def measure_unit(sweep: Sweep, unit: Unit, result: PruneResult, prune_seconds: f
     measured = Measured(result.model, folder, unit.ratio, figures, prune_seconds + time.perf_counter() - started)
     points = []
     for variant in unit.variants:
-        point = measure_variant(measured, sweep.tokenizer, sweep.fmt, variant, sweep.inputs.plan, run)
-        points.append(replace(point, path=sweep.kept(variant_path(folder, sweep.fmt, variant))))
+        point = measure_variant(measured, sweep.tokenizer, sweep.plan.format, variant, sweep.inputs.plan, run)
+        points.append(replace(point, path=sweep.kept(variant_path(folder, sweep.plan.format, variant))))
     drop_unless_kept(sweep, folder)
     state.points += sweep.finish_points(points)
     state.finished.append(unit.key)
@@ -695,7 +697,7 @@ def write_pick(sweep: Sweep, dense: PreTrainedModel, device: Any, run: Run) -> d
     points = [replace(point, path=files.path) if point == pick else point for point in points]
     frontier = {
         "target": sweep.config.target.to_dict(),
-        "format": sweep.fmt,
+        "format": sweep.plan.format,
         "ratios": sorted(sweep.config.ratios),
         "variants": variants,
         "keep": sweep.config.keep,

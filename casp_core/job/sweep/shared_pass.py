@@ -14,10 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.families import family_of
-from casp_core.method.budget import (
-    check_reachable,
-    rounding_units,
-)
+from casp_core.method.budget import rounding_units
 from casp_core.method.calibration import (
     LayerInputs,
     SecondMoment,
@@ -110,15 +107,17 @@ def prune_configs(
     down_proj columns; each config's surgery and verification come as its result is asked for.
 
     `on_start(index)` is called as the work of `configs[index]` alone starts (in dense mode: after the shared layer
-    pass, before its surgery). Every config is checked before any work (InvalidConfig). `run`'s timer counts the
-    shared stages; each result's `timings`, its own config's. Cancelling (`run.should_cancel`) stops the sweep at
-    the next layer or config."""
+    pass, before its surgery). The configs are those a plan admitted (casp_core.job.plan: a sweep's candidates, each
+    one's reach checked); one whole units cannot reach is refused as `prune` refuses it, when its budget is planned.
+    `run`'s timer counts the shared stages; each result's `timings`, its own config's. Cancelling
+    (`run.should_cancel`) stops the sweep at the next layer or config."""
     shared = [{k: v for k, v in config.model_dump().items() if k not in PER_CONFIG_SETTINGS} for config in configs]
     assert all(settings == shared[0] for settings in shared), f"configs differ beyond {PER_CONFIG_SETTINGS}"
+    family = family_of(dense.config)
     for config in configs:
         config.validate()
-        check_reachable(dense, config)
-    family_of(dense.config).prepare(dense)
+        family.check_settings(dense.config, config)
+    family.prepare(dense)
     return _prune_configs(dense, tokenizer, list(configs), run or Run(), windows, placement, on_start)
 
 

@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.artifacts.gguf.writer import export_gguf, gguf_file_name
 from casp_core.cli import main as cli
-from casp_core.job.sweep.candidates import sweep_candidates
+from casp_core.job.plan import plan_sweep
 from casp_core.job.sweep.run import CANDIDATES_DIR, FRONTIER_FILE
 from casp_core.settings import PruneConfig
 from tests.conftest import DATASETS_DIR, PTBWIKI
@@ -60,7 +60,7 @@ def test_casp_prune_to_70_percent_of_the_dense_f16_gguf(
     assert dense == {(0.0, "f16"), (0.0, "q8_0")}
     pruned = [point for point in candidates if not point["dense"]]
     settings = PruneConfig(target={"max_bytes": budget}, ratios=[0.2, 0.4], gguf_types=["f16", "q8_0"])
-    estimated = sweep_candidates(AutoConfig.from_pretrained(PTBWIKI), settings)
+    estimated = list(plan_sweep(AutoConfig.from_pretrained(PTBWIKI), settings).candidates)
     assert {(point["ratio"], point["variant"]) for point in pruned} == {(c.ratio, c.variant) for c in estimated}
     for point in candidates:
         assert point["within_target"] == (point["bytes"] <= budget)

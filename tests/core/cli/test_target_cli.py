@@ -7,7 +7,7 @@ import pytest
 
 from casp_cli.main import register, submit_request
 from casp_core.cli import main as cli
-from casp_core.job.sweep.candidates import sweep_candidates
+from casp_core.job.plan import plan_sweep
 from casp_core.model import load_config
 from casp_core.settings import DEFAULT_SWEEP_RATIOS, PruneConfig
 from tests.conftest import STORIES
@@ -102,7 +102,8 @@ def test_an_impossible_budget_is_refused_before_any_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, measure: str, unit: str
 ) -> None:
     budget = "max_bytes" if flag == "--target-bytes" else "max_params"
-    everything = sweep_candidates(load_config(str(STORIES)), PruneConfig(target={budget: 10**9}, export=["gguf"]))
+    roomy = PruneConfig(target={budget: 10**9}, export=["gguf"])
+    everything = plan_sweep(load_config(str(STORIES)), roomy).candidates
     smallest = min(everything, key=lambda c: getattr(c, measure))
     size = getattr(smallest, measure)
     out = tmp_path / "out"

@@ -11,6 +11,7 @@ import torch
 
 from casp_core.cli.main import main
 from casp_core.errors import InvalidConfig
+from casp_core.job.plan import plan_job
 from casp_core.job.run import run_job
 from casp_core.method.budget import (
     BudgetPlan,
@@ -22,7 +23,7 @@ from casp_core.method.budget import (
 )
 from casp_core.method.prune import prune
 from casp_core.method.solvers import select_units
-from casp_core.model import attention_geometry, decoder_layers, load_model
+from casp_core.model import attention_geometry, decoder_layers, load_config, load_model
 from casp_core.rounding import channel_counts
 from casp_core.run import Run
 from casp_core.settings import CalibrationConfig
@@ -91,16 +92,22 @@ def test_capped_round_to_in_dense_mode(stories):
 # ---------------------------------------------------------------- refused before any work
 
 
-def test_an_unreachable_ratio_is_refused_before_calibration_with_the_reachable_maximum(stories):
+def test_an_unreachable_ratio_is_refused_by_the_plan_with_the_reachable_maximum(stories):
     model, tokenizer = stories
-    stages: list[str] = []
     # r_max 0.9 of 8 heads is 7 (0.875), and of 172 channels 154 (0.895): 0.9 of the parameters is out of reach.
     with pytest.raises(InvalidConfig, match=r"ratio: 0\.9 cannot be reached") as refused:
-        prune(model, tokenizer, tiny_config(0.9), Run(progress=lambda stage, *_: stages.append(stage)))
-    assert stages == []  # not even the calibration text was read
+        plan_job(tiny_config(0.9), load_config(str(STORIES)))  # the config alone, before any weight loads
     assert refused.value.code == "invalid_config"
     reachable = float(re.search(r"at most (0\.\d+) of the decoder", refused.value.message).group(1))
     assert reachable == 0.8785  # 5 layers x (7 heads + 3 key/value heads + 154 channels) of 5 x 45,312
+
+    # `prune` called without a plan refuses it alike, once its budget is planned: after the allocation, before
+    # any layer is pruned.
+    stages: list[str] = []
+    with pytest.raises(InvalidConfig) as unplanned:
+        prune(model, tokenizer, tiny_config(0.9), Run(progress=lambda stage, *_: stages.append(stage)))
+    assert unplanned.value.message == refused.value.message
+    assert "allocation" in stages and "pruning" not in stages
 
     # The stated maximum is itself reached.
     fresh, tokenizer = load_model(str(STORIES))

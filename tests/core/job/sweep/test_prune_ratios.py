@@ -162,6 +162,18 @@ def test_a_bad_ratio_is_refused_before_any_work(ptbwiki):
         prune_ratios(dense, tokenizer, sweep_config("sequential"), [0.2, 0.95])
 
 
+def test_a_ratio_whole_units_cannot_reach_is_refused_before_the_shared_layer_pass(ptbwiki):
+    # A job's plan leaves such a ratio out of its sweep (casp_core.job.plan); called directly, the shared pass
+    # refuses it as each ratio's budget is planned, before any layer is pruned for any ratio.
+    dense, tokenizer = ptbwiki
+    stages: list[str] = []
+    run = Run(progress=lambda stage, *_: stages.append(stage))
+    sweep = prune_ratios(dense, tokenizer, sweep_config("dense"), [0.2, 0.9], run)  # r_max 0.9: heads round down
+    with pytest.raises(InvalidConfig, match=r"^ratio: 0\.9 cannot be reached .*raise r_max\)$"):
+        next(sweep)
+    assert "allocation" in stages and "pruning" not in stages
+
+
 def test_cancelling_stops_the_sweep_before_the_next_ratio(ptbwiki):
     dense, tokenizer = ptbwiki
     cancelled, started = False, []

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from casp_core.errors import InvalidConfig
-from casp_core.job.sweep.candidates import DEFAULT_GGUF_TYPES, dense_points, sweep_candidates, within_target
+from casp_core.job.plan import plan_sweep
+from casp_core.job.sweep.candidates import DEFAULT_GGUF_TYPES, within_target
 from casp_core.model import load_config
 from casp_core.settings import DEFAULT_SWEEP_RATIOS, PruneConfig, TargetConfig
 from tests.conftest import PTBWIKI, STORIES
@@ -87,14 +88,14 @@ def test_within_target_reads_the_one_budget() -> None:
 def test_the_default_sweep_is_every_ratio_in_each_default_type(model) -> None:
     variants = list(DEFAULT_GGUF_TYPES)
     settings = config(target={"max_bytes": 10 * GIGABYTE})
-    candidates = sweep_candidates(load_config(str(model)), settings)
+    candidates = list(plan_sweep(load_config(str(model)), settings).candidates)
     assert [(c.ratio, c.variant) for c in candidates] == [(r, v) for r in DEFAULT_SWEEP_RATIOS for v in variants]
     assert {c.format for c in candidates} == {"gguf"}
     # Smaller with each ratio, in every type; the dense points are bigger still.
     for variant in variants:
         sizes = [c.estimated_bytes for c in candidates if c.variant == variant]
         assert sizes == sorted(sizes, reverse=True), (variant, sizes)
-    dense = {point.variant: point for point in dense_points(load_config(str(model)), settings)}
+    dense = {point.variant: point for point in plan_sweep(load_config(str(model)), settings).dense_points}
     assert list(dense) == variants and {point.ratio for point in dense.values()} == {0.0}
     # But two: stories260K's heads are 8 wide, so a layer that loses a head has an attn_output row of 56, which
     # llama.cpp's K-quants store in F16 where the dense 64 took a 32-block type (Q5_1, Q4_1); at 0.1 and the default
@@ -105,9 +106,9 @@ def test_the_default_sweep_is_every_ratio_in_each_default_type(model) -> None:
 
 def test_a_bytes_budget_leaves_out_what_exceeds_it_and_keeps_the_rest() -> None:
     model_config = load_config(str(PTBWIKI))
-    everything = sweep_candidates(model_config, config(target={"max_bytes": 10 * GIGABYTE}))
+    everything = list(plan_sweep(model_config, config(target={"max_bytes": 10 * GIGABYTE})).candidates)
     budget = sorted(c.estimated_bytes for c in everything)[len(everything) // 2]
-    kept = sweep_candidates(model_config, config(target={"max_bytes": budget}))
+    kept = list(plan_sweep(model_config, config(target={"max_bytes": budget})).candidates)
     assert kept == [c for c in everything if c.estimated_bytes <= budget]
     assert 0 < len(kept) < len(everything)
 
@@ -115,19 +116,19 @@ def test_a_bytes_budget_leaves_out_what_exceeds_it_and_keeps_the_rest() -> None:
 def test_the_format_of_a_params_or_perplexity_sweep_follows_the_export() -> None:
     model_config = load_config(str(PTBWIKI))
     for target in ({"max_params": GIGABYTE}, {"max_perplexity_increase": 0.1}):
-        gguf = sweep_candidates(model_config, config(target=target, export=["gguf"], ratios=[0.5]))
+        gguf = list(plan_sweep(model_config, config(target=target, export=["gguf"], ratios=[0.5])).candidates)
         assert [(c.format, c.variant) for c in gguf] == [("gguf", variant) for variant in DEFAULT_GGUF_TYPES]
         # ptbwiki-7M's 704 FFN channels keep multiples of 8: w4a16's groups of 32 do not fit them.
-        safetensors = sweep_candidates(model_config, config(target=target, ratios=[0.5]))
+        safetensors = list(plan_sweep(model_config, config(target=target, ratios=[0.5])).candidates)
         assert [(c.format, c.variant) for c in safetensors] == [("safetensors", "none"), ("safetensors", "w8a8_int8")]
     chosen = config(target={"max_bytes": GIGABYTE, "format": "safetensors"}, quantizations=["fp8_dynamic"])
-    assert [c.variant for c in sweep_candidates(model_config, chosen)] == ["fp8_dynamic"] * 6
+    assert [c.variant for c in list(plan_sweep(model_config, chosen).candidates)] == ["fp8_dynamic"] * 6
 
 
 def test_a_params_budget_counts_the_whole_model() -> None:
     model_config = load_config(str(STORIES))
-    everything = sweep_candidates(model_config, config(target={"max_params": GIGABYTE}, ratios=[0.2, 0.5]))
-    dense = dense_points(model_config, config(target={"max_params": GIGABYTE}))[0].estimated_params
+    everything = list(plan_sweep(model_config, config(target={"max_params": GIGABYTE}, ratios=[0.2, 0.5])).candidates)
+    dense = plan_sweep(model_config, config(target={"max_params": GIGABYTE})).dense_points[0].estimated_params
     assert dense == 260_032  # stories260K: 4,096 + 5 x 45,312 decoder + 5 x 128 + 64 norm weights, tied head
     for candidate in everything:  # the decoder layers lose about the ratio of their 226,560 parameters
         assert abs((dense - candidate.estimated_params) / 226_560 - candidate.ratio) < 0.03, candidate
@@ -140,10 +141,10 @@ def test_a_params_budget_counts_the_whole_model() -> None:
 def test_an_impossible_budget_names_the_smallest_reachable_size(target, measure, unit) -> None:
     model_config = load_config(str(PTBWIKI))
     roomy = {name: GIGABYTE if name.startswith("max_") else value for name, value in target.items()}
-    everything = sweep_candidates(model_config, config(target=roomy, export=["gguf"]))
+    everything = list(plan_sweep(model_config, config(target=roomy, export=["gguf"])).candidates)
     smallest = min(everything, key=lambda c: getattr(c, measure))
     with pytest.raises(InvalidConfig) as refused:
-        sweep_candidates(model_config, config(target=target, export=["gguf"]))
+        list(plan_sweep(model_config, config(target=target, export=["gguf"])).candidates)
     budget = next(iter(target))
     assert refused.value.message == (
         f"target.{budget}: no candidate fits in 1000 {unit}: the smallest reachable is {getattr(smallest, measure)} "
@@ -154,7 +155,7 @@ def test_an_impossible_budget_names_the_smallest_reachable_size(target, measure,
 
 def test_a_k_quant_is_taken_whatever_the_hidden_size() -> None:
     settings = config(target={"max_bytes": GIGABYTE}, gguf_types=["q5_k_m", "q2_k"], ratios=[0.2])
-    candidates = sweep_candidates(load_config(str(STORIES)), settings)  # hidden 64: every row falls back
+    candidates = list(plan_sweep(load_config(str(STORIES)), settings).candidates)  # hidden 64: every row falls back
     assert [(c.ratio, c.variant) for c in candidates] == [(0.2, "q5_k_m"), (0.2, "q2_k")]
 
 
@@ -162,6 +163,6 @@ def test_ratios_whole_units_cannot_reach_are_left_out() -> None:
     # r_max 0.5 caps each layer; the K-quants' FFN blocks of 256 leave ptbwiki-7M's 704 channels only 192 to give
     # within it (and no head whose removal keeps o_proj's rows whole blocks), so 0.5 is out of their reach.
     settings = config(target={"max_bytes": GIGABYTE}, r_max=0.5, ratios=[0.2, 0.5])
-    candidates = sweep_candidates(load_config(str(PTBWIKI)), settings)
+    candidates = list(plan_sweep(load_config(str(PTBWIKI)), settings).candidates)
     assert (0.5, "f16") in [(c.ratio, c.variant) for c in candidates]
     assert (0.5, "q4_k_m") not in [(c.ratio, c.variant) for c in candidates]
