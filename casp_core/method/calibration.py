@@ -309,3 +309,16 @@ def run_layer_on_stream_pair(
             dense_outputs.append(layer(x_dense.to(device), **layer_kwargs).to(store))
         layer(x.to(device), **layer_kwargs)
     return dense_outputs
+
+
+@dataclass
+class CalibrationStream:
+    """The activations entering the current layer, on `store` between layers; where layers run, and where their
+    weights rest between uses (`home`: the CPU, or `device` when the model is resident there)."""
+
+    inputs: LayerInputs
+    dense_inputs: LayerInputs | None  # the dense model's, beside the pruned ones: dense-target compensation only
+    sequential: bool  # each layer sees the earlier ones pruned (else: the dense model's activations)
+    device: torch.device
+    store: torch.device
+    home: torch.device

@@ -37,17 +37,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers import PreTrainedModel
 
 from casp_core.families import family_of_layer
 from casp_core.families.base import RowSlice
 from casp_core.families.moe import EXPERTS_PATH, ExpertWeights, expert_weights, routed_experts
 from casp_core.method.allocation import allocate_ratios
-from casp_core.method.budget import BudgetPlan, UniformShape, channels_to_prune
-from casp_core.method.calibration import SecondMoment
+from casp_core.method.budget import BudgetPlan, UniformShape, channel_params, channels_to_prune
+from casp_core.method.calibration import CalibrationStream, SecondMoment, advance_layer, feed_layer
 from casp_core.method.compensation import CompensationReport, compensate_linear
 from casp_core.method.interaction import interaction_matrix, offdiag_ratio
-from casp_core.method.results import ExpertReport, SubLayerReport
+from casp_core.method.results import ExpertReport, LayerReport, SubLayerReport
 from casp_core.method.selection import solve_sublayer
+from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
 from casp_core.numerics import check_finite
 from casp_core.rounding import channel_counts
 from casp_core.run import Run
@@ -297,3 +299,53 @@ def prune_experts_channels(
         else CompensationReport(error_before=error_before, error_after=error_after, damping=damping),
     )
     return mlp, reports
+
+
+def prune_moe_layer(
+    model: PreTrainedModel,
+    index: int,
+    stream: CalibrationStream,
+    plan: BudgetPlan | UniformShape,
+    removed_before: int,
+    config: PruneConfig,
+    run: Run,
+    *,
+    ratio: float,
+    sensitivity: float | None,
+) -> LayerReport:
+    """Layer `index` of a mixture of experts (on the device): attention and the router whole, the experts'
+    channels chosen, compensated and masked one expert at a time (casp_core.method.experts), and the stream moved on.
+    Its family refuses, before any work, the settings this does not take (dense calibration,
+    dense-target and mean-bias compensation)."""
+    assert stream.sequential and stream.dense_inputs is None
+    layer = decoder_layers(model)[index]
+    params_before = sum(sublayer_parameters(layer))
+    with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
+        feed_layer(layer, stream.inputs, stream.device)
+    with run.stage("statistics"):
+        removed = remove_experts(layer, batches, config.moe.prune_experts, stream.device)
+    if removed:  # the channels' statistics from the tokens as the kept experts now take them
+        with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
+            feed_layer(layer, stream.inputs, stream.device)
+    mlp, experts = prune_experts_channels(
+        layer, batches, plan, index, removed_before, config, run, stream.device, removed
+    )
+    del batches
+    with run.stage("calibration_forward"):
+        advance_layer(layer, stream.inputs, stream.device, stream.store)
+    geometry = attention_geometry(model, layer)
+    return LayerReport(
+        index=index,
+        ratio=ratio,
+        sensitivity=sensitivity,
+        pruned_heads=[],
+        pruned_channels=list(mlp.pruned),
+        pruned_kv_heads=[],
+        attn=SubLayerReport(
+            units=geometry.num_heads, pruned=[], objective=0.0, diagonal_objective=0.0, offdiag_ratio=0.0
+        ),
+        mlp=mlp,
+        params_before=params_before,
+        params_after=params_before - len(mlp.pruned) * channel_params(layer),
+        experts=experts,
+    )

@@ -1,8 +1,8 @@
 """Pruning a loaded model: allocate the ratio over layers, then layer by layer measure, choose, compensate, mask;
 at the end remove the masked units and verify that the smaller model computes what the masked one computes.
 
-`prune_layer` is one layer of the paper's loop (statistics -> Q -> solver -> compensation -> mask); `prune`
-is the loop, with the allocation before it and surgery and verification after it.
+`casp_core.method.layer.prune_layer` is one layer of the paper's loop (statistics -> Q -> solver -> compensation
+-> mask); `prune` is the loop, with the allocation before it and surgery and verification after it.
 """
 
 from contextlib import AbstractContextManager, nullcontext
@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.families import family_of
@@ -18,210 +17,30 @@ from casp_core.method.allocation import allocate_ratios, layer_sensitivities, un
 from casp_core.method.budget import (
     BudgetPlan,
     UniformShape,
-    channel_params,
     plan_budget,
     plan_uniform_shape,
     rounding_units,
 )
 from casp_core.method.calibration import (
+    CalibrationStream,
     LayerInputs,
-    SecondMoment,
-    StreamCrossMoment,
-    advance_layer,
     calibration_windows,
     capture_first_layer_inputs,
-    check_finite_moments,
-    feed_layer,
-    record_inputs,
-    record_stream_pair,
-    run_layer,
-    run_layer_on_stream_pair,
 )
-from casp_core.method.compensation import SharedRefits, compensate_layer
-from casp_core.method.experts import prune_experts_channels, record_routing, remove_experts
+from casp_core.method.layer import prune_layer
 from casp_core.method.placement import RESIDENT, Placement, choose_placement
-from casp_core.method.results import LayerReport, PruneResult, SubLayerReport, TemperatureChoice
-from casp_core.method.selection import LayerChoice, choose_units, layer_q, params_kept
-from casp_core.method.surgery import fill_pruned_layer, kept_kv_heads, mask_layer, pruned_skeleton
+from casp_core.method.results import LayerReport, PruneResult, TemperatureChoice
+from casp_core.method.surgery import fill_pruned_layer, pruned_skeleton
 from casp_core.method.temperature import choose_alpha
 from casp_core.method.verification import verify
 from casp_core.model import (
-    AttentionGeometry,
-    attention_geometry,
     decoder_layers,
     on_device,
     prunable_parameters,
     resolve_device,
-    sublayer_parameters,
 )
 from casp_core.run import CPU, Run
 from casp_core.settings import AUTO_ALPHA, DENSE_TARGET_COMPENSATION, UNIFORM_SHAPE, PruneConfig
-
-
-@dataclass
-class CalibrationStream:
-    """The activations entering the current layer, on `store` between layers; where layers run, and where their
-    weights rest between uses (`home`: the CPU, or `device` when the model is resident there)."""
-
-    inputs: LayerInputs
-    dense_inputs: LayerInputs | None  # the dense model's, beside the pruned ones: dense-target compensation only
-    sequential: bool  # each layer sees the earlier ones pruned (else: the dense model's activations)
-    device: torch.device
-    store: torch.device
-    home: torch.device
-
-
-def prune_layer(
-    model: PreTrainedModel,
-    index: int,
-    stream: CalibrationStream,
-    plan: BudgetPlan | UniformShape,
-    removed_before: int,
-    config: PruneConfig,
-    run: Run,
-    *,
-    ratio: float,
-    sensitivity: float | None,
-) -> LayerReport:
-    """Layer `index`: its statistics, its planned heads, then its channels; compensated and masked in place, and
-    the stream moved on to the next layer. `removed_before` is what the earlier layers removed; `ratio` and
-    `sensitivity` are the allocation's, for the report."""
-    layer = decoder_layers(model)[index]
-    layer.to(stream.device)
-    if family_of(model.config).has_experts:
-        report = prune_moe_layer(
-            model, index, stream, plan, removed_before, config, run, ratio=ratio, sensitivity=sensitivity
-        )
-        layer.to(stream.home)
-        return report
-    sublayers = {"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}
-    cross_moments = None
-    if stream.dense_inputs is None:
-        with run.stage("statistics"), record_inputs(sublayers) as moments:
-            if stream.sequential:  # the next layer must see this one as pruned: its inputs come after masking
-                feed_layer(layer, stream.inputs, stream.device)
-            else:
-                dense_outputs = run_layer(layer, stream.inputs, stream.device, stream.store)
-    else:
-        with run.stage("statistics"), record_stream_pair(sublayers) as recording:
-            stream.dense_inputs.batches = run_layer_on_stream_pair(
-                layer, stream.inputs, stream.dense_inputs, recording, stream.device, stream.store
-            )
-        moments, cross_moments = recording.moments, recording.cross_moments
-    check_finite_moments(moments, index)
-    geometry = attention_geometry(model, layer)
-    with run.stage("statistics"):
-        q = layer_q(layer, geometry, moments)
-    with run.stage("solver"):
-        choice = choose_units(layer, geometry, q, moments, plan, index, removed_before, config.solver)
-    report = compensate_and_mask(
-        layer, geometry, choice, moments, cross_moments, config, run, index=index, ratio=ratio, sensitivity=sensitivity
-    )
-    del moments, cross_moments, q
-    with run.stage("calibration_forward"):
-        if stream.sequential:
-            advance_layer(layer, stream.inputs, stream.device, stream.store)
-        else:
-            stream.inputs.batches = dense_outputs
-    layer.to(stream.home)
-    return report
-
-
-def prune_moe_layer(
-    model: PreTrainedModel,
-    index: int,
-    stream: CalibrationStream,
-    plan: BudgetPlan | UniformShape,
-    removed_before: int,
-    config: PruneConfig,
-    run: Run,
-    *,
-    ratio: float,
-    sensitivity: float | None,
-) -> LayerReport:
-    """Layer `index` of a mixture of experts (on the device): attention and the router whole, the experts'
-    channels chosen, compensated and masked one expert at a time (casp_core.method.experts), and the stream moved on.
-    Its family refuses, before any work, the settings this does not take (dense calibration,
-    dense-target and mean-bias compensation)."""
-    assert stream.sequential and stream.dense_inputs is None
-    layer = decoder_layers(model)[index]
-    params_before = sum(sublayer_parameters(layer))
-    with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
-        feed_layer(layer, stream.inputs, stream.device)
-    with run.stage("statistics"):
-        removed = remove_experts(layer, batches, config.moe.prune_experts, stream.device)
-    if removed:  # the channels' statistics from the tokens as the kept experts now take them
-        with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
-            feed_layer(layer, stream.inputs, stream.device)
-    mlp, experts = prune_experts_channels(
-        layer, batches, plan, index, removed_before, config, run, stream.device, removed
-    )
-    del batches
-    with run.stage("calibration_forward"):
-        advance_layer(layer, stream.inputs, stream.device, stream.store)
-    geometry = attention_geometry(model, layer)
-    return LayerReport(
-        index=index,
-        ratio=ratio,
-        sensitivity=sensitivity,
-        pruned_heads=[],
-        pruned_channels=list(mlp.pruned),
-        pruned_kv_heads=[],
-        attn=SubLayerReport(
-            units=geometry.num_heads, pruned=[], objective=0.0, diagonal_objective=0.0, offdiag_ratio=0.0
-        ),
-        mlp=mlp,
-        params_before=params_before,
-        params_after=params_before - len(mlp.pruned) * channel_params(layer),
-        experts=experts,
-    )
-
-
-def compensate_and_mask(
-    layer: nn.Module,
-    geometry: AttentionGeometry,
-    choice: LayerChoice,
-    moments: dict[str, SecondMoment],
-    cross_moments: dict[str, StreamCrossMoment] | None,
-    config: PruneConfig,
-    run: Run,
-    *,
-    index: int,
-    ratio: float,
-    sensitivity: float | None,
-    refits: SharedRefits | None = None,
-) -> LayerReport:
-    """The layer's chosen units: the kept ones compensated (from `refits` where the layer's refits are shared)
-    and the chosen ones masked, in place."""
-    params_before = sum(sublayer_parameters(layer))
-    attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
-    if config.compensation != "none":
-        with run.stage("compensation"):
-            attn.compensation, mlp.compensation = compensate_layer(
-                layer,
-                geometry,
-                pruning,
-                moments,
-                config.compensation,
-                config.compensation_damping,
-                cross_moments,
-                refits,
-            )
-    params_after = params_kept(layer, choice)
-    kv_kept = kept_kv_heads(geometry, pruning.pruned_heads)
-    mask_layer(layer, geometry, pruning)
-    return LayerReport(
-        index=index,
-        ratio=ratio,
-        sensitivity=sensitivity,
-        pruned_heads=list(pruning.pruned_heads),
-        pruned_channels=list(pruning.pruned_channels),
-        pruned_kv_heads=[h for h in range(geometry.num_kv_heads) if h not in kv_kept],
-        attn=attn,
-        mlp=mlp,
-        params_before=params_before,
-        params_after=params_after,
-    )
 
 
 @dataclass

@@ -23,12 +23,12 @@ from casp_core.method.calibration import (
     run_layer,
 )
 from casp_core.method.compensation import SharedRefits, shared_refits
+from casp_core.method.layer import compensate_and_mask
 from casp_core.method.placement import Placement
 from casp_core.method.prune import (
     Allocation,
     allocate,
     capture_layer_inputs,
-    compensate_and_mask,
     load_windows,
     measure_sensitivities,
     place,
