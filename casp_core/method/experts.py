@@ -314,7 +314,7 @@ def prune_moe_layer(
     sensitivity: float | None,
 ) -> LayerReport:
     """Layer `index` of a mixture of experts (on the device): attention and the router whole, the experts'
-    channels chosen, compensated and masked one expert at a time (casp_core.method.experts), and the stream moved on.
+    channels chosen, compensated and masked one expert at a time (`prune_experts_channels`), and the stream moved on.
     Its family refuses, before any work, the settings this does not take (dense calibration,
     dense-target and mean-bias compensation)."""
     assert stream.sequential and stream.dense_inputs is None
