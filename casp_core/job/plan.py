@@ -62,10 +62,6 @@ class JobPlan:
     stages: tuple[Stage, ...]  # what the job will report, in order
     sweep: SweepPlan | None  # a budget's; None for a single ratio
 
-    @property
-    def candidates(self) -> tuple[Candidate, ...]:
-        return () if self.sweep is None else self.sweep.candidates
-
 
 def plan_job(settings: PruneConfig, model_config: PretrainedConfig, model: PreTrainedModel | None = None) -> JobPlan:
     """The job `settings` asks for on a model of `model_config`, or the first refusal (InvalidConfig, whose message

@@ -122,7 +122,7 @@ def test_the_format_of_a_params_or_perplexity_sweep_follows_the_export() -> None
         safetensors = list(plan_sweep(model_config, config(target=target, ratios=[0.5])).candidates)
         assert [(c.format, c.variant) for c in safetensors] == [("safetensors", "none"), ("safetensors", "w8a8_int8")]
     chosen = config(target={"max_bytes": GIGABYTE, "format": "safetensors"}, quantizations=["fp8_dynamic"])
-    assert [c.variant for c in list(plan_sweep(model_config, chosen).candidates)] == ["fp8_dynamic"] * 6
+    assert [c.variant for c in plan_sweep(model_config, chosen).candidates] == ["fp8_dynamic"] * 6
 
 
 def test_a_params_budget_counts_the_whole_model() -> None:
@@ -144,7 +144,7 @@ def test_an_impossible_budget_names_the_smallest_reachable_size(target, measure,
     everything = list(plan_sweep(model_config, config(target=roomy, export=["gguf"])).candidates)
     smallest = min(everything, key=lambda c: getattr(c, measure))
     with pytest.raises(InvalidConfig) as refused:
-        list(plan_sweep(model_config, config(target=target, export=["gguf"])).candidates)
+        plan_sweep(model_config, config(target=target, export=["gguf"]))
     budget = next(iter(target))
     assert refused.value.message == (
         f"target.{budget}: no candidate fits in 1000 {unit}: the smallest reachable is {getattr(smallest, measure)} "
