@@ -39,7 +39,7 @@ from bench.shapes import llama_config
 from casp_core.artifacts.checkpoint import load_pruned, save_pruned
 from casp_core.artifacts.gguf.writer import export_gguf
 from casp_core.method.allocation import layer_sensitivities
-from casp_core.method.calibration import calibration_windows
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.method.prune import prune
 from casp_core.model import decoder_layers, load_tokenizer, prunable_parameters
 from casp_core.rounding import round_to_for
@@ -149,7 +149,7 @@ def prune_variants(args: argparse.Namespace, work: Path) -> list[Variant]:
                 continue
             model = LlamaForCausalLM.from_pretrained(dense_dir).eval()
             if windows is None:  # the same dense model and windows for every run
-                windows = calibration_windows(model, tokenizer, base)
+                windows = calibration_windows(tokenizer, CalibrationPlan.of(base, model.config))
                 sensitivities = layer_sensitivities(
                     model, windows, batch_size=base.calibration.batch_size, device=CPU, run=Run()
                 )

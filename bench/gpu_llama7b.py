@@ -120,7 +120,7 @@ def measure(placement: str, args: argparse.Namespace) -> dict[str, Any]:
         max_device_memory=args.max_device_memory,
         recovery=recovery_config(args) if recovers else RecoveryConfig(),
     )
-    estimate = estimate_device_memory(ModelShape.of(model), JobShape.of(model, config))
+    estimate = estimate_device_memory(ModelShape.of(model), JobShape.of(config, model.config))
     recovery_refusal = None
     if recovers:
         try:  # before pruning, as run_job checks it

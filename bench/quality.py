@@ -48,7 +48,7 @@ from bench.common import (
 from casp_core.eval.perplexity import perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot
 from casp_core.method.allocation import layer_sensitivities
-from casp_core.method.calibration import calibration_windows
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.method.prune import prune
 from casp_core.method.temperature import ALPHA_GRID
 from casp_core.model import decoder_layers, load_config, load_model
@@ -309,7 +309,7 @@ def run(spec: Spec, studies: list[str], settings: Settings) -> dict[str, Any]:
     timer = StageTimer(torch.device("cpu"))
     start = time.perf_counter()
     with timer.stage("calibration_data"):
-        windows = calibration_windows(model, tokenizer, config)
+        windows = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
     with timer.stage("allocation"):
         uses_gradient = spec.allocation == "gradient" and spec.shape == "per_layer"
         sensitivities = cached_sensitivities(model, windows) if uses_gradient else None

@@ -56,8 +56,8 @@ from casp_core.artifacts.gguf import engine
 from casp_core.artifacts.gguf.writer import export_gguf
 from casp_core.eval.perplexity import evaluation_text, windows_perplexity
 from casp_core.method.allocation import layer_sensitivities
-from casp_core.method.budget import plan_uniform_shape
-from casp_core.method.calibration import calibration_windows
+from casp_core.method.budget import AllocationPlan, plan_uniform_shape
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.method.prune import prune
 from casp_core.model import decoder_layers, load_model
 from casp_core.rounding import block_of
@@ -150,7 +150,7 @@ def quality_rows(model_name: str, args: argparse.Namespace, work: Path) -> list[
     model, tokenizer = load_model(model_path)
     texts = _texts(tokenizer, args)
     config = _prune_config(max(args.ratios), "q8_0", args)
-    windows = calibration_windows(model, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
     sensitivities = layer_sensitivities(model, windows, batch_size=8, device=torch.device("cpu"), run=Run())
     # Below a family's block, a hidden size leaves its types mostly fallbacks (stories260K's 64 and the K-quants).
     families = {
@@ -199,7 +199,7 @@ def speed_shape(ratio: float, dense: dict[str, int]) -> dict[str, int]:
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**dense))
     config = PruneConfig(ratio=ratio, shape="uniform", export=["gguf"], gguf_type=SPEED_PLANNED_FOR)
-    shape = plan_uniform_shape(model, config)
+    shape = plan_uniform_shape(model, AllocationPlan.of(config))
     return {
         **dense,
         "num_attention_heads": shape.kv_heads * shape.heads_per_kv,

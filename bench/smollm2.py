@@ -144,11 +144,11 @@ def prune_record(settings: dict[str, Any], key: str) -> dict[str, Any] | None:
     planned = planned_prune(key)
     if planned is None:
         return None
-    from casp_core.method.prune import uses_sensitivities
+    from casp_core.method.budget import AllocationPlan
 
     config = prune_config(settings, *planned)
     record = {field: value for field, value in config.to_dict().items() if field in PRUNE_FIELDS}
-    if not uses_sensitivities(config):  # a uniform allocation or shape has no temperature
+    if not AllocationPlan.of(config).uses_sensitivities:  # a uniform allocation or shape has no temperature
         record["alpha"] = None
     return record | {"calibration": record["calibration"] | {"dataset": CALIBRATION["dataset"]}}
 
@@ -174,13 +174,13 @@ def sensitivities_row(settings: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from casp_core.method.allocation import layer_sensitivities
-    from casp_core.method.calibration import calibration_windows
+    from casp_core.method.calibration import CalibrationPlan, calibration_windows
     from casp_core.model import load_model
     from casp_core.run import Run
 
     model, tokenizer = load_model(model_path(settings))
     config = prune_config(settings, RATIOS[0], {})
-    windows = calibration_windows(model, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
     start = time.perf_counter()
     sensitivities = layer_sensitivities(
         model, windows, batch_size=config.calibration.batch_size, device=torch.device("cpu"), run=Run()

@@ -41,6 +41,7 @@ CALIBRATION_MODES = ("sequential", "dense")
 # least_squares_dense_target fits them to the dense model's output on the dense model's inputs (the same in dense
 # calibration mode). bias is FLAP's: the removed inputs' mean contribution W_p E[y_p] goes into the output bias.
 COMPENSATIONS = ("none", "least_squares", "least_squares_dense_target", "bias")
+NO_COMPENSATION = "none"
 DENSE_TARGET_COMPENSATION = "least_squares_dense_target"
 MEAN_BIAS_COMPENSATION = "bias"
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -7,7 +7,9 @@ device, without weights): that the family takes the settings (casp_core.families
 family is not pruned with, a uniform shape its own class cannot hold), that whole heads and channels within r_max
 reach the ratio (casp_core.method.budget, at the rounding the export asks for), that the widths take the
 quantization (casp_core.artifacts.compressed_tensors.quantize), that recovery's windows fit the model's context,
-and for a budget that some candidate meets it by the sizes estimated from the config.
+and for a budget that some candidate meets it by the sizes estimated from the config. The `JobPlan` it returns
+holds the typed pieces the pruning's stages read (casp_core.method.prune.PrunePlan: calibration, placement,
+allocation, the layer step), or a target's sweep.
 
 Checked where they run, because they need more than the config:
 - the tokenizer llama.cpp must reproduce for a GGUF export, and the rounding's warnings (casp_core.job.steps,
@@ -35,7 +37,10 @@ from casp_core.job.sweep.candidates import (
     within_target,
 )
 from casp_core.job.sweep.shapes import meta_model
-from casp_core.method.budget import check_reachable
+from casp_core.method.budget import AllocationPlan, check_reachable
+from casp_core.method.calibration import CalibrationPlan
+from casp_core.method.placement import PlacementPlan
+from casp_core.method.prune import PrunePlan
 from casp_core.recovery.data import check_length
 from casp_core.settings import PruneConfig, PruneSettings
 
@@ -43,12 +48,15 @@ from casp_core.settings import PruneConfig, PruneSettings
 @dataclass(frozen=True)
 class SweepPlan:
     """A budget's sweep: the format it writes, the candidates that fit the budget by the sizes estimated from the
-    config, and the dense model in each variant of the format the model takes (ratio 0.0: the curve's reference
-    points, measured whatever their size)."""
+    config, the dense model in each variant of the format the model takes (ratio 0.0: the curve's reference
+    points, measured whatever their size), and what every candidate's prune shares: its calibration and
+    placement."""
 
     format: str  # "gguf" | "safetensors"
     candidates: tuple[Candidate, ...]  # by ratio, then variant as given
     dense_points: tuple[Candidate, ...]
+    calibration: CalibrationPlan
+    placement: PlacementPlan
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -58,8 +66,11 @@ class SweepPlan:
 
 @dataclass(frozen=True)
 class JobPlan:
+    """What the job runs from: the settings checked, and the typed pieces its stages read."""
+
     settings: PruneConfig
     stages: tuple[Stage, ...]  # what the job will report, in order
+    prune: PrunePlan | None  # a single ratio's: its calibration, placement, allocation and layer step; None for a sweep
     sweep: SweepPlan | None  # a budget's; None for a single ratio
 
 
@@ -76,14 +87,13 @@ def plan_job(settings: PruneConfig, model_config: PretrainedConfig, model: PreTr
     if settings.recovery.enabled:
         check_length(settings.recovery.max_seq_len, model_config.max_position_embeddings)
     if settings.is_sweep:
-        sweep = plan_sweep(model_config, settings)
-    else:
-        check_reachable(model if model is not None else meta_model(model_config), settings)
-        sweep = None
-    return JobPlan(settings, job_stages(settings), sweep)
+        return JobPlan(settings, job_stages(settings), None, plan_sweep(model_config, settings))
+    prune = PrunePlan.of(settings, model_config)
+    check_reachable(model if model is not None else meta_model(model_config), prune.allocation)
+    return JobPlan(settings, job_stages(settings), prune, None)
 
 
-def plan_sweep(model_config: PretrainedConfig, settings: PruneSettings) -> SweepPlan:
+def plan_sweep(model_config: PretrainedConfig, settings: PruneConfig) -> SweepPlan:
     """The sweep of a job with a target: every (ratio, variant) whole units reach, ordered by ratio then variant,
     without those a bytes or parameters budget excludes by estimate; InvalidConfig naming the budget and the
     smallest size reachable when none is left."""
@@ -105,13 +115,14 @@ def plan_sweep(model_config: PretrainedConfig, settings: PruneSettings) -> Sweep
     if not fitting:
         raise InvalidConfig(nothing_fits(candidates, settings.target))
     dense = tuple(estimator.candidate(0.0, fmt, variant) for variant in variants)
-    return SweepPlan(fmt, tuple(fitting), dense)
+    calibration, placement = CalibrationPlan.of(settings, model_config), PlacementPlan.of(settings, model_config)
+    return SweepPlan(fmt, tuple(fitting), dense, calibration, placement)
 
 
 def _reaches(estimator: Estimator, ratio: float, fmt: str, variant: str) -> bool:
     """Whether whole units within r_max reach `ratio` under the rounding the variant asks for."""
     try:
-        check_reachable(estimator.model, estimator.candidate_config(ratio, fmt, variant))
+        check_reachable(estimator.model, AllocationPlan.of(estimator.candidate_config(ratio, fmt, variant)))
     except InvalidConfig:
         return False
     return True

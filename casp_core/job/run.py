@@ -36,7 +36,7 @@ from casp_core.job.steps import (
 )
 from casp_core.job.sweep.run import run_sweep
 from casp_core.method.placement import Placement, check_recovery_fits, choose_placement
-from casp_core.method.prune import prune
+from casp_core.method.prune import PrunePlan, prune_as_planned
 from casp_core.model import check_model_reference, resolve_device
 from casp_core.recovery.data import TrainingData, load_training_data
 from casp_core.recovery.teacher import TeacherCache, compute_teacher, load_teacher, needs_teacher, teacher_fingerprint
@@ -95,10 +95,12 @@ def run_job(
         with run.stage("load"):
             snapshot = retry.pruned_snapshot()
             if snapshot is None:
-                dense, tokenizer, dtype = load_dense(model, revision, config, run, token, device, cache_dir)
+                dense, tokenizer, dtype, plan = load_dense(model, revision, config, run, token, device, cache_dir)
+                assert plan.prune is not None, "a single ratio's plan"
+                prune_plan = plan.prune
                 # Refused here when even one layer cannot fit on the device, or recovery would not, before hours
                 # of evaluation and pruning.
-                placement = choose_placement(dense, config, device)
+                placement = choose_placement(dense, prune_plan.placement, device)
                 if config.recovery.enabled:
                     recovery_memory = check_recovery_fits(dense, config, device)
             else:
@@ -107,7 +109,10 @@ def run_job(
                     run.warn(warning)
                 tokenizer, dtype = snapshot.tokenizer, snapshot.dtype
         with run.stage("calibration_data"):
-            inputs = read_inputs(dense if snapshot is None else snapshot.model, tokenizer, config, run, snapshot)
+            if snapshot is None:
+                inputs = read_inputs(dense, tokenizer, config, prune_plan.calibration, run)
+            else:
+                inputs = read_inputs(snapshot.model, tokenizer, config, None, run)
         teacher = None
         if needs_teacher(config.recovery) and inputs.training is not None:
             # Before pruning frees the dense model; a retry after pruning finds the cache, or loads the dense one.
@@ -125,7 +130,7 @@ def run_job(
                 cache_dir,
             )
         if snapshot is None:
-            pruned = prune_dense(dense, tokenizer, inputs, config, run, placement, cache_dir)
+            pruned = prune_dense(dense, tokenizer, inputs, prune_plan, run, placement, cache_dir)
             del dense  # its decoder layers were released while pruning; the rest goes now
         else:
             pruned = Pruned(snapshot.model, snapshot.pruning, snapshot.dense_figures, snapshot.pruned_figures)
@@ -210,15 +215,17 @@ def prune_dense(
     dense: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     inputs: Inputs,
-    config: PruneConfig,
+    plan: PrunePlan,
     run: Run,
     placement: Placement,
     cache_dir: Path,
 ) -> Pruned:
-    """The dense model's evaluation (an earlier job's, kept in `cache_dir`, when one matches), then pruning;
-    `dense` loses its decoder layers' weights on the way."""
+    """The dense model's evaluation (an earlier job's, kept in `cache_dir`, when one matches), then pruning as
+    `plan` says; `dense` loses its decoder layers' weights on the way."""
     dense_figures = evaluate_dense(dense, tokenizer, inputs.plan, run, cache_dir)
-    result = prune(dense, tokenizer, config, run, windows=inputs.windows, release_dense=True, placement=placement)
+    result = prune_as_planned(
+        dense, tokenizer, plan, run, windows=inputs.windows, release_dense=True, placement=placement
+    )
     return Pruned(result.model, pruning_section(result), dense_figures, None)
 
 

@@ -22,8 +22,8 @@ from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, Figures
 from casp_core.eval.perplexity import default_seq_len
 from casp_core.families import projections
-from casp_core.job.plan import plan_job
-from casp_core.method.calibration import calibration_windows
+from casp_core.job.plan import JobPlan, plan_job
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.model import decoder_layers, load_model
 from casp_core.recovery.data import TrainingData, load_training_data
 from casp_core.recovery.teacher import TEACHER_FILE
@@ -113,19 +113,20 @@ def load_dense(
     token: str | None,
     device: torch.device,
     cache_dir: Path,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """The dense model, its tokenizer and its dtype's name; the ratio and the GGUF type are checked before any work.
-    A GGUF source is dequantized into `cache_dir` the first time (minutes for a large file: said in the events)."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str, JobPlan]:
+    """The dense model, its tokenizer, its dtype's name and the job's plan on it: the settings are checked before any
+    work. A GGUF source is dequantized into `cache_dir` the first time (minutes for a large file: said in the
+    events)."""
     run.report("load", 0.0, f"loading {public_name(model)}")
     if is_gguf_reference(model):
         run.report("load", 0.0, f"reading {public_name(model)} (dequantized once per file and dtype, then cached)")
     dense, tokenizer = load_model(
         model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
     )
-    check_settings(dense, config, run)
+    plan = check_settings(dense, config, run)
     if config.exports_gguf:
         check_gguf_tokenizer(model, dense, tokenizer)
-    return dense, tokenizer, str(dense.dtype).removeprefix("torch.")
+    return dense, tokenizer, str(dense.dtype).removeprefix("torch."), plan
 
 
 def check_gguf_tokenizer(model: str, dense: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -136,10 +137,11 @@ def check_gguf_tokenizer(model: str, dense: PreTrainedModel, tokenizer: PreTrain
         vocabulary_of(tokenizer, embedding_rows, Path(tokenizer.name_or_path))
 
 
-def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> None:
-    """Refuses, before any work, what the API and the command line refuse (`plan_job`, on the loaded model's
-    config); warns of a rounding that forfeits the speedup or forces fallback types (once per warning)."""
-    plan_job(config, dense.config, dense)
+def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> JobPlan:
+    """The job's plan (`plan_job`, on the loaded model's config): it refuses, before any work, what the API and the
+    command line refuse. Warns of a rounding that forfeits the speedup or forces fallback types (once per
+    warning)."""
+    plan = plan_job(config, dense.config, dense)
     widths = [projections(layer).down.in_features for layer in decoder_layers(dense)]
     for warning in (
         speed_warning(widths, config.round_to),
@@ -147,18 +149,20 @@ def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> Non
     ):
         if warning and warning not in run.warnings:
             run.warn(warning)
+    return plan
 
 
 def read_inputs(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     config: PruneConfig,
+    calibration: CalibrationPlan | None,
     run: Run,
-    snapshot: PrunedSnapshot | None,
 ) -> Inputs:
-    """The calibration windows (unless resuming from `snapshot`), the evaluation texts and recovery's data."""
+    """The calibration windows (none where `calibration` is None: resuming after pruning), the evaluation texts and
+    recovery's data."""
     run.report("calibration", 0.0, "loading calibration and evaluation text")
-    windows = calibration_windows(model, tokenizer, config) if snapshot is None else None
+    windows = None if calibration is None else calibration_windows(tokenizer, calibration)
     plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(model))
     training = None
     if config.recovery.enabled:

@@ -19,7 +19,7 @@ from casp_core.model import (
     sublayer_parameters,
 )
 from casp_core.rounding import aligned_heads, head_multiple, quantizer_block, round_to_for
-from casp_core.settings import UNIFORM_SHAPE, PruneConfig
+from casp_core.settings import AUTO_ALPHA, UNIFORM_SHAPE, PruneSettings
 
 # The budget is planned from the ratios and the shapes alone, before any statistics: in sequential mode layer l
 # is masked before layer l+1 is measured, so a shortfall found after the last layer could not go back to the
@@ -37,6 +37,53 @@ from casp_core.settings import UNIFORM_SHAPE, PruneConfig
 # heads x head_dim) a multiple of the quantizer's block (casp_core.rounding.aligned_heads); the channels absorb it.
 
 
+@dataclass(frozen=True)
+class AllocationPlan:
+    """What the allocation and the budget read: the ratio, how it is spread over the layers, and in which units."""
+
+    ratio: float
+    alpha: float | str  # a number, or "auto" (casp_core.method.temperature)
+    allocation: str  # "gradient" | "uniform"
+    shape: str  # "per_layer" | "uniform"
+    r_max: float
+    round_to: int | str
+    block: int | None  # the quantizer's block a quantized GGUF export's widths fit; None without one
+    gguf_type: str | None  # that export's type; None without one
+    prune_experts: int  # whole routed experts each layer of a mixture of experts removes
+
+    @classmethod
+    def of(cls, settings: PruneSettings, ratio: float | None = None) -> "AllocationPlan":
+        """The allocation `settings` ask for, at `ratio` in place of theirs where given (a sweep's candidate)."""
+        block = quantizer_block(settings)
+        ratio = settings.ratio if ratio is None else ratio
+        assert ratio is not None, "a sweep plans each of its ratios"
+        return cls(
+            ratio=ratio,
+            alpha=settings.alpha,
+            allocation=settings.allocation,
+            shape=settings.shape,
+            r_max=settings.r_max,
+            round_to=settings.round_to,
+            block=block,
+            gguf_type=settings.gguf_type if block else None,
+            prune_experts=settings.moe.prune_experts,
+        )
+
+    @property
+    def uniform_shape(self) -> bool:
+        return self.shape == UNIFORM_SHAPE
+
+    @property
+    def uses_sensitivities(self) -> bool:
+        """Whether the layer ratios come from the gradient sensitivities S_l (the uniform shape and allocation do
+        not read them)."""
+        return not self.uniform_shape and self.allocation == "gradient"
+
+    @property
+    def alpha_auto(self) -> bool:
+        return self.alpha == AUTO_ALPHA
+
+
 def attention_params_removed(layer: nn.Module, geometry: AttentionGeometry, heads: list[int]) -> int:
     """q rows and o columns of each head, plus k and v rows of each key/value head left with no query head."""
     parts = projections(layer)
@@ -52,10 +99,12 @@ def channel_params(layer: nn.Module) -> int:
     return parts.down.out_features + 2 * (parts.gate.in_features + (parts.gate.bias is not None))
 
 
-def layer_channel_counts(layer: nn.Module, config: PruneConfig, block: int | None) -> tuple[int, ...]:
+def layer_channel_counts(layer: nn.Module, allocation: AllocationPlan) -> tuple[int, ...]:
     """The FFN channel counts the layer may prune, as its family counts them (a mixture of experts: sums of its
     experts' counts, after its removed experts' channels)."""
-    return family_of_layer(layer).channel_counts(layer, config.r_max, config.round_to, block, config.moe.prune_experts)
+    return family_of_layer(layer).channel_counts(
+        layer, allocation.r_max, allocation.round_to, allocation.block, allocation.prune_experts
+    )
 
 
 def heads_cap(model: PreTrainedModel, geometry: AttentionGeometry, r_max: float) -> int:
@@ -77,7 +126,7 @@ def heads_emptying_groups_last(geometry: AttentionGeometry) -> list[int]:
 
 
 @dataclass(frozen=True)
-class LayerPlan:
+class LayerBudget:
     """One layer's part of the budget: its query heads, fixed, and the FFN channel counts it may choose from."""
 
     heads: int
@@ -98,14 +147,14 @@ class LayerPlan:
 @dataclass(frozen=True)
 class BudgetPlan:
     target: float  # parameters to remove: the ratio times the dense decoder layers' parameters
-    layers: tuple[LayerPlan, ...]
+    layers: tuple[LayerBudget, ...]
 
 
-def layer_plan(
+def layer_budget(
     model: PreTrainedModel, layer: nn.Module, heads: int, counts: tuple[int, ...], ratio: float
-) -> LayerPlan:
+) -> LayerBudget:
     geometry = attention_geometry(model, layer)
-    return LayerPlan(
+    return LayerBudget(
         heads=heads,
         least_attention_removed=attention_params_removed(layer, geometry, heads_emptying_groups_last(geometry)[:heads]),
         channel_params=channel_params(layer),
@@ -114,27 +163,25 @@ def layer_plan(
     )
 
 
-def check_reachable(model: PreTrainedModel, config: PruneConfig) -> None:
+def check_reachable(model: PreTrainedModel, allocation: AllocationPlan) -> None:
     """Refuse, before any work, a ratio that whole heads and channels within r_max cannot reach (casp_core.job.plan
     calls it for every job, on a model built on the meta device when no weights are loaded)."""
-    family_of(model.config).check_settings(model.config, config)
-    if config.shape == UNIFORM_SHAPE:
-        plan_uniform_shape(model, config)  # refuses what the uniform shape cannot reach or save
+    if allocation.uniform_shape:
+        plan_uniform_shape(model, allocation)  # refuses what the uniform shape cannot reach
         return
     most = 0
-    block = quantizer_block(config)
     for layer in decoder_layers(model):
-        counts = layer_channel_counts(layer, config, block)
-        cap = heads_cap(model, attention_geometry(model, layer), config.r_max)
-        most += layer_plan(model, layer, cap, counts, config.r_max).most_removed
-    if config.ratio > most / prunable_parameters(model) + 1e-9:
-        raise unreachable(model, config, most)
+        counts = layer_channel_counts(layer, allocation)
+        cap = heads_cap(model, attention_geometry(model, layer), allocation.r_max)
+        most += layer_budget(model, layer, cap, counts, allocation.r_max).most_removed
+    if allocation.ratio > most / prunable_parameters(model) + 1e-9:
+        raise unreachable(model, allocation, most)
 
 
-def unreachable(model: PreTrainedModel, config: PruneConfig, most: int) -> InvalidConfig:
-    """The refusal of `config.ratio` where the layers remove at most `most` parameters."""
+def unreachable(model: PreTrainedModel, allocation: AllocationPlan, most: int) -> InvalidConfig:
+    """The refusal of `allocation.ratio` where the layers remove at most `most` parameters."""
     reachable = most / prunable_parameters(model)
-    rounding = f" and round_to = {config.round_to}" if config.round_to != 1 else ""
+    rounding = f" and round_to = {allocation.round_to}" if allocation.round_to != 1 else ""
     family = family_of(model.config)
     units = (
         "whole heads and FFN channels"
@@ -142,19 +189,19 @@ def unreachable(model: PreTrainedModel, config: PruneConfig, most: int) -> Inval
         else f"FFN channels alone ({family.name} keeps attention whole)"
     )
     return InvalidConfig(
-        f"ratio: {config.ratio} cannot be reached on this model: {units}, at most "
-        f"r_max = {config.r_max} of each layer's{rounding}, remove at most {math.floor(reachable * 1e4) / 1e4} "
+        f"ratio: {allocation.ratio} cannot be reached on this model: {units}, at most "
+        f"r_max = {allocation.r_max} of each layer's{rounding}, remove at most {math.floor(reachable * 1e4) / 1e4} "
         "of the decoder layers' parameters (ask for that or less, or raise r_max)"
     )
 
 
-def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig) -> BudgetPlan:
+def plan_budget(model: PreTrainedModel, ratios: list[float], allocation: AllocationPlan) -> BudgetPlan:
     """Heads per layer and the channel counts each may take, such that the layers can hold the target."""
     layers = decoder_layers(model)
     geometries = [attention_geometry(model, layer) for layer in layers]
-    block = quantizer_block(config)
-    counts = [layer_channel_counts(layer, config, block) for layer in layers]
-    caps = [heads_cap(model, geometry, config.r_max) for geometry in geometries]
+    block = allocation.block
+    counts = [layer_channel_counts(layer, allocation) for layer in layers]
+    caps = [heads_cap(model, geometry, allocation.r_max) for geometry in geometries]
     multiples = [head_multiple(block, geometry.head_dim) for geometry in geometries]
     heads = [
         aligned_heads(r * g.num_heads, min(round(r * g.num_heads), cap), g.num_heads, multiple, cap)
@@ -165,18 +212,18 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
     # the fewest that leave whole blocks go, or its ffn_down would take a fallback type.
     spared_counts = [
         (count[0],)
-        if block and round_to_for(projections(layer).down.in_features, config.round_to, block) == block
+        if block and round_to_for(projections(layer).down.in_features, allocation.round_to, block) == block
         else (0,)
         for count, layer in zip(counts, layers, strict=True)
     ]
 
-    def plan_of(index: int) -> LayerPlan:
+    def plan_of(index: int) -> LayerBudget:
         if spared[index]:
-            return layer_plan(model, layers[index], 0, spared_counts[index], 0.0)
-        return layer_plan(model, layers[index], heads[index], counts[index], ratios[index])
+            return layer_budget(model, layers[index], 0, spared_counts[index], 0.0)
+        return layer_budget(model, layers[index], heads[index], counts[index], ratios[index])
 
     plans = [plan_of(index) for index in range(len(layers))]
-    target = config.ratio * prunable_parameters(model)
+    target = allocation.ratio * prunable_parameters(model)
     while sum(plan.most_removed for plan in plans) < target:
         growing = [i for i in range(len(layers)) if not spared[i] and heads[i] < caps[i]]
         if growing:
@@ -193,7 +240,7 @@ def plan_budget(model: PreTrainedModel, ratios: list[float], config: PruneConfig
         else:
             # Every layer at r_max: the plan refused the job before any work (check_reachable); this is a caller
             # of `prune` that did not plan, told the same after its calibration.
-            raise unreachable(model, config, sum(plan.most_removed for plan in plans))
+            raise unreachable(model, allocation, sum(plan.most_removed for plan in plans))
         plans[index] = plan_of(index)
     return BudgetPlan(target, tuple(plans))
 
@@ -233,7 +280,7 @@ def representative_heads(geometry: AttentionGeometry, kv_heads: int, heads_per_k
     return [h for h in range(geometry.num_heads) if h // group >= kv_heads or h % group >= heads_per_kv]
 
 
-def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformShape:
+def plan_uniform_shape(model: PreTrainedModel, allocation: AllocationPlan) -> UniformShape:
     """The one shape every layer takes: the ratio spread evenly over the layers, as `allocation: uniform` does.
 
     Heads: the count the per-layer rule gives at r_l = ratio, moved to the nearest one the family's class can
@@ -243,14 +290,13 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
     achieved ratio is within half a rounding unit (round_to channels in every layer) of the target.
     """
     family = family_of(model.config)
-    family.check_plain_shape(model.config, config)
     layers = decoder_layers(model)
     layer = layers[0]  # the supported families' decoder layers are all alike
     geometry = attention_geometry(model, layer)
     group = geometry.num_heads // geometry.num_kv_heads
-    cap = heads_cap(model, geometry, config.r_max)
-    block = quantizer_block(config)
-    exact = config.ratio * geometry.num_heads
+    cap = heads_cap(model, geometry, allocation.r_max)
+    block = allocation.block
+    exact = allocation.ratio * geometry.num_heads
     pruned_heads = aligned_heads(exact, round(exact), geometry.num_heads, head_multiple(block, geometry.head_dim), cap)
     wanted_heads = geometry.num_heads - pruned_heads
     choices = sorted(
@@ -262,10 +308,12 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
         ),
         key=lambda choice: (abs(choice[0] * choice[1] - wanted_heads), -choice[0] * choice[1], -choice[1]),
     )
-    counts = family.uniform_channel_counts(layer, config.r_max, config.round_to, block, config.moe.prune_experts)
+    counts = family.uniform_channel_counts(
+        layer, allocation.r_max, allocation.round_to, block, allocation.prune_experts
+    )
     per_channel = channel_params(layer)
-    share = config.ratio * prunable_parameters(model) / len(layers)
-    half_unit = round_to_for(projections(layer).down.in_features, config.round_to, block) * per_channel / 2
+    share = allocation.ratio * prunable_parameters(model) / len(layers)
+    half_unit = round_to_for(projections(layer).down.in_features, allocation.round_to, block) * per_channel / 2
     for kv, per in choices:
         rest = share - attention_params_removed(layer, geometry, representative_heads(geometry, kv, per))
         # The nearest head count first; a further one only where the channels cannot close the gap with it.
@@ -273,24 +321,24 @@ def plan_uniform_shape(model: PreTrainedModel, config: PruneConfig) -> UniformSh
             pruned_channels = min(counts, key=lambda count: abs(count * per_channel - rest))
             return UniformShape(kv, per, pruned_channels)
     raise InvalidConfig(
-        f"ratio: {config.ratio} cannot be reached with shape uniform on this model: every layer keeping the same "
+        f"ratio: {allocation.ratio} cannot be reached with shape uniform on this model: every layer keeping the same "
         f"whole heads (a count its {type(model.config).__name__} accepts) and FFN channels, at most r_max = "
-        f"{config.r_max} of each; ask for another ratio, raise r_max or use shape per_layer"
+        f"{allocation.r_max} of each; ask for another ratio, raise r_max or use shape per_layer"
     )
 
 
-def rounding_units(model: PreTrainedModel, config: PruneConfig) -> dict[str, Any]:
+def rounding_units(model: PreTrainedModel, allocation: AllocationPlan) -> dict[str, Any]:
     """The units the layers are pruned in: each layer's FFN multiple, the multiple of query heads that keeps
     o_proj's rows a multiple of the quantizer's block (1 without a quantized GGUF), and one rounding unit (the
     largest layer's round_to FFN channels) as a fraction of the decoder layers' parameters, which bounds how far
     the achieved ratio is from the target."""
-    block = quantizer_block(config)
+    block = allocation.block
     layers = decoder_layers(model)
-    multiples = [round_to_for(projections(layer).down.in_features, config.round_to, block) for layer in layers]
+    multiples = [round_to_for(projections(layer).down.in_features, allocation.round_to, block) for layer in layers]
     largest = max(multiple * channel_params(layer) for multiple, layer in zip(multiples, layers, strict=True))
     return {
         "block": block,
-        "gguf_type": config.gguf_type if block else None,
+        "gguf_type": allocation.gguf_type,
         "ffn_multiples": multiples,
         "head_multiple": head_multiple(block, attention_geometry(model, layers[0]).head_dim),
         "one_unit": largest / prunable_parameters(model),

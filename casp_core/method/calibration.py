@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.model import attention_layer_types, on_device
@@ -180,15 +180,42 @@ def check_finite_moments(moments: dict[str, SecondMoment], layer: int) -> None:
 # ---------------------------------------------------------------- the windows and the layer inputs
 
 
-def calibration_windows(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: PruneConfig
-) -> torch.Tensor:
-    """The calibration token windows (sequence length capped at the model's context)."""
-    calibration = config.calibration
-    seq_len = min(calibration.seq_len, model.config.max_position_embeddings)
-    text = data.load_text(data.calibration_source(calibration.dataset), config.datasets_dir)
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """The calibration text and how it is cut and fed: `n_samples` windows of `seq_len` tokens (capped at the
+    model's context), in batches of `batch_size`, sequential or dense (module docstring)."""
+
+    dataset: str  # a calibration source (casp_core.data.calibration_source)
+    datasets_dir: str | None  # local copies of the named data sets
+    n_samples: int
+    seq_len: int
+    seed: int
+    mode: str  # "sequential" | "dense"
+    batch_size: int
+
+    @classmethod
+    def of(cls, settings: PruneConfig, model_config: PretrainedConfig) -> "CalibrationPlan":
+        calibration = settings.calibration
+        return cls(
+            dataset=calibration.dataset,
+            datasets_dir=settings.datasets_dir,
+            n_samples=calibration.n_samples,
+            seq_len=min(calibration.seq_len, model_config.max_position_embeddings),
+            seed=calibration.seed,
+            mode=calibration.mode,
+            batch_size=calibration.batch_size,
+        )
+
+    @property
+    def sequential(self) -> bool:
+        return self.mode == "sequential"
+
+
+def calibration_windows(tokenizer: PreTrainedTokenizerBase, calibration: CalibrationPlan) -> torch.Tensor:
+    """The calibration token windows."""
+    text = data.load_text(data.calibration_source(calibration.dataset), calibration.datasets_dir)
     tokens = data.tokenize(text, tokenizer, add_bos=False)
-    return data.sample_windows(tokens, calibration.n_samples, seq_len, calibration.seed)
+    return data.sample_windows(tokens, calibration.n_samples, calibration.seq_len, calibration.seed)
 
 
 class _InputsCaptured(Exception):

@@ -47,13 +47,35 @@ from casp_core.method.budget import BudgetPlan, UniformShape, channel_params, ch
 from casp_core.method.calibration import CalibrationStream, SecondMoment, advance_layer, feed_layer
 from casp_core.method.compensation import CompensationReport, compensate_linear
 from casp_core.method.interaction import interaction_matrix, offdiag_ratio
+from casp_core.method.layer import LayerPlan
 from casp_core.method.results import ExpertReport, LayerReport, SubLayerReport
 from casp_core.method.selection import solve_sublayer
 from casp_core.model import attention_geometry, decoder_layers, sublayer_parameters
 from casp_core.numerics import check_finite
 from casp_core.rounding import channel_counts
 from casp_core.run import Run
-from casp_core.settings import PruneConfig, fixed_alpha
+from casp_core.settings import PruneSettings, fixed_alpha
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How a mixture of experts' layer spreads its channels over its experts, and how many it removes whole."""
+
+    r_max: float
+    round_to: int | str
+    alpha: float  # the split within a layer keeps the default where alpha is auto (it scores the layers' ratios)
+    prune_unreached: bool
+    prune_experts: int
+
+    @classmethod
+    def of(cls, settings: PruneSettings) -> "ExpertsPlan":
+        return cls(
+            r_max=settings.r_max,
+            round_to=settings.round_to,
+            alpha=fixed_alpha(settings.alpha),
+            prune_unreached=settings.moe.prune_unreached,
+            prune_experts=settings.moe.prune_experts,
+        )
 
 
 @dataclass
@@ -168,23 +190,21 @@ def expert_counts(
     n_channels: int,
     traffic: list[ExpertTraffic],
     widths: list[int],
-    config: PruneConfig,
+    experts: ExpertsPlan,
     removed: tuple[int, ...] = (),
 ) -> tuple[list[int], list[int]]:
     """How many channels each expert (of `widths`) but the `removed` ones prunes, summing to within one rounding
     step of `n_channels`, and the experts (not removed) no token reached."""
     unreached = [e for e, t in enumerate(traffic) if t.tokens == 0 and e not in removed]
     taking_part = [
-        e for e in range(len(traffic)) if e not in removed and (e not in unreached or config.moe.prune_unreached)
+        e for e in range(len(traffic)) if e not in removed and (e not in unreached or experts.prune_unreached)
     ]
     counts = [0] * len(traffic)
     if n_channels == 0 or not taking_part:
         return counts, unreached
-    allowed = {e: channel_counts(widths[e], config.r_max, config.round_to) for e in taking_part}
-    # auto scores temperatures for the layers' ratios; the experts' split within a layer keeps the default.
-    alpha = fixed_alpha(config.alpha)
-    ratio = min(n_channels / sum(widths[e] for e in taking_part), config.r_max)
-    ratios = allocate_ratios([traffic[e].sensitivity for e in taking_part], ratio, alpha, config.r_max)
+    allowed = {e: channel_counts(widths[e], experts.r_max, experts.round_to) for e in taking_part}
+    ratio = min(n_channels / sum(widths[e] for e in taking_part), experts.r_max)
+    ratios = allocate_ratios([traffic[e].sensitivity for e in taking_part], ratio, experts.alpha, experts.r_max)
     wanted = {e: r * widths[e] for e, r in zip(taking_part, ratios, strict=True)}
     step = {e: min(range(len(allowed[e])), key=lambda i: abs(allowed[e][i] - wanted[e])) for e in taking_part}
     # Rounding each expert to its nearest count leaves the sum off by a few steps: move one step at a time on the
@@ -212,7 +232,8 @@ def prune_experts_channels(
     plan: BudgetPlan | UniformShape,
     index: int,
     removed_before: int,
-    config: PruneConfig,
+    layer_plan: LayerPlan,
+    experts_plan: ExpertsPlan,
     run: Run,
     device: torch.device,
     removed: dict[int, ExpertTraffic],
@@ -233,13 +254,13 @@ def prune_experts_channels(
         unreached = [e for e, t in enumerate(traffic) if t.tokens == 0 and e not in removed]
     else:
         n_channels = channels_to_prune(plan, index, removed_before, 0) - removed_channels
-        counts, unreached = expert_counts(n_channels, traffic, widths, config, tuple(removed))
+        counts, unreached = expert_counts(n_channels, traffic, widths, experts_plan, tuple(removed))
         for expert in removed:
             counts[expert] = widths[expert]
     if unreached:
         if isinstance(plan, UniformShape):
             kept = "pruned all the same (shape uniform)"
-        elif config.moe.prune_unreached:
+        elif experts_plan.prune_unreached:
             kept = "pruned all the same (moe.prune_unreached)"
         else:
             kept = "kept whole"
@@ -258,16 +279,16 @@ def prune_experts_channels(
                 q = interaction_matrix(expert.down, moment.second_moment)
                 check_finite(q, "interaction", f"Q of expert {number}'s channels", index)
             with run.stage("solver"):
-                report = solve_sublayer(config.solver, q, offdiag_ratio(q), count, expert.down, moment, 1)
+                report = solve_sublayer(layer_plan.solver, q, offdiag_ratio(q), count, expert.down, moment, 1)
             own = report.pruned
             objective += report.objective
             diagonal_objective += report.diagonal_objective
             q_abs = float(q.abs().sum())
             offdiag_weighted += report.offdiag_ratio * q_abs
             q_total += q_abs
-            if config.compensation != "none":
+            if layer_plan.compensates:
                 with run.stage("compensation"):
-                    refit = compensate_linear(RowSlice(expert.down), moment, own, config.compensation_damping)
+                    refit = compensate_linear(RowSlice(expert.down), moment, own, layer_plan.compensation_damping)
                 error_before += refit.error_before
                 error_after += refit.error_after
                 damping = max(damping, refit.damping)
@@ -295,7 +316,7 @@ def prune_experts_channels(
         diagonal_objective=diagonal_objective,
         offdiag_ratio=offdiag_weighted / q_total if q_total else 0.0,
         compensation=None
-        if config.compensation == "none"
+        if not layer_plan.compensates
         else CompensationReport(error_before=error_before, error_after=error_after, damping=damping),
     )
     return mlp, reports
@@ -307,33 +328,36 @@ def prune_moe_layer(
     stream: CalibrationStream,
     plan: BudgetPlan | UniformShape,
     removed_before: int,
-    config: PruneConfig,
+    layer_plan: LayerPlan,
+    experts_plan: ExpertsPlan,
     run: Run,
     *,
     ratio: float,
     sensitivity: float | None,
 ) -> LayerReport:
-    """Layer `index` of a mixture of experts (on the device): attention and the router whole, the experts'
-    channels chosen, compensated and masked one expert at a time (`prune_experts_channels`), and the stream moved on.
-    Its family refuses, before any work, the settings this does not take (dense calibration,
+    """Layer `index` of a mixture of experts, brought to the device for it: attention and the router whole, the
+    experts' channels chosen, compensated and masked one expert at a time (`prune_experts_channels`), and the stream
+    moved on. Its family refuses, before any work, the settings this does not take (dense calibration,
     dense-target and mean-bias compensation)."""
     assert stream.sequential and stream.dense_inputs is None
     layer = decoder_layers(model)[index]
+    layer.to(stream.device)
     params_before = sum(sublayer_parameters(layer))
     with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
         feed_layer(layer, stream.inputs, stream.device)
     with run.stage("statistics"):
-        removed = remove_experts(layer, batches, config.moe.prune_experts, stream.device)
+        removed = remove_experts(layer, batches, experts_plan.prune_experts, stream.device)
     if removed:  # the channels' statistics from the tokens as the kept experts now take them
         with run.stage("statistics"), record_routing(layer.mlp, stream.store) as batches:
             feed_layer(layer, stream.inputs, stream.device)
     mlp, experts = prune_experts_channels(
-        layer, batches, plan, index, removed_before, config, run, stream.device, removed
+        layer, batches, plan, index, removed_before, layer_plan, experts_plan, run, stream.device, removed
     )
     del batches
     with run.stage("calibration_forward"):
         advance_layer(layer, stream.inputs, stream.device, stream.store)
     geometry = attention_geometry(model, layer)
+    layer.to(stream.home)
     return LayerReport(
         index=index,
         ratio=ratio,

@@ -1,12 +1,13 @@
 """One decoder layer of the paper's loop: its statistics, Q = (W Wᵀ) ⊙ E[YᵀY], the solver's choice of heads and FFN
 channels within the layer's budget, the least-squares compensation of what is kept, and the mask; the calibration
-stream then moves on to the next layer. A mixture of experts' layer takes the experts' step
-(casp_core.method.experts.prune_moe_layer)."""
+stream then moves on to the next layer. A mixture of experts' layer takes the experts' step instead
+(casp_core.method.experts.prune_moe_layer), with this step's plan and its own."""
+
+from dataclasses import dataclass
 
 from torch import nn
 from transformers import PreTrainedModel
 
-from casp_core.families import family_of
 from casp_core.method.budget import BudgetPlan, UniformShape
 from casp_core.method.calibration import (
     CalibrationStream,
@@ -21,13 +22,29 @@ from casp_core.method.calibration import (
     run_layer_on_stream_pair,
 )
 from casp_core.method.compensation import SharedRefits, compensate_layer
-from casp_core.method.experts import prune_moe_layer
 from casp_core.method.results import LayerReport
 from casp_core.method.selection import LayerChoice, choose_units, layer_q, params_kept
 from casp_core.method.surgery import kept_kv_heads, mask_layer
 from casp_core.model import AttentionGeometry, attention_geometry, decoder_layers, sublayer_parameters
 from casp_core.run import Run
-from casp_core.settings import PruneConfig
+from casp_core.settings import NO_COMPENSATION, PruneSettings
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How every layer chooses its units and compensates the kept ones."""
+
+    solver: str
+    compensation: str
+    compensation_damping: float
+
+    @classmethod
+    def of(cls, settings: PruneSettings) -> "LayerPlan":
+        return cls(settings.solver, settings.compensation, settings.compensation_damping)
+
+    @property
+    def compensates(self) -> bool:
+        return self.compensation != NO_COMPENSATION
 
 
 def prune_layer(
@@ -36,7 +53,7 @@ def prune_layer(
     stream: CalibrationStream,
     plan: BudgetPlan | UniformShape,
     removed_before: int,
-    config: PruneConfig,
+    layer_plan: LayerPlan,
     run: Run,
     *,
     ratio: float,
@@ -47,12 +64,6 @@ def prune_layer(
     `sensitivity` are the allocation's, for the report."""
     layer = decoder_layers(model)[index]
     layer.to(stream.device)
-    if family_of(model.config).has_experts:
-        report = prune_moe_layer(
-            model, index, stream, plan, removed_before, config, run, ratio=ratio, sensitivity=sensitivity
-        )
-        layer.to(stream.home)
-        return report
     sublayers = {"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}
     cross_moments = None
     if stream.dense_inputs is None:
@@ -72,9 +83,18 @@ def prune_layer(
     with run.stage("statistics"):
         q = layer_q(layer, geometry, moments)
     with run.stage("solver"):
-        choice = choose_units(layer, geometry, q, moments, plan, index, removed_before, config.solver)
+        choice = choose_units(layer, geometry, q, moments, plan, index, removed_before, layer_plan.solver)
     report = compensate_and_mask(
-        layer, geometry, choice, moments, cross_moments, config, run, index=index, ratio=ratio, sensitivity=sensitivity
+        layer,
+        geometry,
+        choice,
+        moments,
+        cross_moments,
+        layer_plan,
+        run,
+        index=index,
+        ratio=ratio,
+        sensitivity=sensitivity,
     )
     del moments, cross_moments, q
     with run.stage("calibration_forward"):
@@ -92,7 +112,7 @@ def compensate_and_mask(
     choice: LayerChoice,
     moments: dict[str, SecondMoment],
     cross_moments: dict[str, StreamCrossMoment] | None,
-    config: PruneConfig,
+    layer_plan: LayerPlan,
     run: Run,
     *,
     index: int,
@@ -104,15 +124,15 @@ def compensate_and_mask(
     and the chosen ones masked, in place."""
     params_before = sum(sublayer_parameters(layer))
     attn, mlp, pruning = choice.attn, choice.mlp, choice.pruning
-    if config.compensation != "none":
+    if layer_plan.compensates:
         with run.stage("compensation"):
             attn.compensation, mlp.compensation = compensate_layer(
                 layer,
                 geometry,
                 pruning,
                 moments,
-                config.compensation,
-                config.compensation_damping,
+                layer_plan.compensation,
+                layer_plan.compensation_damping,
                 cross_moments,
                 refits,
             )

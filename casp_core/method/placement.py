@@ -151,14 +151,30 @@ class JobShape:
     dense_target: bool
 
     @classmethod
-    def of(cls, model: PreTrainedModel, config: PruneConfig) -> "JobShape":
+    def of(cls, settings: PruneConfig, model_config: PretrainedConfig) -> "JobShape":
+        calibration = settings.calibration
         return cls(
-            batch_size=min(config.calibration.batch_size, config.calibration.n_samples),
-            seq_len=min(config.calibration.seq_len, model.config.max_position_embeddings),
-            gradient_allocation=config.allocation == "gradient" and config.shape != "uniform",
-            alpha_auto=config.alpha == AUTO_ALPHA,
-            dense_target=config.compensation == DENSE_TARGET_COMPENSATION and config.calibration.mode == "sequential",
+            batch_size=min(calibration.batch_size, calibration.n_samples),
+            seq_len=min(calibration.seq_len, model_config.max_position_embeddings),
+            gradient_allocation=settings.allocation == "gradient" and settings.shape != "uniform",
+            alpha_auto=settings.alpha == AUTO_ALPHA,
+            dense_target=settings.compensation == DENSE_TARGET_COMPENSATION and calibration.mode == "sequential",
         )
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where the weights are asked to be while layers are pruned, within which limit, and the job's shape the memory
+    model reads."""
+
+    device: str  # "auto" (cuda when available, else cpu), "cpu", "cuda:1", ...
+    mode: str  # "auto" | "resident" | "offload"
+    max_device_memory: int | None  # None: what the device has free
+    job: JobShape
+
+    @classmethod
+    def of(cls, settings: PruneConfig, model_config: PretrainedConfig) -> "PlacementPlan":
+        return cls(settings.device, settings.placement, settings.max_device_memory, JobShape.of(settings, model_config))
 
 
 @dataclass(frozen=True)
@@ -373,16 +389,16 @@ def device_free_memory(device: torch.device) -> int | None:
     return None
 
 
-def choose_placement(model: PreTrainedModel, config: PruneConfig, device: torch.device) -> Placement:
-    """The job's placement: `config.placement`, or for `auto` resident when the estimated resident peak fits within
-    the limit (`config.max_device_memory`, else what the device has free) and offload when it does not or no limit
-    is known. On the CPU the model stays where it is. A mode whose peak exceeds a known limit is refused before any
-    work (`DeviceMemoryTooSmall`)."""
-    estimate = estimate_device_memory(ModelShape.of(model), JobShape.of(model, config))
+def choose_placement(model: PreTrainedModel, plan: PlacementPlan, device: torch.device) -> Placement:
+    """The job's placement on `device` (`plan.device` resolved): `plan.mode`, or for `auto` resident when the
+    estimated resident peak fits within the limit (`plan.max_device_memory`, else what the device has free) and
+    offload when it does not or no limit is known. On the CPU the model stays where it is. A mode whose peak exceeds
+    a known limit is refused before any work (`DeviceMemoryTooSmall`)."""
+    estimate = estimate_device_memory(ModelShape.of(model), plan.job)
     if device == CPU:
         return Placement(RESIDENT, device, CPU, None, estimate)
-    limit = config.max_device_memory or device_free_memory(device)
-    mode = config.placement
+    limit = plan.max_device_memory or device_free_memory(device)
+    mode = plan.mode
     if mode == "auto":
         mode = RESIDENT if limit is not None and estimate.resident_peak <= limit else OFFLOAD
     peak = estimate.resident_peak if mode == RESIDENT else estimate.offload_peak

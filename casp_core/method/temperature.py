@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from casp_core.errors import InvalidConfig
 from casp_core.method.allocation import allocate_ratios, head_loss
-from casp_core.method.budget import BudgetPlan, plan_budget
+from casp_core.method.budget import AllocationPlan, BudgetPlan, plan_budget
 from casp_core.method.calibration import (
     capture_first_layer_inputs,
     check_finite_moments,
@@ -27,13 +27,14 @@ from casp_core.method.calibration import (
     run_layer,
 )
 from casp_core.method.compensation import compensate_layer
+from casp_core.method.layer import LayerPlan
 from casp_core.method.results import TemperatureChoice
 from casp_core.method.selection import choose_units, layer_q, params_kept
 from casp_core.method.surgery import mask_layer
 from casp_core.model import attention_geometry, decoder_layers, on_device, sublayer_parameters
 from casp_core.numerics import check_finite
 from casp_core.run import CPU, Run
-from casp_core.settings import AUTO_ALPHA_NEEDS_WINDOWS, PruneConfig
+from casp_core.settings import AUTO_ALPHA_NEEDS_WINDOWS
 
 # The paper's alpha = 1 and its neighbours, and 0 (uniform): alpha = 1 was the best fixed temperature in only 2
 # of 8 settings of bench/results/quality.md.
@@ -53,21 +54,26 @@ def choose_alpha(
     model: PreTrainedModel,
     windows: torch.Tensor,
     sensitivities: list[float],
-    config: PruneConfig,
+    allocation: AllocationPlan,
+    layer_plan: LayerPlan,
+    batch_size: int,
     device: torch.device,
     run: Run,
     store: torch.device = CPU,
     home: torch.device = CPU,
 ) -> TemperatureChoice:
-    """The grid's temperature with the lowest held-out loss at `config.ratio`; `model` is left as it was, its
-    weights at `home` (the CPU, or `device` when the model is resident there)."""
+    """The grid's temperature with the lowest held-out loss at `allocation.ratio`, each candidate's layers pruned as
+    `layer_plan` says; `model` is left as it was, its weights at `home` (the CPU, or `device` when the model is
+    resident there). `batch_size` windows go through a layer at once."""
     if len(windows) < 2:
         raise InvalidConfig(AUTO_ALPHA_NEEDS_WINDOWS)
     n_held_out = max(1, round(len(windows) * HELD_OUT_SHARE))
     statistics_windows, held_out = windows[:-n_held_out], windows[-n_held_out:]
-    batch_size = config.calibration.batch_size
     candidates = [
-        Candidate(alpha, plan_budget(model, allocate_ratios(sensitivities, config.ratio, alpha, config.r_max), config))
+        Candidate(
+            alpha,
+            plan_budget(model, allocate_ratios(sensitivities, allocation.ratio, alpha, allocation.r_max), allocation),
+        )
         for alpha in ALPHA_GRID
     ]
     statistics = capture_first_layer_inputs(model, statistics_windows, batch_size, device, store, home)
@@ -93,11 +99,16 @@ def choose_alpha(
             for candidate in candidates:
                 with restored(layer.self_attn.o_proj, layer.mlp.down_proj):
                     choice = choose_units(
-                        layer, geometry, q, moments, candidate.plan, index, candidate.removed, config.solver
+                        layer, geometry, q, moments, candidate.plan, index, candidate.removed, layer_plan.solver
                     )
-                    if config.compensation != "none":
+                    if layer_plan.compensates:
                         compensate_layer(
-                            layer, geometry, choice.pruning, moments, config.compensation, config.compensation_damping
+                            layer,
+                            geometry,
+                            choice.pruning,
+                            moments,
+                            layer_plan.compensation,
+                            layer_plan.compensation_damping,
                         )
                     candidate.removed += params_before - params_kept(layer, choice)
                     mask_layer(layer, geometry, choice.pruning)

@@ -5,7 +5,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from casp_core.artifacts.gguf.types import FLOAT_TYPES
-from casp_core.method.budget import plan_budget, plan_uniform_shape
+from casp_core.method.budget import AllocationPlan, plan_budget, plan_uniform_shape
 from casp_core.method.prune import prune
 from casp_core.model import decoder_layers, load_model
 from casp_core.rounding import (
@@ -126,8 +126,8 @@ def test_every_gguf_type_has_a_block_or_is_a_float_type() -> None:
 def test_the_budget_plans_whole_blocks_and_moves_heads_by_one_for_a_quantized_gguf() -> None:
     model, _ = load_model(str(STORIES))  # 8 heads of 8 over 4 key/value heads, FFN 172, hidden 64
     ratios = [0.0, 0.3, 0.4, 0.5, 0.6]
-    plain = plan_budget(model, ratios, small_config(0.3))
-    plan = plan_budget(model, ratios, small_config(0.3, export=["gguf"], gguf_type="q8_0"))
+    plain = plan_budget(model, ratios, AllocationPlan.of(small_config(0.3)))
+    plan = plan_budget(model, ratios, AllocationPlan.of(small_config(0.3, export=["gguf"], gguf_type="q8_0")))
     # Heads x 8 must be a multiple of 32: 4 or 8 heads kept. 2.4 -> 2 pruned keeps 6 (two heads from 4 or 8: left);
     # 3.2 -> 3 keeps 5 (4 is one away: moved); 4 keeps 4; 4.8 -> 5 keeps 3 (moved back to 4 kept).
     assert [layer.heads for layer in plain.layers] == [0, 2, 3, 4, 5]
@@ -138,7 +138,7 @@ def test_the_budget_plans_whole_blocks_and_moves_heads_by_one_for_a_quantized_gg
     # The uniform shape's channels too: ptbwiki-7M's 704 keep 512 or 256.
     model, _ = load_model(str(PTBWIKI))
     uniform = small_config(0.3, shape="uniform", allocation="uniform", export=["gguf"], gguf_type="q4_k_m")
-    assert (704 - plan_uniform_shape(model, uniform).pruned_channels) in (256, 512)
+    assert (704 - plan_uniform_shape(model, AllocationPlan.of(uniform)).pruned_channels) in (256, 512)
 
 
 def test_the_uniform_shape_takes_the_head_count_whose_o_proj_rows_are_whole_blocks() -> None:
@@ -150,8 +150,10 @@ def test_the_uniform_shape_takes_the_head_count_whose_o_proj_rows_are_whole_bloc
     )
     model = LlamaForCausalLM(config)
     settings = {"shape": "uniform", "allocation": "uniform"}
-    plain = plan_uniform_shape(model, small_config(0.3, **settings))
-    quantized = plan_uniform_shape(model, small_config(0.3, **settings, export=["gguf"], gguf_type="q4_k_m"))
+    plain = plan_uniform_shape(model, AllocationPlan.of(small_config(0.3, **settings)))
+    quantized = plan_uniform_shape(
+        model, AllocationPlan.of(small_config(0.3, **settings, export=["gguf"], gguf_type="q4_k_m"))
+    )
     assert plain.kv_heads * plain.heads_per_kv == 4
     assert quantized.kv_heads * quantized.heads_per_kv == 2
     assert (1024 - quantized.pruned_channels) % 256 == 0

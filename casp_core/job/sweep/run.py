@@ -493,10 +493,10 @@ def run_sweep(
             candidates = list(plan.candidates)
             units = sweep_units(candidates, config)
             check_candidates(model, dense, tokenizer, config, candidates, run)
-            placement = choose_placement(dense, unit_config(config, units[0], candidates[0].format), device)
+            placement = choose_placement(dense, plan.placement, device)
             state, best = resume(retry, run)
         with run.stage("calibration_data"):
-            inputs = read_inputs(dense, tokenizer, config, run, None)
+            inputs = read_inputs(dense, tokenizer, config, plan.calibration, run)
         sweep = Sweep(
             model=model,
             revision=revision,

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from casp_core.artifacts.shapes import Geometry, LayerShape, PlannedShape, dense_params
 from casp_core.families import projections
 from casp_core.method.allocation import allocate_ratios, uniform_ratios
-from casp_core.method.budget import channels_to_prune, plan_budget, plan_uniform_shape
+from casp_core.method.budget import AllocationPlan, channels_to_prune, plan_budget, plan_uniform_shape
 from casp_core.model import attention_geometry, decoder_layers
-from casp_core.settings import MEAN_BIAS_COMPENSATION, UNIFORM_SHAPE, PruneConfig, fixed_alpha
+from casp_core.settings import MEAN_BIAS_COMPENSATION, PruneConfig, fixed_alpha
 
 
 def meta_model(model_config: PretrainedConfig) -> PreTrainedModel:
@@ -30,13 +30,13 @@ def meta_model(model_config: PretrainedConfig) -> PreTrainedModel:
         return AutoModelForCausalLM.from_config(model_config)
 
 
-def estimated_ratios(n_layers: int, config: PruneConfig) -> list[float]:
+def estimated_ratios(n_layers: int, allocation: AllocationPlan) -> list[float]:
     """The per-layer ratios of sensitivities spread evenly, the first layer the most sensitive."""
-    if config.allocation == "uniform":
-        return uniform_ratios(n_layers, config.ratio)
+    if allocation.allocation == "uniform":
+        return uniform_ratios(n_layers, allocation.ratio)
     # auto is chosen on the calibration text, which an estimate does not read: the default stands in for it.
-    alpha = fixed_alpha(config.alpha)
-    return allocate_ratios([math.exp(-index) for index in range(n_layers)], config.ratio, alpha, config.r_max)
+    alpha = fixed_alpha(allocation.alpha)
+    return allocate_ratios([math.exp(-index) for index in range(n_layers)], allocation.ratio, alpha, allocation.r_max)
 
 
 def _kept_groups(group: int, kv_heads: int, pruned_heads: int) -> list[int]:
@@ -62,13 +62,14 @@ def planned_shape(model: PreTrainedModel, config: PruneConfig | None) -> Planned
     width = projections(layers[0]).down.in_features
     if config is None:
         return PlannedShape((_layer_shape(heads, group, kv_heads, 0, width),) * len(layers), dense_params(model))
-    if config.shape == UNIFORM_SHAPE:
-        uniform = plan_uniform_shape(model, config)
+    allocation = AllocationPlan.of(config)
+    if allocation.uniform_shape:
+        uniform = plan_uniform_shape(model, allocation)
         kept_heads = uniform.kv_heads * uniform.heads_per_kv
         shape = LayerShape(kept_heads, uniform.kv_heads, uniform.kv_heads, width - uniform.pruned_channels)
         shapes = [shape] * len(layers)
     else:
-        plan = plan_budget(model, estimated_ratios(len(layers), config), config)
+        plan = plan_budget(model, estimated_ratios(len(layers), allocation), allocation)
         shapes, removed = [], 0
         for index, layer in enumerate(plan.layers):
             attention = layer.least_attention_removed

@@ -27,15 +27,15 @@ from casp_core.method.layer import compensate_and_mask
 from casp_core.method.placement import Placement
 from casp_core.method.prune import (
     Allocation,
+    PrunePlan,
     allocate,
     capture_layer_inputs,
     load_windows,
     measure_sensitivities,
     place,
-    prune,
+    prune_as_planned,
     removed_units,
     resident,
-    uses_sensitivities,
 )
 from casp_core.method.results import LayerReport, PruneResult
 from casp_core.method.selection import LayerChoice, LayerQ, choose_units, layer_q
@@ -117,42 +117,45 @@ def prune_configs(
     for config in configs:
         config.validate()
         family.check_settings(dense.config, config)
+        family.check_plain_shape(dense.config, config)
     family.prepare(dense)
-    return _prune_configs(dense, tokenizer, list(configs), run or Run(), windows, placement, on_start)
+    plans = [PrunePlan.of(config, dense.config) for config in configs]
+    results = _prune_plans(dense, tokenizer, plans, run or Run(), windows, placement, on_start)
+    return zip(configs, results, strict=True)
 
 
-def _prune_configs(
+def _prune_plans(
     dense: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    configs: list[PruneConfig],
+    plans: list[PrunePlan],
     run: Run,
     windows: torch.Tensor | None,
     placement: Placement | None,
     on_start: Callable[[int], None] | None,
-) -> Iterator[tuple[PruneConfig, PruneResult]]:
-    shared = configs[0]  # for what they share: the configs differ in the ratio and the rounding alone
-    placement = place(dense, shared, run, placement)
+) -> Iterator[PruneResult]:
+    shared = plans[0]  # for what they share: the plans differ in their allocation's ratio and rounding alone
+    placement = place(dense, shared.placement, run, placement)
     if windows is None:
-        windows = load_windows(dense, tokenizer, shared, run)
-    runs = [replace(run, timer=StageTimer(run.timer.device)) for _ in configs]
+        windows = load_windows(tokenizer, shared.calibration, run)
+    runs = [replace(run, timer=StageTimer(run.timer.device)) for _ in plans]
     # In dense mode no layer's statistics depend on the ratio: one pass over the layers serves every ratio.
-    dense_mode = shared.calibration.mode == "dense"
+    dense_mode = not shared.calibration.sequential
     passes: list[RatioPass | None] = []
     with resident(dense, placement):
         sensitivities = None
-        if uses_sensitivities(shared):
+        if shared.allocation.uses_sensitivities:
             with run.stage("allocation"):
-                sensitivities = measure_sensitivities(dense, windows, shared, placement, run)
-        first_layer_inputs = capture_layer_inputs(dense, windows, shared, placement, run)
+                sensitivities = measure_sensitivities(dense, windows, shared.calibration, placement, run)
+        first_layer_inputs = capture_layer_inputs(dense, windows, shared.calibration, placement, run)
         if dense_mode:
-            for ratio_settings, ratio_run in zip(configs, runs, strict=True):
+            for ratio_plan, ratio_run in zip(plans, runs, strict=True):
                 with ratio_run.stage("allocation"):
-                    allocation = allocate(dense, windows, ratio_settings, placement, ratio_run, sensitivities)
-                passes.append(RatioPass(ratio_settings, ratio_run, allocation))
+                    allocation = allocate(dense, windows, ratio_plan, placement, ratio_run, sensitivities)
+                passes.append(RatioPass(ratio_plan, ratio_run, allocation))
             prune_layers_for_ratios(dense, first_layer_inputs, passes, placement, run)
 
     params_dense = prunable_parameters(dense)
-    for index, (ratio_settings, ratio_run) in enumerate(zip(configs, runs, strict=True)):
+    for index, (ratio_plan, ratio_run) in enumerate(zip(plans, runs, strict=True)):
         run.check_cancelled()
         if on_start is not None:
             on_start(index)
@@ -160,10 +163,10 @@ def _prune_configs(
             ratio_pass, passes[index] = passes[index], None  # its masked sub-layers go with its result
             result = ratio_pass.finish(dense, windows, placement, params_dense)
         else:
-            result = prune(
+            result = prune_as_planned(
                 copy.deepcopy(dense),
                 tokenizer,
-                ratio_settings,
+                ratio_plan,
                 ratio_run,
                 windows=windows,
                 sensitivities=sensitivities,
@@ -171,7 +174,7 @@ def _prune_configs(
                 release_dense=True,  # the copy's masked layers: nobody reads them after verification
                 placement=placement,
             )
-        yield ratio_settings, result
+        yield result
 
 
 @dataclass
@@ -205,7 +208,7 @@ class RatioPass:
     """One ratio of a dense-mode sweep while the layers are pruned: its allocation, and for each layer done its
     report and its masked o_proj and down_proj (the dense layer itself is left as it was)."""
 
-    config: PruneConfig
+    plan: PrunePlan
     run: Run
     allocation: Allocation
     reports: list[LayerReport] = field(default_factory=list)
@@ -218,7 +221,7 @@ class RatioPass:
         """This ratio's units of layer `index`, chosen on its Q."""
         with self.run.stage("solver"):
             return choose_units(
-                layer, geometry, q, moments, self.allocation.plan, index, self.removed, self.config.solver
+                layer, geometry, q, moments, self.allocation.plan, index, self.removed, self.plan.layer.solver
             )
 
     def prune_layer(
@@ -240,7 +243,7 @@ class RatioPass:
                 choice,
                 moments,
                 None,
-                self.config,
+                self.plan.layer,
                 self.run,
                 index=index,
                 ratio=self.allocation.ratios[index],
@@ -266,12 +269,12 @@ class RatioPass:
             masked,
             self.reports,
             self.allocation.temperature,
-            self.config,
+            self.plan.allocation.uniform_shape,
             windows,
             placement,
             self.run,
             params_dense,
-            rounding_units(dense, self.config),
+            rounding_units(dense, self.plan.allocation),
             release_masked=False,  # its other weights are the dense model's
         )
 
@@ -287,7 +290,7 @@ def prune_layers_for_ratios(
     then each ratio's units chosen on them. `dense` is left as it was."""
     inputs = replace(first_layer_inputs, batches=list(first_layer_inputs.batches))
     layers = decoder_layers(dense)
-    shared = passes[0].config  # the ratios differ in nothing the compensation reads
+    shared = passes[0].plan.layer  # the ratios differ in nothing the compensation reads
     for index, layer in enumerate(layers):
         run.check_cancelled()
         run.report("pruning", index / len(layers), f"layer {index + 1} of {len(layers)}, {len(passes)} ratios")

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 import casp_core.families
 from casp_core.errors import InvalidConfig
 from casp_core.families.llama import Llama
-from casp_core.method.budget import channel_params, check_reachable, plan_uniform_shape
+from casp_core.method.budget import AllocationPlan, channel_params, check_reachable, plan_uniform_shape
 from casp_core.model import decoder_layers, load_model, sublayer_parameters
 from casp_core.settings import PruneConfig
 from tests.core.families.helpers import COMMON, assert_computes_the_same, prune_small, write_dense
@@ -51,7 +51,7 @@ def test_only_ffn_channels_go_and_the_ratio_is_met(heads_kept: None, dense_folde
 
 def test_the_uniform_shape_keeps_every_head(heads_kept: None, dense_folder) -> None:
     model, _ = load_model(str(dense_folder), dtype="float32")
-    shape = plan_uniform_shape(model, PruneConfig(ratio=0.4, shape="uniform"))
+    shape = plan_uniform_shape(model, AllocationPlan.of(PruneConfig(ratio=0.4, shape="uniform")))
     assert (shape.kv_heads, shape.heads_per_kv) == (2, 4)
     assert shape.pruned_channels > 0.4 * COMMON["intermediate_size"]  # more than 0.4: attention gives nothing
 
@@ -61,5 +61,5 @@ def test_a_ratio_the_channels_cannot_reach_is_refused(heads_kept: None, dense_fo
     model, _ = load_model(str(dense_folder))
     assert sublayer_parameters(decoder_layers(model)[0]) == (10240, 18432)
     with pytest.raises(InvalidConfig, match=r"FFN channels alone \(Llama keeping heads keeps attention whole\)"):
-        check_reachable(model, PruneConfig(ratio=0.55, r_max=0.8))
-    check_reachable(model, PruneConfig(ratio=0.5, r_max=0.8))
+        check_reachable(model, AllocationPlan.of(PruneConfig(ratio=0.55, r_max=0.8)))
+    check_reachable(model, AllocationPlan.of(PruneConfig(ratio=0.5, r_max=0.8)))

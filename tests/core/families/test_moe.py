@@ -25,8 +25,16 @@ from casp_core.errors import InvalidConfig, UnsupportedExport
 from casp_core.families import check_export, family_of
 from casp_core.families.modeling.modeling_casp_mixtral import CaspMixtralConfig, CaspMixtralForCausalLM
 from casp_core.families.moe import route_to_kept_experts, routed_experts, stacked_expert
-from casp_core.method.budget import channel_params, check_reachable, plan_budget
-from casp_core.method.experts import ExpertTraffic, RoutedBatch, expert_counts, expert_moment, lowest_energy_experts
+from casp_core.job.plan import plan_job
+from casp_core.method.budget import AllocationPlan, channel_params, check_reachable, plan_budget
+from casp_core.method.experts import (
+    ExpertsPlan,
+    ExpertTraffic,
+    RoutedBatch,
+    expert_counts,
+    expert_moment,
+    lowest_energy_experts,
+)
 from casp_core.method.placement import (
     FLOAT32,
     OPTIMIZER_STATE,
@@ -438,11 +446,11 @@ def test_removed_experts_count_first_in_the_budget(dense_folder: Path) -> None:
     experts removed (96 + 96 channels: 0.56)."""
     model, _ = load_model(str(dense_folder))
     config = PruneConfig(ratio=0.5, r_max=0.5, device="cpu", moe={"prune_experts": REMOVED})
-    check_reachable(model, config)
-    plan = plan_budget(model, [0.5, 0.5], config)
+    check_reachable(model, AllocationPlan.of(config))
+    plan = plan_budget(model, [0.5, 0.5], AllocationPlan.of(config))
     assert [layer.channel_counts[0] for layer in plan.layers] == [REMOVED * EXPERT_WIDTH] * 2
     with pytest.raises(InvalidConfig, match=r"^ratio: 0.5 cannot be reached .* at most 0.4218"):
-        check_reachable(model, PruneConfig(ratio=0.5, r_max=0.5, device="cpu"))
+        check_reachable(model, AllocationPlan.of(PruneConfig(ratio=0.5, r_max=0.5, device="cpu")))
 
 
 def test_the_lowest_energy_experts_go_unreached_first_never_the_shared_one() -> None:
@@ -515,11 +523,11 @@ def test_the_masked_router_computes_what_the_router_without_the_rows_computes(
 
 def test_fewer_experts_than_top_k_left_are_refused(dense_folder: Path, tmp_path: Path, capsys) -> None:
     model, _ = load_model(str(dense_folder))
-    check_reachable(model, PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K}))
+    plan_job(PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K}), model.config, model)
     with pytest.raises(
         InvalidConfig, match=r"^moe.prune_experts: removing 5 of the 6 experts .* remove at most 4$"
     ) as message:
-        check_reachable(model, PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K + 1}))
+        plan_job(PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K + 1}), model.config, model)
     arguments = ["prune", "--model", str(dense_folder), "--ratio", "0.3", "--out", str(tmp_path / "out")]
     assert cli.main([*arguments, "--moe-prune-experts", "5", "--device", "cpu"]) != 0
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("casp: error")]
@@ -559,7 +567,9 @@ def test_the_experts_share_follows_their_sensitivity() -> None:
     """The paper's layer rule over the experts: the most sensitive expert keeps every channel (c_e = 0 at alpha 1),
     the others share the layer's count, summing to it."""
     traffic = [ExpertTraffic(10, 0.1, s) for s in (1.0, 4.0, 16.0, 2.0)]
-    counts, unreached = expert_counts(60, traffic, [EXPERT_WIDTH] * 4, PruneConfig(ratio=0.3, device="cpu"))
+    counts, unreached = expert_counts(
+        60, traffic, [EXPERT_WIDTH] * 4, ExpertsPlan.of(PruneConfig(ratio=0.3, device="cpu"))
+    )
     assert unreached == [] and sum(counts) == 60
     assert counts[2] == 0 and counts[0] > counts[3] > counts[1]
 
@@ -578,7 +588,7 @@ def test_settings_moe_pruning_does_not_take_are_refused(
 ) -> None:
     model, _ = load_model(str(dense_folders[family]))
     with pytest.raises(InvalidConfig, match=rf"^{name}: [\w-]+ \(a mixture of experts\)"):
-        check_reachable(model, PruneConfig(ratio=0.3, device="cpu", **settings))
+        plan_job(PruneConfig(ratio=0.3, device="cpu", **settings), model.config, model)
 
 
 # A user's process: the family's own class from config.json alone (no remote code), its experts run by the eager

@@ -14,11 +14,12 @@ from casp_core.errors import InvalidConfig
 from casp_core.job.plan import plan_job
 from casp_core.job.run import run_job
 from casp_core.method.budget import (
+    AllocationPlan,
     BudgetPlan,
     channel_params,
     channels_to_prune,
     heads_emptying_groups_last,
-    layer_plan,
+    layer_budget,
     plan_budget,
 )
 from casp_core.method.prune import prune
@@ -172,7 +173,7 @@ def most_per_layer_at_cap(round_to: int) -> int:
 def test_planned_counts_reach_the_target_and_keep_to_r_l_zero_and_r_max(stories, ratios, round_to):
     model, _ = stories
     config = tiny_config(round(sum(ratios) / len(ratios), 6), round_to=round_to)
-    plan = plan_budget(model, ratios, config)
+    plan = plan_budget(model, ratios, AllocationPlan.of(config))
     for extra_kv in ({}, {1: 1024, 3: 2048}):  # GQA: chosen heads that empty more key/value groups
         counts = simulate(plan, extra_kv)
         assert abs(removed_by(plan, counts, extra_kv) - plan.target) <= rounding_unit(model, round_to) / 2
@@ -188,7 +189,7 @@ def test_planned_counts_reach_the_target_and_keep_to_r_l_zero_and_r_max(stories,
 
 def test_what_capped_layers_cannot_hold_goes_to_the_next_layer_below_the_cap(stories):
     model, _ = stories
-    plan = plan_budget(model, [0.9, 0.9, 0.9, 0.4, 0.2], tiny_config(0.66))
+    plan = plan_budget(model, [0.9, 0.9, 0.9, 0.4, 0.2], AllocationPlan.of(tiny_config(0.66)))
     counts = simulate(plan)
     own = [(layer.share - layer.least_attention_removed) / layer.channel_params for layer in plan.layers]
     # Each capped layer holds 0.8785 of its 45,312 parameters, 5 channels short of 0.9: layer 3 takes all 15.
@@ -200,10 +201,10 @@ def test_heads_are_added_where_rounding_cut_most_when_the_cap_binds(stories):
     model, _ = stories
     # Layer 1 at 0.8 rounds to 6 heads; the layers at 0.9 (7 heads, 154 channels) hold 0.8785 each, so layer 1
     # must also go to 7 heads for the four layers to hold 0.7 of five.
-    plan = plan_budget(model, [0.0, 0.8, 0.9, 0.9, 0.9], tiny_config(0.7))
+    plan = plan_budget(model, [0.0, 0.8, 0.9, 0.9, 0.9], AllocationPlan.of(tiny_config(0.7)))
     assert [layer.heads for layer in plan.layers] == [0, 7, 7, 7, 7]
     # Only when no layer below its head cap is left do layers with r_l = 0 take part.
-    plan = plan_budget(model, [0.0, 0.9, 0.9, 0.9, 0.9], tiny_config(0.72))
+    plan = plan_budget(model, [0.0, 0.9, 0.9, 0.9, 0.9], AllocationPlan.of(tiny_config(0.72)))
     assert plan.layers[0].channel_counts[-1] == 154
     assert abs(removed_by(plan, simulate(plan)) - plan.target) <= rounding_unit(model, 1) / 2
 
@@ -214,7 +215,7 @@ def test_planned_heads_take_along_the_fewest_key_value_heads(stories):
     order = heads_emptying_groups_last(geometry)
     assert [geometry.kv_of_query[head] for head in order] == [0, 1, 2, 3, 0, 1, 2, 3]
     # 4 heads, one of each group, take no key/value head along; 6 take 2 (4 x 1024 + 2 x 1024).
-    assert [layer_plan(model, decoder_layers(model)[0], n, (0,), 0.5).least_removed for n in (4, 6)] == [4096, 8192]
+    assert [layer_budget(model, decoder_layers(model)[0], n, (0,), 0.5).least_removed for n in (4, 6)] == [4096, 8192]
 
 
 def test_channel_counts_respect_r_max_and_round_to():

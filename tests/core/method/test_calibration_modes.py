@@ -9,7 +9,7 @@ measured each layer on exactly the inputs its mode promises.
 import pytest
 import torch
 
-from casp_core.method.calibration import calibration_windows, record_inputs
+from casp_core.method.calibration import CalibrationPlan, calibration_windows, record_inputs
 from casp_core.method.interaction import block_aggregate, interaction_matrix, objective
 from casp_core.method.prune import prune
 from casp_core.method.results import LayerReport
@@ -65,7 +65,7 @@ def objectives_from_a_plain_forward(
 @pytest.fixture(scope="module")
 def both_modes() -> dict[str, tuple[list[LayerReport], torch.Tensor]]:
     model, tokenizer = load_model(str(STORIES))
-    windows = calibration_windows(model, tokenizer, mode_config("sequential"))
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(mode_config("sequential"), model.config))
     results = {}
     for mode in ("sequential", "dense"):
         model, tokenizer = load_model(str(STORIES))

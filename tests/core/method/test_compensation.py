@@ -9,6 +9,7 @@ from torch import nn
 from casp_core.errors import InvalidConfig
 from casp_core.eval.perplexity import evaluation_text, windows_perplexity
 from casp_core.method.calibration import (
+    CalibrationPlan,
     SecondMoment,
     StreamCrossMoment,
     calibration_windows,
@@ -218,7 +219,9 @@ def ptbwiki_layer():
     config = small_config(0.3)
     config.calibration.n_samples = 8
     cpu = torch.device("cpu")
-    inputs = capture_first_layer_inputs(model, calibration_windows(model, tokenizer, config), 8, cpu, cpu)
+    inputs = capture_first_layer_inputs(
+        model, calibration_windows(tokenizer, CalibrationPlan.of(config, model.config)), 8, cpu, cpu
+    )
     first, layer = decoder_layers(model)[:2]
     inputs.batches = run_layer(first, inputs, cpu, cpu)
     with record_inputs({"attn": layer.self_attn.o_proj, "mlp": layer.mlp.down_proj}) as moments:

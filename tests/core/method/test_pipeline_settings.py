@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from casp_core.method.allocation import allocate_ratios, layer_sensitivities
-from casp_core.method.calibration import calibration_windows
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.method.prune import prune
 from casp_core.model import decoder_layers
 from casp_core.run import Run
@@ -17,7 +17,7 @@ def test_gradient_allocation_follows_the_sensitivities_alpha_and_r_max(stories):
     model, tokenizer = stories
     config = small_config(RATIO, alpha=ALPHA, r_max=R_MAX)
     config.calibration.n_samples, config.calibration.seq_len = 8, 64
-    windows = calibration_windows(model, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
     sensitivities = layer_sensitivities(
         model,
         windows,
@@ -53,9 +53,9 @@ def test_given_sensitivities_are_used_instead_of_measured_ones(stories):
 def test_the_calibration_seed_picks_the_windows(stories):
     model, tokenizer = stories
     config = small_config(0.3)
-    first = calibration_windows(model, tokenizer, config)
-    assert torch.equal(first, calibration_windows(model, tokenizer, config))
+    first = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
+    assert torch.equal(first, calibration_windows(tokenizer, CalibrationPlan.of(config, model.config)))
     config.calibration.seed = 1
-    second = calibration_windows(model, tokenizer, config)
+    second = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
     assert first.shape == second.shape == (16, 128)
     assert not torch.equal(first, second)

@@ -12,12 +12,13 @@ from casp_core.errors import DeviceMemoryTooSmall, InvalidConfig
 from casp_core.job.run import run_job
 from casp_core.method import allocation
 from casp_core.method import placement as placement_module
-from casp_core.method.calibration import calibration_windows
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.method.placement import (
     OFFLOAD,
     RESIDENT,
     JobShape,
     ModelShape,
+    PlacementPlan,
     choose_placement,
     estimate_device_memory,
 )
@@ -58,7 +59,7 @@ def on_the_device(**overrides) -> PruneConfig:
 def test_offloaded_prune_keeps_one_decoder_layer_on_the_device_in_every_stage(stories, monkeypatch, overrides):
     model, tokenizer = stories
     config = on_the_device(placement="offload", **overrides)
-    windows = calibration_windows(model, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
     recorder = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
     events = []
     run = recorder.run()
@@ -118,14 +119,16 @@ def test_resident_prune_moves_the_model_to_the_device_once(stories, monkeypatch)
 def test_auto_is_resident_when_the_estimate_fits_and_offload_below(monkeypatch):
     model, _ = load_model(str(PTBWIKI))  # 8 layers: one layer's working set is well below the model's weights
     calibration = CalibrationConfig(dataset="wikitext2:validation", n_samples=16, seq_len=32, batch_size=1)
-    estimate = choose_placement(model, on_the_device(calibration=calibration), OTHER_DEVICE).estimate
+    estimate = choose_placement(
+        model, PlacementPlan.of(on_the_device(calibration=calibration), model.config), OTHER_DEVICE
+    ).estimate
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert estimate.model_weights == model_bytes
     assert estimate.offload_peak < model_bytes < estimate.resident_peak
 
     def chosen(limit: int | None) -> str:
         config = on_the_device(max_device_memory=limit, calibration=calibration)
-        return choose_placement(model, config, OTHER_DEVICE).mode
+        return choose_placement(model, PlacementPlan.of(config, model.config), OTHER_DEVICE).mode
 
     assert chosen(model_bytes - 1) == OFFLOAD
     assert chosen(estimate.resident_peak - 1) == OFFLOAD
@@ -134,26 +137,34 @@ def test_auto_is_resident_when_the_estimate_fits_and_offload_below(monkeypatch):
     # Without a limit, one that can say what it has free (CUDA) is judged by that.
     monkeypatch.setattr(placement_module, "device_free_memory", lambda device: estimate.resident_peak)
     assert chosen(None) == RESIDENT
-    on_cpu = choose_placement(model, small_config(0.3, max_device_memory=1), torch.device("cpu"))
+    on_cpu = choose_placement(
+        model, PlacementPlan.of(small_config(0.3, max_device_memory=1), model.config), torch.device("cpu")
+    )
     assert chosen(estimate.offload_peak) == OFFLOAD
     assert (on_cpu.mode, on_cpu.home, on_cpu.limit) == (RESIDENT, torch.device("cpu"), None)  # nothing to offload
 
 
 def test_a_limit_below_one_layers_working_set_is_refused_before_any_work(stories, monkeypatch):
     model, tokenizer = stories
-    estimate = choose_placement(model, on_the_device(placement="offload"), OTHER_DEVICE).estimate
+    estimate = choose_placement(
+        model, PlacementPlan.of(on_the_device(placement="offload"), model.config), OTHER_DEVICE
+    ).estimate
     recorder = DevicePlacement(model, OTHER_DEVICE, monkeypatch)
     too_small = r"^max_device_memory: [\d.]+ MiB on cpu:0 is less than the estimated [\d.]+ MiB pruning needs with one "
     with pytest.raises(DeviceMemoryTooSmall, match=too_small) as error:
         prune(model, tokenizer, on_the_device(max_device_memory=estimate.offload_peak - 1), recorder.run())
     assert error.value.code == "device_memory_too_small"
     assert recorder.snapshots == [] and recorder.arrivals == {}  # nothing began, nothing moved
-    assert choose_placement(model, on_the_device(max_device_memory=estimate.offload_peak), OTHER_DEVICE).mode == (
-        OFFLOAD
-    )
+    assert choose_placement(
+        model, PlacementPlan.of(on_the_device(max_device_memory=estimate.offload_peak), model.config), OTHER_DEVICE
+    ).mode == (OFFLOAD)
     with pytest.raises(DeviceMemoryTooSmall, match="with the whole model resident"):
         choose_placement(
-            model, on_the_device(placement="resident", max_device_memory=estimate.resident_peak - 1), OTHER_DEVICE
+            model,
+            PlacementPlan.of(
+                on_the_device(placement="resident", max_device_memory=estimate.resident_peak - 1), model.config
+            ),
+            OTHER_DEVICE,
         )
 
 

@@ -8,7 +8,9 @@ import torch
 
 from casp_core.errors import InvalidConfig
 from casp_core.method.allocation import allocate_ratios, layer_sensitivities
-from casp_core.method.calibration import calibration_windows
+from casp_core.method.budget import AllocationPlan
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
+from casp_core.method.layer import LayerPlan
 from casp_core.method.prune import prune
 from casp_core.method.temperature import ALPHA_GRID, choose_alpha
 from casp_core.report.build import build_report, pruning_section, render_markdown
@@ -24,7 +26,7 @@ CPU = torch.device("cpu")
 def calibrated(stories):
     model, tokenizer = stories
     config = small_config(0.5, alpha="auto")
-    windows = calibration_windows(model, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))
     sensitivities = layer_sensitivities(model, windows, batch_size=8, device=CPU, run=Run())
     return model, tokenizer, config, windows, sensitivities
 
@@ -37,7 +39,16 @@ def masked_model_loss(model, windows: torch.Tensor) -> float:
 def test_each_score_is_the_held_out_loss_of_that_temperatures_pruning(calibrated):
     model, tokenizer, config, windows, sensitivities = calibrated
     before = copy.deepcopy(model.state_dict())
-    choice = choose_alpha(model, windows, sensitivities, config, CPU, Run())
+    choice = choose_alpha(
+        model,
+        windows,
+        sensitivities,
+        AllocationPlan.of(config),
+        LayerPlan.of(config),
+        config.calibration.batch_size,
+        CPU,
+        Run(),
+    )
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())  # left as it was
     assert "model.layers.0.mlp.down_proj.bias" not in model.state_dict()
 
@@ -94,5 +105,6 @@ def test_auto_prunes_with_the_chosen_temperature_and_says_so(calibrated):
 
 def test_auto_needs_two_calibration_windows(stories):
     model, _ = stories
+    config, windows = small_config(0.5), torch.ones(1, 16, dtype=torch.long)
     with pytest.raises(InvalidConfig, match='alpha: "auto" holds out calibration windows'):
-        choose_alpha(model, torch.ones(1, 16, dtype=torch.long), [1.0] * 5, small_config(0.5), CPU, Run())
+        choose_alpha(model, windows, [1.0] * 5, AllocationPlan.of(config), LayerPlan.of(config), 8, CPU, Run())

@@ -19,7 +19,7 @@ from casp_core.artifacts.checkpoint import save_pruned
 from casp_core.artifacts.gguf.writer import export_gguf
 from casp_core.cli.main import main
 from casp_core.errors import InvalidConfig
-from casp_core.method.budget import UniformShape, channel_params, plan_uniform_shape
+from casp_core.method.budget import AllocationPlan, UniformShape, channel_params, plan_uniform_shape
 from casp_core.method.calibration import SecondMoment
 from casp_core.method.interaction import block_aggregate, interaction_matrix, offdiag_ratio
 from casp_core.method.prune import prune
@@ -171,11 +171,11 @@ def test_whole_groups_go_by_the_group_aggregated_q_then_heads_within_each_kept_g
 
 def test_plan_refuses_what_no_uniform_shape_reaches():
     model, _ = load_model(str(STORIES), dtype="float32")
-    assert plan_uniform_shape(model, small_config(0.5, shape="uniform")) == UniformShape(2, 2, 86)
+    assert plan_uniform_shape(model, AllocationPlan.of(small_config(0.5, shape="uniform"))) == UniformShape(2, 2, 86)
     # At r_max 0.5 at most 4 of 8 heads go, and with round_to 16 at most 76 of 172 channels (96 kept): 86
     # channels were needed, and the nearest count falls short by more than half a rounding unit.
     with pytest.raises(InvalidConfig, match=r"ratio: 0\.5 cannot be reached with shape uniform"):
-        plan_uniform_shape(model, small_config(0.5, shape="uniform", r_max=0.5, round_to=16))
+        plan_uniform_shape(model, AllocationPlan.of(small_config(0.5, shape="uniform", r_max=0.5, round_to=16)))
 
 
 def test_casp_prune_shape_uniform_writes_a_plain_checkpoint_and_a_llama_gguf(tmp_path, capsys):

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from bench.shapes import llama_config
 from casp_core.errors import VerificationFailed
-from casp_core.method.calibration import calibration_windows, capture_first_layer_inputs
+from casp_core.method.calibration import CalibrationPlan, calibration_windows, capture_first_layer_inputs
 from casp_core.method.prune import prune
 from casp_core.method.verification import (
     VERIFY_RELATIVE_TOLERANCE,
@@ -84,7 +84,7 @@ def pruned_stories():
     model, tokenizer = load_model(str(STORIES))
     config = small_config(0.5)
     result = prune(model, tokenizer, config)
-    return model, result, calibration_windows(model, tokenizer, config)[:2, :128]
+    return model, result, calibration_windows(tokenizer, CalibrationPlan.of(config, model.config))[:2, :128]
 
 
 @contextmanager

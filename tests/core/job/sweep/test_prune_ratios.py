@@ -12,7 +12,7 @@ import casp_core.method.prune
 import casp_core.method.selection
 from casp_core.errors import Cancelled, InvalidConfig
 from casp_core.job.sweep.shared_pass import prune_configs, prune_ratios
-from casp_core.method.calibration import calibration_windows
+from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.method.prune import prune
 from casp_core.model import load_model
 from casp_core.run import Run
@@ -66,7 +66,7 @@ def test_sequential_sweep_equals_single_prunes_bit_for_bit(ptbwiki, monkeypatch)
     results = list(sweep)
     # Measured once for both ratios, before the first.
     assert (len(sensitivities), len(first_layer_inputs)) == (1, 1)
-    windows = calibration_windows(dense, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, dense.config))
     for ratio, swept in results:
         single = prune(copy.deepcopy(dense), tokenizer, config.model_copy(update={"ratio": ratio}), windows=windows)
         assert_same_pruning(swept, single)
@@ -114,7 +114,7 @@ def test_dense_mode_takes_each_layers_statistics_once_for_every_ratio(ptbwiki, m
                 expected["shared" if len({tuple(p) for p in refitted}) >= 2 else "own"] += len(refitted)
         assert (len(shared_fits), len(own_fits)) == (expected["shared"], expected["own"])
         assert expected["shared"] >= n_layers  # most of the refits
-    windows = calibration_windows(dense, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, dense.config))
     for ratio, swept in results:
         single = prune(copy.deepcopy(dense), tokenizer, config.model_copy(update={"ratio": ratio}), windows=windows)
         assert_same_pruning(swept, single)
@@ -148,7 +148,7 @@ def test_configs_of_other_roundings_share_the_sensitivities_and_the_layer_pass(p
     statistics = counted(monkeypatch, casp_core.job.sweep.shared_pass, "record_inputs")
     results = list(prune_configs(dense, tokenizer, configs))
     assert (len(sensitivities), len(statistics)) == (1, dense.config.num_hidden_layers)
-    windows = calibration_windows(dense, tokenizer, config)
+    windows = calibration_windows(tokenizer, CalibrationPlan.of(config, dense.config))
     for (swept_config, swept), asked in zip(results, configs, strict=True):
         assert swept_config is asked
         assert_same_pruning(swept, prune(copy.deepcopy(dense), tokenizer, asked, windows=windows))

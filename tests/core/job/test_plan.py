@@ -1,0 +1,47 @@
+"""The job's plan: the settings turned once into the typed pieces the stages read (ptbwiki-7M's config alone)."""
+
+from casp_core.job.plan import plan_job
+from casp_core.method.prune import PrunePlan
+from casp_core.model import load_config
+from casp_core.settings import PruneConfig
+from tests.conftest import PTBWIKI
+
+
+def test_a_single_ratio_is_planned_into_each_stages_piece() -> None:
+    """The quantizer's block is decided by the plan (q4_k_m's 256, from the export), the windows are capped at the
+    model's context of 512 tokens, and the memory model reads the job's shape: a gradient allocation whose alpha is
+    chosen, compensated towards the dense model in sequential calibration."""
+    model_config = load_config(str(PTBWIKI))
+    settings = PruneConfig(
+        ratio=0.3,
+        alpha="auto",
+        export=["gguf"],
+        gguf_type="q4_k_m",
+        compensation="least_squares_dense_target",
+        calibration={"seq_len": 4096, "n_samples": 4, "batch_size": 8},
+        moe={"prune_unreached": True},
+        device="cpu",
+    )
+    plan = plan_job(settings, model_config)
+    assert plan.sweep is None and plan.prune is not None
+    allocation, calibration, job = plan.prune.allocation, plan.prune.calibration, plan.prune.placement.job
+    assert (allocation.ratio, allocation.block, allocation.gguf_type) == (0.3, 256, "q4_k_m")
+    assert allocation.alpha_auto and allocation.uses_sensitivities
+    assert (calibration.seq_len, calibration.n_samples, calibration.sequential) == (512, 4, True)
+    assert (job.batch_size, job.seq_len, job.alpha_auto, job.dense_target) == (4, 512, True, True)
+    assert plan.prune.layer.compensates and plan.prune.experts.prune_unreached
+    # What a caller of `prune` gets is the same plan, built from the same settings.
+    assert PrunePlan.of(settings, model_config) == plan.prune
+
+
+def test_without_a_quantized_gguf_no_block_is_fitted_and_a_target_plans_its_sweep() -> None:
+    model_config = load_config(str(PTBWIKI))
+    for gguf_type in ("f16", "bf16"):
+        plan = plan_job(PruneConfig(ratio=0.3, export=["gguf"], gguf_type=gguf_type, device="cpu"), model_config)
+        assert plan.prune is not None and (plan.prune.allocation.block, plan.prune.allocation.gguf_type) == (None, None)
+    unexported = plan_job(PruneConfig(ratio=0.3, gguf_type="q4_k_m", device="cpu"), model_config)
+    assert unexported.prune is not None and unexported.prune.allocation.block is None
+    swept = plan_job(PruneConfig(target={"max_bytes": 10**9}, ratios=[0.2, 0.4], device="cpu"), model_config)
+    assert swept.prune is None and swept.sweep is not None
+    assert [candidate.ratio for candidate in swept.sweep.candidates][:1] == [0.2]
+    assert swept.sweep.calibration.seq_len == 512 and not swept.sweep.placement.job.alpha_auto
