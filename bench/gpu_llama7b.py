@@ -33,6 +33,7 @@ from casp_core.method.placement import (
     RESIDENT,
     JobShape,
     ModelShape,
+    PlacementPlan,
     check_recovery_fits,
     estimate_device_memory,
 )
@@ -124,7 +125,9 @@ def measure(placement: str, args: argparse.Namespace) -> dict[str, Any]:
     recovery_refusal = None
     if recovers:
         try:  # before pruning, as run_job checks it
-            recovery_estimate = check_recovery_fits(model, config, device)
+            recovery_estimate = check_recovery_fits(
+                model, config.recovery, config.ratio, PlacementPlan.of(config, model.config), device
+            )
         except DeviceMemoryTooSmall as refused:
             recovery_refusal, recovers = str(refused), False
     estimated = estimate.resident_peak if placement == RESIDENT else estimate.offload_peak

@@ -49,14 +49,19 @@ from casp_core.settings import PruneConfig, PruneSettings
 class SweepPlan:
     """A budget's sweep: the format it writes, the candidates that fit the budget by the sizes estimated from the
     config, the dense model in each variant of the format the model takes (ratio 0.0: the curve's reference
-    points, measured whatever their size), and what every candidate's prune shares: its calibration and
-    placement."""
+    points, measured whatever their size), each candidate's prune, and what they all share: the calibration and
+    the placement."""
 
     format: str  # "gguf" | "safetensors"
     candidates: tuple[Candidate, ...]  # by ratio, then variant as given
     dense_points: tuple[Candidate, ...]
     calibration: CalibrationPlan
     placement: PlacementPlan
+    prunes: dict[tuple[float, str], PrunePlan]  # by a candidate's (ratio, variant)
+
+    def prune_of(self, ratio: float, variant: str) -> PrunePlan:
+        """The prune of the candidate at `ratio` in `variant`: its allocation rounds as the variant asks."""
+        return self.prunes[(ratio, variant)]
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -116,7 +121,11 @@ def plan_sweep(model_config: PretrainedConfig, settings: PruneConfig) -> SweepPl
         raise InvalidConfig(nothing_fits(candidates, settings.target))
     dense = tuple(estimator.candidate(0.0, fmt, variant) for variant in variants)
     calibration, placement = CalibrationPlan.of(settings, model_config), PlacementPlan.of(settings, model_config)
-    return SweepPlan(fmt, tuple(fitting), dense, calibration, placement)
+    prunes = {
+        (c.ratio, c.variant): PrunePlan.of(settings.candidate_config(c.ratio, fmt, c.variant), model_config)
+        for c in fitting
+    }
+    return SweepPlan(fmt, tuple(fitting), dense, calibration, placement, prunes)
 
 
 def _reaches(estimator: Estimator, ratio: float, fmt: str, variant: str) -> bool:

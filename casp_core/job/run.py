@@ -102,7 +102,9 @@ def run_job(
                 # of evaluation and pruning.
                 placement = choose_placement(dense, prune_plan.placement, device)
                 if config.recovery.enabled:
-                    recovery_memory = check_recovery_fits(dense, config, device)
+                    recovery_memory = check_recovery_fits(
+                        dense, config.recovery, prune_plan.allocation.ratio, prune_plan.placement, device
+                    )
             else:
                 run.report("load", 1.0, f"resumed after pruning (snapshot saved {snapshot.saved_at})")
                 for warning in snapshot.warnings:

@@ -333,18 +333,20 @@ def estimate_recovery_memory(
     return RecoveryMemoryEstimate(weights, optimizer_state, activations, logits)
 
 
-def check_recovery_fits(model: PreTrainedModel, config: PruneConfig, device: torch.device) -> RecoveryMemoryEstimate:
-    """Recovery's estimate for the job; refused (`DeviceMemoryTooSmall`) when it exceeds the limit
-    (`max_device_memory`, else what the device has free; none on the CPU), with what would fit instead."""
-    shape, recovery, autocast = ModelShape.of(model), config.recovery, bf16_autocast(device)
-    ratio = config.ratio or 0.0
+def check_recovery_fits(
+    model: PreTrainedModel, recovery: RecoveryConfig, ratio: float, placement: PlacementPlan, device: torch.device
+) -> RecoveryMemoryEstimate:
+    """Recovery's estimate for `model` pruned at `ratio`; refused (`DeviceMemoryTooSmall`) when it exceeds the limit
+    (the placement's `max_device_memory`, else what the device has free; none on the CPU), with what would fit
+    instead."""
+    shape, autocast = ModelShape.of(model), bf16_autocast(device)
 
     def estimate(changes: dict[str, Any]) -> RecoveryMemoryEstimate:
         changed = RecoveryConfig.model_validate({**recovery.model_dump(), **changes})
         return estimate_recovery_memory(shape, changed, ratio, autocast=autocast)
 
     needed = estimate({})
-    limit = None if device == CPU else config.max_device_memory or device_free_memory(device)
+    limit = None if device == CPU else placement.max_device_memory or device_free_memory(device)
     if limit is None or needed.peak <= limit:
         return needed
     alternatives = []

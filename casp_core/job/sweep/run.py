@@ -10,7 +10,7 @@ candidate as a single-ratio job of that ratio and format would have written it.
 2. read the texts; evaluate the dense model in transformers (or reuse an earlier job's figures of it:
    casp_core.artifacts.dense_cache);
 3. the dense reference points: the dense model written in each variant and measured;
-4. each unit in turn (`shared_pass.prune_configs`: the work the units share computed once): the pruned model
+4. each unit in turn (`shared_pass.prune_plans`: the work the units share computed once): the pruned model
    evaluated in transformers (perplexity, and the zero-shot tasks when asked), written to
    `candidates/ratio-0.30/`, each variant exported or quantized there and measured in its serving engine
    (llama.cpp for GGUF, transformers for safetensors); its points kept in the retry state, with the pruned model
@@ -74,13 +74,12 @@ from casp_core.job.steps import (
     write_job_report,
 )
 from casp_core.job.sweep.candidates import Candidate, within_target
-from casp_core.job.sweep.shared_pass import prune_configs
+from casp_core.job.sweep.shared_pass import prune_plans
 from casp_core.method.placement import Placement, choose_placement
 from casp_core.method.results import PruneResult
 from casp_core.model import load_model, prunable_parameters, resolve_device
 from casp_core.report.build import pruning_section, unpruned_section
 from casp_core.report.publish import public_name
-from casp_core.rounding import quantizer_block
 from casp_core.run import Run
 from casp_core.settings import NO_QUANTIZATION, PruneConfig, TargetConfig
 
@@ -138,12 +137,12 @@ class Unit:
         return f"ratio {self.ratio:g} ({', '.join(self.variants)})"
 
 
-def sweep_units(candidates: list[Candidate], config: PruneConfig) -> list[Unit]:
+def sweep_units(plan: SweepPlan) -> list[Unit]:
     """The candidates as units of work: grouped by the rounding their variant's single-ratio job would use, then by
-    ratio (in dense calibration `prune_configs` finishes them in this order after its one pass over the layers)."""
+    ratio (in dense calibration `prune_plans` finishes them in this order after its one pass over the layers)."""
     groups: dict[int | None, dict[float, list[str]]] = {}
-    for candidate in candidates:
-        block = quantizer_block(config.candidate_config(candidate.ratio, candidate.format, candidate.variant))
+    for candidate in plan.candidates:
+        block = plan.prune_of(candidate.ratio, candidate.variant).allocation.block
         groups.setdefault(block, {}).setdefault(candidate.ratio, []).append(candidate.variant)
     return [
         Unit(ratio, tuple(variants), block)
@@ -491,7 +490,7 @@ def run_sweep(
             plan = plan_job(config, dense.config).sweep
             assert plan is not None, "a job with a target has a sweep"
             candidates = list(plan.candidates)
-            units = sweep_units(candidates, config)
+            units = sweep_units(plan)
             check_candidates(model, dense, tokenizer, config, candidates, run)
             placement = choose_placement(dense, plan.placement, device)
             state, best = resume(retry, run)
@@ -600,7 +599,7 @@ def sweep_candidates_of(
     placement: Placement,
     run: Run,
 ) -> None:
-    """Every unit not yet finished: pruned (one `prune_configs` for them all: the work they share done once),
+    """Every unit not yet finished: pruned (one `prune_plans` for them all: the work they share done once),
     measured, kept."""
     progress = SweepProgress(run, len(units))
     todo = [unit for unit in units if unit.key not in sweep.state.finished]
@@ -613,16 +612,16 @@ def sweep_candidates_of(
     def started(index: int) -> None:
         progress.start(todo[index].describe())
 
-    pruned = prune_configs(
+    pruned = prune_plans(
         dense,
         sweep.tokenizer,
-        [unit_config(sweep.config, unit, sweep.plan.format) for unit in todo],
+        [sweep.plan.prune_of(unit.ratio, unit.variants[0]) for unit in todo],
         unit_run,
         windows=sweep.inputs.windows,
         placement=placement,
         on_start=started,
     )
-    for unit, (_, result) in zip(todo, pruned, strict=True):
+    for unit, result in zip(todo, pruned, strict=True):
         measure_unit(sweep, unit, result, time.perf_counter() - progress.started, unit_run)
         progress.finish()
 

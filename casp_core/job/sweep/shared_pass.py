@@ -118,10 +118,30 @@ def prune_configs(
         config.validate()
         family.check_settings(dense.config, config)
         family.check_plain_shape(dense.config, config)
-    family.prepare(dense)
     plans = [PrunePlan.of(config, dense.config) for config in configs]
-    results = _prune_plans(dense, tokenizer, plans, run or Run(), windows, placement, on_start)
+    results = prune_plans(dense, tokenizer, plans, run, windows=windows, placement=placement, on_start=on_start)
     return zip(configs, results, strict=True)
+
+
+def prune_plans(
+    dense: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    plans: Sequence[PrunePlan],
+    run: Run | None = None,
+    *,
+    windows: torch.Tensor | None = None,
+    placement: Placement | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> Iterator[PruneResult]:
+    """`prune_configs` for plans already checked and made (a sweep's, casp_core.job.plan.plan_sweep): they may
+    differ in their allocation's ratio and rounding alone."""
+
+    def shared(plan: PrunePlan) -> PrunePlan:
+        return replace(plan, allocation=replace(plan.allocation, ratio=0.0, block=None, gguf_type=None))
+
+    assert all(shared(plan) == shared(plans[0]) for plan in plans), "plans differ beyond the ratio and the rounding"
+    family_of(dense.config).prepare(dense)
+    return _prune_plans(dense, tokenizer, list(plans), run or Run(), windows, placement, on_start)
 
 
 def _prune_plans(

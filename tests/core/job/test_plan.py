@@ -45,3 +45,18 @@ def test_without_a_quantized_gguf_no_block_is_fitted_and_a_target_plans_its_swee
     assert swept.prune is None and swept.sweep is not None
     assert [candidate.ratio for candidate in swept.sweep.candidates][:1] == [0.2]
     assert swept.sweep.calibration.seq_len == 512 and not swept.sweep.placement.job.alpha_auto
+
+
+def test_a_sweep_plans_each_candidates_prune_with_the_rounding_its_variant_asks_for() -> None:
+    model_config = load_config(str(PTBWIKI))
+    settings = PruneConfig(
+        target={"max_bytes": 10**9}, ratios=[0.2], export=["gguf"], gguf_types=["f16", "q4_k_m"], device="cpu"
+    )
+    sweep = plan_job(settings, model_config).sweep
+    assert sweep is not None and [(c.ratio, c.variant) for c in sweep.candidates] == [(0.2, "f16"), (0.2, "q4_k_m")]
+    f16, q4_k_m = sweep.prune_of(0.2, "f16"), sweep.prune_of(0.2, "q4_k_m")
+    assert (f16.allocation.ratio, f16.allocation.block) == (0.2, None)
+    assert (q4_k_m.allocation.ratio, q4_k_m.allocation.block, q4_k_m.allocation.gguf_type) == (0.2, 256, "q4_k_m")
+    # Everything else the two prunes read is the same, and the sweep's shared calibration and placement.
+    assert (f16.calibration, f16.placement, f16.layer) == (q4_k_m.calibration, q4_k_m.placement, q4_k_m.layer)
+    assert (f16.calibration, f16.placement) == (sweep.calibration, sweep.placement)

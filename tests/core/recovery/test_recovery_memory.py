@@ -8,7 +8,14 @@ import pytest
 from bench.shapes import llama2_7b_config
 from casp_core.errors import DeviceMemoryTooSmall
 from casp_core.job.run import run_job
-from casp_core.method.placement import GIB, ModelShape, byte_size, check_recovery_fits, estimate_recovery_memory
+from casp_core.method.placement import (
+    GIB,
+    ModelShape,
+    PlacementPlan,
+    byte_size,
+    check_recovery_fits,
+    estimate_recovery_memory,
+)
 from casp_core.model import load_model
 from casp_core.run import Run
 from casp_core.settings import RecoveryConfig
@@ -48,7 +55,8 @@ def test_a_recovery_that_does_not_fit_is_refused_before_any_pruning(tmp_path: Pa
     model, _ = load_model(str(STORIES))
     big = {"method": "lora", "batch_size": 64, "max_seq_len": 512, "max_steps": 1}
     config = small_config(0.3, device=str(OTHER_DEVICE), recovery=big, max_device_memory="64MiB")
-    needed = check_recovery_fits(model, small_config(0.3, device=str(OTHER_DEVICE), recovery=big), OTHER_DEVICE)
+    unlimited = PlacementPlan.of(small_config(0.3, device=str(OTHER_DEVICE)), model.config)
+    needed = check_recovery_fits(model, config.recovery, 0.3, unlimited, OTHER_DEVICE)
     # Eager attention's scores of 64 x 512 tokens lead, then the float32 logits over 512 tokens, three times.
     assert (needed.activations, needed.logits) == (1011 * 2**20, 192 * 2**20)
     stages: list[str] = []
@@ -65,4 +73,5 @@ def test_a_recovery_that_does_not_fit_is_refused_before_any_pruning(tmp_path: Pa
     assert message.endswith("; would fit: max_seq_len 16 (39.0 MiB), batch_size 2 (39.0 MiB)"), message
     assert not {"allocation", "pruning"} & set(stages) and not (tmp_path / "out").exists()
     # Within the limit the same job is planned as before.
-    assert check_recovery_fits(model, config.model_copy(update={"max_device_memory": needed.peak}), OTHER_DEVICE)
+    enough = PlacementPlan.of(config.model_copy(update={"max_device_memory": needed.peak}), model.config)
+    assert check_recovery_fits(model, config.recovery, 0.3, enough, OTHER_DEVICE)
