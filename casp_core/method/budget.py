@@ -52,13 +52,12 @@ class AllocationPlan:
     prune_experts: int  # whole routed experts each layer of a mixture of experts removes
 
     @classmethod
-    def of(cls, settings: PruneSettings, ratio: float | None = None) -> "AllocationPlan":
-        """The allocation `settings` ask for, at `ratio` in place of theirs where given (a sweep's candidate)."""
+    def of(cls, settings: PruneSettings) -> "AllocationPlan":
+        """The allocation single-ratio `settings` ask for (a sweep plans each candidate's own settings)."""
+        assert settings.ratio is not None, "a sweep plans each candidate's single-ratio settings"
         block = quantizer_block(settings)
-        ratio = settings.ratio if ratio is None else ratio
-        assert ratio is not None, "a sweep plans each of its ratios"
         return cls(
-            ratio=ratio,
+            ratio=settings.ratio,
             alpha=settings.alpha,
             allocation=settings.allocation,
             shape=settings.shape,

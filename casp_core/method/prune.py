@@ -60,12 +60,12 @@ class PrunePlan:
     experts: ExpertsPlan  # read by a mixture of experts' layers alone
 
     @classmethod
-    def of(cls, settings: PruneConfig, model_config: PretrainedConfig, ratio: float | None = None) -> "PrunePlan":
-        """The plan of `settings` on a model of `model_config`, at `ratio` in place of theirs where given."""
+    def of(cls, settings: PruneConfig, model_config: PretrainedConfig) -> "PrunePlan":
+        """The plan of single-ratio `settings` on a model of `model_config`."""
         return cls(
             CalibrationPlan.of(settings, model_config),
             PlacementPlan.of(settings, model_config),
-            AllocationPlan.of(settings, ratio),
+            AllocationPlan.of(settings),
             LayerPlan.of(settings),
             ExpertsPlan.of(settings),
         )
