@@ -53,7 +53,7 @@ def measure(model_name: str, ratio: float, args: argparse.Namespace, work: Path)
         model = prune(model, tokenizer, config, Run()).model
     checkpoint = work / f"{model_name}-{ratio}"
     save_pruned(model, tokenizer, checkpoint)
-    plan = EvaluationPlan.for_job(tokenizer, config, args.eval_seq_len)
+    plan = EvaluationPlan.of(config, model.config).with_texts(tokenizer)
     unquantized = evaluate(model, tokenizer, plan).perplexity
     rows = [
         {

@@ -126,17 +126,17 @@ def _first_line(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def load_config(name_or_path: str, *, revision: str | None = None) -> PretrainedConfig:
+def load_config(name_or_path: str, *, revision: str | None = None, token: str | None = None) -> PretrainedConfig:
     """The model's config, checked by `check_supported_config`; a reference that names no model
     (`check_model_reference`) or a config that cannot be read is `model_not_found`. A GGUF file's comes from its
-    header, which is checked first (casp_core.artifacts.gguf.source)."""
+    header, which is checked first (casp_core.artifacts.gguf.source). `token`: for a private repository."""
     check_model_reference(name_or_path)
     if is_gguf_reference(name_or_path):
         config = gguf_config(Path(name_or_path).expanduser())
         check_supported_config(config)
         return config
     try:
-        settings, _ = PretrainedConfig.get_config_dict(name_or_path, revision=revision)
+        settings, _ = PretrainedConfig.get_config_dict(name_or_path, revision=revision, token=token)
     except OSError as error:
         raise ModelNotFound(f"cannot read the config of model {name_or_path!r}: {_first_line(error)}") from error
     if not settings:  # what transformers returns for a local folder without config.json
@@ -144,7 +144,7 @@ def load_config(name_or_path: str, *, revision: str | None = None) -> Pretrained
     # Checked before transformers builds the config: it cannot build one of a type it does not know.
     family_of(settings.get("model_type"))
     try:
-        config = AutoConfig.from_pretrained(name_or_path, revision=revision)
+        config = AutoConfig.from_pretrained(name_or_path, revision=revision, token=token)
     # StrictDataclassError: a setting of the wrong type for the config class (transformers 5.4's Olmo2Config
     # refuses the `tie_word_embeddings: false` of every OLMo 2 config.json).
     except (OSError, ValueError, TypeError, StrictDataclassError) as error:

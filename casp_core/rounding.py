@@ -93,7 +93,7 @@ def speed_warning(widths: list[int], setting: int | str) -> str | None:
     )
 
 
-def fallback_warning(widths: list[int], setting: int | str, gguf_type: str, block: int | None) -> str | None:
+def fallback_warning(widths: list[int], setting: int | str, gguf_type: str | None, block: int | None) -> str | None:
     """A one-line warning when an explicit round_to leaves kept FFN widths that are not multiples of the
     quantizer's block on layers wide enough for auto to fit it: their ffn_down falls back to another type."""
     if setting == AUTO or block is None or int(setting) % block == 0:

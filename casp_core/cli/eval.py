@@ -99,7 +99,7 @@ def evaluate_checkpoint(
     from casp_core.artifacts.gguf.source import is_gguf_reference
     from casp_core.artifacts.gguf.types import require_llama_cpp
     from casp_core.eval.evaluate import EvaluationPlan, evaluate
-    from casp_core.eval.perplexity import default_seq_len, evaluation_text
+    from casp_core.eval.perplexity import default_seq_len
     from casp_core.eval.zeroshot import resolve_datasets_dir
     from casp_core.model import load_model, resolve_device
 
@@ -120,22 +120,19 @@ def evaluate_checkpoint(
         # trust_remote_code: a pruned checkpoint carries its own modeling file (named in config.json's auto_map).
         model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    texts = {
-        name: evaluation_text(
-            tokenizer, name, seq_len or default_seq_len(model), datasets_dir=datasets_dir, max_windows=max_windows
-        )
-        for name in perplexity_sets
-    }
     plan = EvaluationPlan(
-        texts=texts,
-        zero_shot=tasks,
+        perplexity=tuple(perplexity_sets),
+        seq_len=seq_len or default_seq_len(model.config),
+        max_windows=max_windows,
+        zero_shot=tuple(tasks),
         limit=limit,
         datasets_dir=datasets_dir,
         device=str(target),
         perplexity_batch_size=batch_size,
         zero_shot_batch_size=batch_size,
         efficiency=efficiency,
-    )
+    ).with_texts(tokenizer)
+    texts = plan.texts
     figures = evaluate(model, tokenizer, plan)
     out: dict[str, Any] = {"model": model_path}
     if figures.zero_shot is not None:

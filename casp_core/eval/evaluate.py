@@ -1,20 +1,20 @@
 """One model's figures: perplexity per text, and zero-shot accuracy and efficiency when asked for.
 
 The job calls `evaluate` on the dense model (through casp_core.artifacts.dense_cache, which reuses an earlier job's
-figures of the same model) and then on the pruned model (`EvaluationPlan.for_job`), `casp eval` on a saved
+figures of the same model) and then on the pruned model (`EvaluationPlan.of`), `casp eval` on a saved
 checkpoint; `side_by_side` lays the job's two sets of figures out for the report.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.eval.efficiency import efficiency_ratios, measure_efficiency
-from casp_core.eval.perplexity import EvaluationText, evaluation_text, windows_perplexity
+from casp_core.eval.perplexity import EvaluationText, default_seq_len, evaluation_text, windows_perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot, harness
 from casp_core.run import Run
-from casp_core.settings import PruneConfig
+from casp_core.settings import PruneSettings
 
 # The version of what `evaluate` measures and how: part of the key of the dense models' evaluations kept for later
 # jobs (casp_core.artifacts.dense_cache). Raise it with any change that moves a figure: the texts, their windows or
@@ -24,42 +24,49 @@ EVALUATION_VERSION = 1
 
 @dataclass(frozen=True)
 class EvaluationPlan:
-    """What one evaluation measures and how."""
+    """What one evaluation measures and how. A job plans it from its settings and the model's config before the
+    weights load (`of`) and reads its texts once the tokenizer has loaded (`with_texts`), before the long work: a
+    missing file fails the job at once."""
 
-    texts: dict[str, EvaluationText]  # read beforehand: a missing file fails before the long work
-    zero_shot: list[str]
+    perplexity: tuple[str, ...]  # the texts' names (casp_core.data)
+    seq_len: int  # tokens per perplexity window
+    max_windows: int | None  # the first windows of each text only; None: all of them
+    zero_shot: tuple[str, ...]
     limit: int | None  # examples per zero-shot task
     datasets_dir: str | None
     device: str
     perplexity_batch_size: int
     zero_shot_batch_size: int = 16
     efficiency: dict[str, int] | None = None  # measure_efficiency's settings; None skips it
+    texts: dict[str, EvaluationText] = field(default_factory=dict)  # by name, once read
 
     @classmethod
-    def for_job(cls, tokenizer: PreTrainedTokenizerBase, config: PruneConfig, seq_len: int) -> "EvaluationPlan":
-        """The job's plan from its settings; `seq_len` applies where `config.evaluation` names none."""
-        evaluation = config.evaluation
-        if evaluation.zero_shot:
-            harness()  # a machine without lm_eval refuses the job here, before any work
+    def of(cls, settings: PruneSettings, model_config: PretrainedConfig) -> "EvaluationPlan":
+        """A job's evaluation: windows of the settings' length, else of the model's context up to 2048 tokens."""
+        evaluation = settings.evaluation
+        return cls(
+            perplexity=tuple(evaluation.perplexity),
+            seq_len=evaluation.seq_len or default_seq_len(model_config),
+            max_windows=evaluation.limit,
+            zero_shot=tuple(evaluation.zero_shot),
+            limit=evaluation.limit,
+            datasets_dir=settings.datasets_dir,
+            device=settings.device,
+            perplexity_batch_size=settings.calibration.batch_size,
+            efficiency=settings.efficiency.model_dump() if evaluation.efficiency else None,
+        )
+
+    def with_texts(self, tokenizer: PreTrainedTokenizerBase) -> "EvaluationPlan":
+        """The plan with its texts read and tokenized; a machine without lm_eval refuses zero-shot tasks here."""
+        if self.zero_shot:
+            harness()
         texts = {
             name: evaluation_text(
-                tokenizer,
-                name,
-                evaluation.seq_len or seq_len,
-                datasets_dir=config.datasets_dir,
-                max_windows=evaluation.limit,
+                tokenizer, name, self.seq_len, datasets_dir=self.datasets_dir, max_windows=self.max_windows
             )
-            for name in evaluation.perplexity
+            for name in self.perplexity
         }
-        return cls(
-            texts=texts,
-            zero_shot=list(evaluation.zero_shot),
-            limit=evaluation.limit,
-            datasets_dir=config.datasets_dir,
-            device=config.device,
-            perplexity_batch_size=config.calibration.batch_size,
-            efficiency=config.efficiency.model_dump() if evaluation.efficiency else None,
-        )
+        return replace(self, texts=texts)
 
 
 @dataclass
@@ -75,6 +82,7 @@ class Figures:
 def evaluate(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, plan: EvaluationPlan, run: Run | None = None
 ) -> Figures:
+    assert set(plan.texts) == set(plan.perplexity), "the plan's texts are read (with_texts) before it evaluates"
     run = run or Run()
     figures = Figures(perplexity={})
     for name, text in plan.texts.items():
@@ -87,7 +95,7 @@ def evaluate(
         figures.zero_shot = evaluate_zero_shot(
             model,
             tokenizer,
-            plan.zero_shot,
+            list(plan.zero_shot),
             limit=plan.limit,
             datasets_dir=plan.datasets_dir,
             batch_size=plan.zero_shot_batch_size,

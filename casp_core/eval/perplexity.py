@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.method.next_token import final_hidden_states, token_losses
@@ -41,8 +41,9 @@ class EvaluationText:
         }
 
 
-def default_seq_len(model: PreTrainedModel) -> int:
-    return min(2048, model.config.max_position_embeddings)
+def default_seq_len(model_config: PretrainedConfig) -> int:
+    """A perplexity window's default length: the model's context, up to 2048 tokens."""
+    return min(2048, model_config.max_position_embeddings)
 
 
 def evaluation_text(
@@ -102,7 +103,7 @@ def perplexity(
 ) -> dict[str, Any]:
     """One model on one data set: {"ppl", "dataset", "split", "seq_len", "n_windows", "n_tokens", "bos"}."""
     text = evaluation_text(
-        tokenizer, dataset, seq_len or default_seq_len(model), datasets_dir=datasets_dir, max_windows=max_windows
+        tokenizer, dataset, seq_len or default_seq_len(model.config), datasets_dir=datasets_dir, max_windows=max_windows
     )
     ppl = windows_perplexity(model, text, device=device, batch_size=batch_size)
     return {"ppl": ppl, **text.convention}

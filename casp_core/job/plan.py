@@ -8,8 +8,10 @@ family is not pruned with, a uniform shape its own class cannot hold), that whol
 reach the ratio (casp_core.method.budget, at the rounding the export asks for), that the widths take the
 quantization (casp_core.artifacts.compressed_tensors.quantize), that recovery's windows fit the model's context,
 and for a budget that some candidate meets it by the sizes estimated from the config. The `JobPlan` it returns
-holds the typed pieces the pruning's stages read (casp_core.method.prune.PrunePlan: calibration, placement,
-allocation, the layer step), or a target's sweep.
+holds the typed piece each stage reads: a single ratio's prune (casp_core.method.prune.PrunePlan: calibration,
+placement, allocation, the layer step) or a target's sweep, the evaluation (casp_core.eval.evaluate.EvaluationPlan,
+whose texts are read once the tokenizer loads), recovery (casp_core.recovery.data.RecoveryPlan) and the artifacts
+(`ArtifactsPlan`). `run_job` plans before any weight loads, and so does each retry.
 
 Checked where they run, because they need more than the config:
 - the tokenizer llama.cpp must reproduce for a GGUF export, and the rounding's warnings (casp_core.job.steps,
@@ -19,11 +21,13 @@ Checked where they run, because they need more than the config:
 """
 
 from dataclasses import dataclass
+from typing import Any
 
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig
 
 from casp_core.artifacts.compressed_tensors.quantize import check_quantization
 from casp_core.errors import InvalidConfig
+from casp_core.eval.evaluate import EvaluationPlan
 from casp_core.families import check_export, family_of
 from casp_core.job.stages import Stage, job_stages
 from casp_core.job.sweep.candidates import (
@@ -41,8 +45,9 @@ from casp_core.method.budget import AllocationPlan, check_reachable
 from casp_core.method.calibration import CalibrationPlan
 from casp_core.method.placement import PlacementPlan
 from casp_core.method.prune import PrunePlan
-from casp_core.recovery.data import check_length
-from casp_core.settings import PruneConfig, PruneSettings
+from casp_core.recovery.data import RecoveryPlan
+from casp_core.report.publish import without_local_paths
+from casp_core.settings import NO_QUANTIZATION, PruneConfig, PruneSettings
 
 
 @dataclass(frozen=True)
@@ -70,32 +75,51 @@ class SweepPlan:
 
 
 @dataclass(frozen=True)
+class ArtifactsPlan:
+    """What a job writes beside the checkpoint, and what the checkpoint records of the settings it was made with."""
+
+    recorded_settings: dict[str, Any]  # the settings as the checkpoint's config records them, without local paths
+    export: tuple[str, ...]  # "gguf" and/or "safetensors"
+    gguf_type: str
+    quantization: str | None  # the compressed-tensors scheme; None: no quantized checkpoint
+
+    @classmethod
+    def of(cls, settings: PruneSettings) -> "ArtifactsPlan":
+        quantization = None if settings.quantization == NO_QUANTIZATION else settings.quantization
+        return cls(without_local_paths(settings.to_dict()), tuple(settings.export), settings.gguf_type, quantization)
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """What the job runs from: the settings checked, and the typed pieces its stages read."""
 
-    settings: PruneConfig
+    settings: PruneConfig  # what the report records
     stages: tuple[Stage, ...]  # what the job will report, in order
     prune: PrunePlan | None  # a single ratio's: its calibration, placement, allocation and layer step; None for a sweep
     sweep: SweepPlan | None  # a budget's; None for a single ratio
+    evaluation: EvaluationPlan  # of the dense model, the pruned one and the one published (texts read at load)
+    recovery: RecoveryPlan | None  # None: the job does not recover
+    artifacts: ArtifactsPlan  # a single ratio's; a sweep's pick writes as its candidate's settings say
 
 
-def plan_job(settings: PruneConfig, model_config: PretrainedConfig, model: PreTrainedModel | None = None) -> JobPlan:
+def plan_job(settings: PruneConfig, model_config: PretrainedConfig) -> JobPlan:
     """The job `settings` asks for on a model of `model_config`, or the first refusal (InvalidConfig, whose message
-    names the setting first; UnsupportedModel or UnsupportedExport for the model). The reach is checked on `model`
-    where the job has loaded it, else on a model of `model_config` built on the meta device."""
+    names the setting first; UnsupportedModel or UnsupportedExport for the model). The reach is checked on a model
+    of `model_config` built on the meta device."""
     settings.validate()
     family = family_of(model_config)
     check_export(model_config, settings.export)
     family.check_settings(model_config, settings)
     family.check_plain_shape(model_config, settings)
     check_quantization(model_config, settings)
-    if settings.recovery.enabled:
-        check_length(settings.recovery.max_seq_len, model_config.max_position_embeddings)
+    recovery = RecoveryPlan.of(settings, model_config) if settings.recovery.enabled else None
+    evaluation, artifacts = EvaluationPlan.of(settings, model_config), ArtifactsPlan.of(settings)
     if settings.is_sweep:
-        return JobPlan(settings, job_stages(settings), None, plan_sweep(model_config, settings))
+        sweep = plan_sweep(model_config, settings)
+        return JobPlan(settings, job_stages(settings), None, sweep, evaluation, recovery, artifacts)
     prune = PrunePlan.of(settings, model_config)
-    check_reachable(model if model is not None else meta_model(model_config), prune.allocation)
-    return JobPlan(settings, job_stages(settings), prune, None)
+    check_reachable(meta_model(model_config), prune.allocation)
+    return JobPlan(settings, job_stages(settings), prune, None, evaluation, recovery, artifacts)
 
 
 def plan_sweep(model_config: PretrainedConfig, settings: PruneConfig) -> SweepPlan:

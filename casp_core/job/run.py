@@ -23,6 +23,7 @@ from casp_core.artifacts.gguf.engine import artifact_table, measure_exports
 from casp_core.artifacts.gguf.types import require_llama_cpp
 from casp_core.artifacts.snapshot import PrunedSnapshot, snapshot_fingerprint
 from casp_core.eval.evaluate import EvaluationPlan, evaluate, side_by_side
+from casp_core.job.plan import JobPlan, plan_job
 from casp_core.job.steps import (
     Inputs,
     Pruned,
@@ -37,8 +38,8 @@ from casp_core.job.steps import (
 from casp_core.job.sweep.run import run_sweep
 from casp_core.method.placement import Placement, check_recovery_fits, choose_placement
 from casp_core.method.prune import PrunePlan, prune_as_planned
-from casp_core.model import check_model_reference, resolve_device
-from casp_core.recovery.data import TrainingData, load_training_data
+from casp_core.model import load_config, resolve_device
+from casp_core.recovery.data import RecoveryPlan, TrainingData, load_training_data
 from casp_core.recovery.teacher import TeacherCache, compute_teacher, load_teacher, needs_teacher, teacher_fingerprint
 from casp_core.recovery.train import ADAPTER_DIR, RecoveryResult, recover
 from casp_core.report.build import pruning_section
@@ -46,7 +47,7 @@ from casp_core.report.plots import RECOVERY_CURVE, plot_recovery_curve
 from casp_core.report.publish import public_name
 from casp_core.rounding import quantizer_block
 from casp_core.run import Run
-from casp_core.settings import NO_QUANTIZATION, PruneConfig, RecoveryConfig
+from casp_core.settings import PruneConfig, RecoveryConfig
 
 # Where the teacher cache goes when the job keeps no retry state (the command line): inside the staging folder,
 # removed once recovery has used it.
@@ -76,18 +77,22 @@ def run_job(
     source's dequantized folder, the dense model's evaluation."""
     config.validate()
     cache_dir = cache_dir or default_cache_dir()
-    check_model_reference(model)
+    # The settings checked against the model's config before any weight loads, as the API and the command line
+    # check them; a retry plans again, so that one resuming after pruning has its plan too.
+    plan = plan_job(config, load_config(model, revision=revision, token=token))
     if quantizer_block(config):
         require_llama_cpp()
     run = run or Run()
     out_dir = Path(out_dir)
     retry = RetryState(
-        retry_state if config.recovery.enabled or config.is_sweep else None,
+        retry_state if plan.recovery is not None or plan.sweep is not None else None,
         snapshot_fingerprint(model, revision, config),
         on_retry_state_saved,
     )
     if config.is_sweep:
-        return run_sweep(model, config, out_dir, run, retry, revision=revision, token=token, cache_dir=cache_dir)
+        return run_sweep(model, plan, out_dir, run, retry, revision=revision, token=token, cache_dir=cache_dir)
+    assert plan.prune is not None, "a single ratio's plan"
+    prune_plan = plan.prune
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)
@@ -95,15 +100,13 @@ def run_job(
         with run.stage("load"):
             snapshot = retry.pruned_snapshot()
             if snapshot is None:
-                dense, tokenizer, dtype, plan = load_dense(model, revision, config, run, token, device, cache_dir)
-                assert plan.prune is not None, "a single ratio's plan"
-                prune_plan = plan.prune
+                dense, tokenizer, dtype = load_dense(model, revision, plan, run, token, device, cache_dir)
                 # Refused here when even one layer cannot fit on the device, or recovery would not, before hours
                 # of evaluation and pruning.
                 placement = choose_placement(dense, prune_plan.placement, device)
-                if config.recovery.enabled:
+                if plan.recovery is not None:
                     recovery_memory = check_recovery_fits(
-                        dense, config.recovery, prune_plan.allocation.ratio, prune_plan.placement, device
+                        dense, plan.recovery.settings, prune_plan.allocation.ratio, prune_plan.placement, device
                     )
             else:
                 run.report("load", 1.0, f"resumed after pruning (snapshot saved {snapshot.saved_at})")
@@ -111,17 +114,15 @@ def run_job(
                     run.warn(warning)
                 tokenizer, dtype = snapshot.tokenizer, snapshot.dtype
         with run.stage("calibration_data"):
-            if snapshot is None:
-                inputs = read_inputs(dense, tokenizer, config, prune_plan.calibration, run)
-            else:
-                inputs = read_inputs(snapshot.model, tokenizer, config, None, run)
+            calibration = prune_plan.calibration if snapshot is None else None
+            inputs = read_inputs(tokenizer, calibration, plan.evaluation, plan.recovery, run)
         teacher = None
-        if needs_teacher(config.recovery) and inputs.training is not None:
+        if plan.recovery is not None and needs_teacher(plan.recovery.settings):
             # Before pruning frees the dense model; a retry after pruning finds the cache, or loads the dense one.
             teacher = teacher_for(
                 model,
                 revision,
-                config,
+                plan,
                 inputs.training,
                 dense if snapshot is None else None,
                 run,
@@ -138,22 +139,23 @@ def run_job(
             pruned = Pruned(snapshot.model, snapshot.pruning, snapshot.dense_figures, snapshot.pruned_figures)
             del snapshot
         recovery = None
-        if inputs.training is not None:
+        if plan.recovery is not None:
+            assert inputs.training is not None, "read with the recovery's plan"
             recovery = recover_pruned(
-                pruned, tokenizer, inputs.training, inputs.plan, config, run, retry, dtype, staging, teacher
+                pruned, tokenizer, inputs.training, inputs.plan, plan.recovery, run, retry, dtype, staging, teacher
             )
             shutil.rmtree(staging / TEACHER_WORK, ignore_errors=True)
             if recovery_memory is not None:
                 recovery.memory_estimate = recovery_memory.summary()
-        exports = save_checkpoint(pruned.model, tokenizer, model, revision, config, run, staging)
+        exports = save_checkpoint(pruned.model, tokenizer, model, revision, plan.artifacts, run, staging)
         evaluation = evaluate_published(pruned, tokenizer, inputs.plan, run)
         with run.stage("evaluation_gguf") if exports else nullcontext():  # timed only when there is work
             engine_figures = measure_exports(exports, inputs.plan.texts, run)
         quantized = None
-        if config.quantization != NO_QUANTIZATION:
+        if plan.artifacts.quantization is not None:
             with run.stage("quantization"):
                 quantized = quantize(
-                    QuantizationInput(pruned.model, tokenizer, staging, config.quantization, inputs.plan), run
+                    QuantizationInput(pruned.model, tokenizer, staging, plan.artifacts.quantization, inputs.plan), run
                 )
         published = "recovered" if recovery is not None else "pruned"
         artifacts = artifact_table(
@@ -186,7 +188,7 @@ def run_job(
 def teacher_for(
     model: str,
     revision: str | None,
-    config: PruneConfig,
+    plan: JobPlan,
     training: TrainingData,
     dense: PreTrainedModel | None,
     run: Run,
@@ -198,17 +200,19 @@ def teacher_for(
 ) -> TeacherCache:
     """The distillation teacher's cache over the recovery data: the one a previous attempt kept, else computed
     with `dense` (or, on a retry that resumed after pruning without it, with the dense model loaded again)."""
+    assert plan.recovery is not None, "only a job that recovers has a teacher"
+    recovery = plan.recovery.settings
     directory = retry.directory or staging / TEACHER_WORK
-    source = {"model": model, "revision": revision, "dtype": config.dtype}
-    fingerprint = teacher_fingerprint(source, training, config.recovery)
+    source = {"model": model, "revision": revision, "dtype": plan.settings.dtype}
+    fingerprint = teacher_fingerprint(source, training, recovery)
     cached = load_teacher(directory, fingerprint)
     if cached is not None:
         run.report("evaluation", 1.0, f"teacher: the cache {cached.path.name} kept by an earlier attempt")
         return cached
     with run.stage("teacher"):
         if dense is None:
-            dense = load_dense(model, revision, config, run, token, device, cache_dir)[0]
-        cache = compute_teacher(dense, training, config.recovery, directory, fingerprint, run, device=config.device)
+            dense = load_dense(model, revision, plan, run, token, device, cache_dir)[0]
+        cache = compute_teacher(dense, training, recovery, directory, fingerprint, run, device=plan.recovery.device)
     retry.saved(cache.path)
     return cache
 
@@ -236,7 +240,7 @@ def recover_pruned(
     tokenizer: PreTrainedTokenizerBase,
     training: TrainingData,
     plan: EvaluationPlan,
-    config: PruneConfig,
+    recovery_plan: RecoveryPlan,
     run: Run,
     retry: RetryState,
     dtype: str,
@@ -260,19 +264,19 @@ def recover_pruned(
             )
         )
     with run.stage("recovery"):
-        settings = config.recovery
+        settings = recovery_plan.settings
         what = f"{settings.method}, {settings.loss}"
         run.report("recovery", 0.0, f"{what} on {settings.dataset}: {len(training):,} sequences")
         pruned.model, recovery = recover(
             pruned.model,
             tokenizer,
             training,
-            config.recovery,
+            settings,
             run,
-            device=config.device,
+            device=recovery_plan.device,
             state_dir=retry.directory,
             on_state_saved=retry.on_saved,
-            adapter_dir=staging / ADAPTER_DIR if config.recovery.method == "lora" else None,
+            adapter_dir=staging / ADAPTER_DIR if settings.method == "lora" else None,
             teacher=teacher,
         )
     return recovery

@@ -20,19 +20,19 @@ from casp_core.artifacts.gguf.writer import GgufExport, export_checkpoint
 from casp_core.artifacts.snapshot import SNAPSHOT_FILE, PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.errors import InvalidConfig
 from casp_core.eval.evaluate import EvaluationPlan, Figures
-from casp_core.eval.perplexity import default_seq_len
 from casp_core.families import projections
-from casp_core.job.plan import JobPlan, plan_job
+from casp_core.job.plan import ArtifactsPlan, JobPlan
+from casp_core.method.budget import AllocationPlan
 from casp_core.method.calibration import CalibrationPlan, calibration_windows
 from casp_core.model import decoder_layers, load_model
-from casp_core.recovery.data import TrainingData, load_training_data
+from casp_core.recovery.data import RecoveryPlan, TrainingData
 from casp_core.recovery.teacher import TEACHER_FILE
 from casp_core.recovery.train import ADAPTER_DIR, STATE_FILE, RecoveryResult
 from casp_core.report.build import build_report, write_report
 from casp_core.report.model_card import write_model_card
 from casp_core.report.plots import write_plots
 from casp_core.report.publish import base_model_of, public_name, without_local_paths
-from casp_core.rounding import fallback_warning, quantizer_block, speed_warning
+from casp_core.rounding import fallback_warning, speed_warning
 from casp_core.run import Run
 from casp_core.settings import PruneConfig
 
@@ -108,25 +108,27 @@ class RetryState:
 def load_dense(
     model: str,
     revision: str | None,
-    config: PruneConfig,
+    plan: JobPlan,
     run: Run,
     token: str | None,
     device: torch.device,
     cache_dir: Path,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str, JobPlan]:
-    """The dense model, its tokenizer, its dtype's name and the job's plan on it: the settings are checked before any
-    work. A GGUF source is dequantized into `cache_dir` the first time (minutes for a large file: said in the
-    events)."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The dense model, its tokenizer and its dtype's name, with what `plan` could not check without the weights:
+    that llama.cpp reproduces the tokenizer of a GGUF export, and the rounding's warnings. A GGUF source is
+    dequantized into `cache_dir` the first time (minutes for a large file: said in the events)."""
     run.report("load", 0.0, f"loading {public_name(model)}")
     if is_gguf_reference(model):
         run.report("load", 0.0, f"reading {public_name(model)} (dequantized once per file and dtype, then cached)")
+    settings = plan.settings
     dense, tokenizer = load_model(
-        model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
+        model, revision=revision, dtype=settings.dtype, token=token, device=device, cache_dir=cache_dir
     )
-    plan = check_settings(dense, config, run)
-    if config.exports_gguf:
+    if settings.exports_gguf:
         check_gguf_tokenizer(model, dense, tokenizer)
-    return dense, tokenizer, str(dense.dtype).removeprefix("torch."), plan
+    assert plan.prune is not None, "a single ratio's plan"
+    warn_rounding(dense, plan.prune.allocation, run)
+    return dense, tokenizer, str(dense.dtype).removeprefix("torch.")
 
 
 def check_gguf_tokenizer(model: str, dense: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -137,43 +139,31 @@ def check_gguf_tokenizer(model: str, dense: PreTrainedModel, tokenizer: PreTrain
         vocabulary_of(tokenizer, embedding_rows, Path(tokenizer.name_or_path))
 
 
-def check_settings(dense: PreTrainedModel, config: PruneConfig, run: Run) -> JobPlan:
-    """The job's plan (`plan_job`, on the loaded model's config): it refuses, before any work, what the API and the
-    command line refuse. Warns of a rounding that forfeits the speedup or forces fallback types (once per
+def warn_rounding(dense: PreTrainedModel, allocation: AllocationPlan, run: Run) -> None:
+    """Warns of a rounding that forfeits the speedup or forces fallback types on the loaded model's widths (once per
     warning)."""
-    plan = plan_job(config, dense.config, dense)
     widths = [projections(layer).down.in_features for layer in decoder_layers(dense)]
     for warning in (
-        speed_warning(widths, config.round_to),
-        fallback_warning(widths, config.round_to, config.gguf_type, quantizer_block(config)),
+        speed_warning(widths, allocation.round_to),
+        fallback_warning(widths, allocation.round_to, allocation.gguf_type, allocation.block),
     ):
         if warning and warning not in run.warnings:
             run.warn(warning)
-    return plan
 
 
 def read_inputs(
-    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    config: PruneConfig,
     calibration: CalibrationPlan | None,
+    evaluation: EvaluationPlan,
+    recovery: RecoveryPlan | None,
     run: Run,
 ) -> Inputs:
     """The calibration windows (none where `calibration` is None: resuming after pruning), the evaluation texts and
     recovery's data."""
     run.report("calibration", 0.0, "loading calibration and evaluation text")
     windows = None if calibration is None else calibration_windows(tokenizer, calibration)
-    plan = EvaluationPlan.for_job(tokenizer, config, default_seq_len(model))
-    training = None
-    if config.recovery.enabled:
-        training = load_training_data(
-            config.recovery.dataset,
-            tokenizer,
-            max_seq_len=config.recovery.max_seq_len,
-            context=model.config.max_position_embeddings,
-            datasets_dir=config.datasets_dir,
-        )
-    return Inputs(windows, plan, training)
+    training = None if recovery is None else recovery.training_data(tokenizer)
+    return Inputs(windows, evaluation.with_texts(tokenizer), training)
 
 
 def save_checkpoint(
@@ -181,7 +171,7 @@ def save_checkpoint(
     tokenizer: PreTrainedTokenizerBase,
     source: str,
     revision: str | None,
-    config: PruneConfig,
+    artifacts: ArtifactsPlan,
     run: Run,
     staging: Path,
 ) -> list[GgufExport]:
@@ -192,16 +182,16 @@ def save_checkpoint(
             "source_model": public_name(source),
             "base_model": base_model_of(source),
             "revision": revision,
-            "settings": without_local_paths(config.to_dict()),
+            "settings": artifacts.recorded_settings,
         }
         save_pruned(model, tokenizer, staging)
         if is_gguf_reference(source):  # its GGUF exports keep the tokenizer llama.cpp served from the source
             keep_source_vocabulary(Path(source).expanduser(), staging)
-    if not config.export:
+    if not artifacts.export:
         return []
     with run.stage("export"):
-        run.report("checkpoint", 1.0, f"exporting {', '.join(config.export)}")
-        return export_checkpoint(staging, config.export, config.gguf_type)
+        run.report("checkpoint", 1.0, f"exporting {', '.join(artifacts.export)}")
+        return export_checkpoint(staging, list(artifacts.export), artifacts.gguf_type)
 
 
 def checkpoint_perplexity(

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from casp_core import data
 from casp_core.errors import DatasetNotFound, InvalidDataset
+from casp_core.settings import PruneSettings, RecoveryConfig
 
 TEXT_LAYOUT = "text"
 ALPACA_LAYOUT = "alpaca"
@@ -82,6 +83,34 @@ def check_length(max_seq_len: int, context: int) -> None:
     if max_seq_len > context:
         raise InvalidDataset(
             f"recovery.max_seq_len: windows of {max_seq_len} tokens are longer than the model's context of {context}"
+        )
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """What a job's recovery reads: its settings, the context its windows were checked to fit, where the data sets
+    are, and the device it trains on."""
+
+    settings: RecoveryConfig
+    context: int  # the model's, in tokens
+    datasets_dir: str | None
+    device: str
+
+    @classmethod
+    def of(cls, settings: PruneSettings, model_config: PretrainedConfig) -> "RecoveryPlan":
+        """Recovery as a job's `settings` ask for it; InvalidDataset where its windows overrun the model's context."""
+        context = model_config.max_position_embeddings
+        check_length(settings.recovery.max_seq_len, context)
+        return cls(settings.recovery, context, settings.datasets_dir, settings.device)
+
+    def training_data(self, tokenizer: PreTrainedTokenizerBase) -> "TrainingData":
+        """The sequences recovery trains on, read and checked in full."""
+        return load_training_data(
+            self.settings.dataset,
+            tokenizer,
+            max_seq_len=self.settings.max_seq_len,
+            context=self.context,
+            datasets_dir=self.datasets_dir,
         )
 
 

@@ -58,4 +58,4 @@ def test_the_api_the_command_line_and_a_job_refuse_alike(
     with pytest.raises(InvalidConfig) as refused:
         run_job(str(DEMO_MODEL), settings, tmp_path / "job", Run(progress=lambda stage, *_: stages.append(stage)))
     assert refused.value.message == error["message"]
-    assert stages == ["load"]  # refused as the model loaded, before any text is read
+    assert stages == []  # refused from the model's config, before the job reports its first stage

@@ -58,7 +58,7 @@ from casp_core.artifacts.gguf.writer import GgufExport, export_gguf, gguf_file_n
 from casp_core.artifacts.snapshot import PrunedSnapshot
 from casp_core.errors import BudgetUnmet
 from casp_core.eval.evaluate import EvaluationPlan, Figures, evaluate, side_by_side
-from casp_core.job.plan import SweepPlan, plan_job
+from casp_core.job.plan import ArtifactsPlan, JobPlan, SweepPlan
 from casp_core.job.stages import CANDIDATE_STAGES, DENSE_POINTS, SWEEP_STAGE
 from casp_core.job.steps import (
     SWEEP_STATE_FILE,
@@ -66,14 +66,14 @@ from casp_core.job.steps import (
     Pruned,
     RetryState,
     check_gguf_tokenizer,
-    check_settings,
     checkpoint_perplexity,
     read_inputs,
     save_checkpoint,
     staged_output,
+    warn_rounding,
     write_job_report,
 )
-from casp_core.job.sweep.candidates import Candidate, within_target
+from casp_core.job.sweep.candidates import within_target
 from casp_core.job.sweep.shared_pass import prune_plans
 from casp_core.method.placement import Placement, choose_placement
 from casp_core.method.results import PruneResult
@@ -468,7 +468,7 @@ class Sweep:
 
 def run_sweep(
     model: str,
-    config: PruneConfig,
+    job_plan: JobPlan,
     out_dir: Path,
     run: Run,
     retry: RetryState,
@@ -479,6 +479,8 @@ def run_sweep(
 ) -> dict[str, Any]:
     """The sweep job (the steps in the module docstring); returns the report written, the pick's, with the
     frontier in `report["frontier"]`. `cache_dir`: as run_job's."""
+    config, plan = job_plan.settings, job_plan.sweep
+    assert plan is not None, "a job with a target has a sweep"
     with staged_output(out_dir) as staging:
         device = resolve_device(config.device)
         run.time_on(device)
@@ -487,15 +489,12 @@ def run_sweep(
             dense, tokenizer = load_model(
                 model, revision=revision, dtype=config.dtype, token=token, device=device, cache_dir=cache_dir
             )
-            plan = plan_job(config, dense.config).sweep
-            assert plan is not None, "a job with a target has a sweep"
-            candidates = list(plan.candidates)
             units = sweep_units(plan)
-            check_candidates(model, dense, tokenizer, config, candidates, run)
+            check_candidates(model, dense, tokenizer, plan, run)
             placement = choose_placement(dense, plan.placement, device)
             state, best = resume(retry, run)
         with run.stage("calibration_data"):
-            inputs = read_inputs(dense, tokenizer, config, plan.calibration, run)
+            inputs = read_inputs(tokenizer, plan.calibration, job_plan.evaluation, None, run)
         sweep = Sweep(
             model=model,
             revision=revision,
@@ -525,20 +524,16 @@ def unit_config(config: PruneConfig, unit: Unit, fmt: str) -> PruneConfig:
 
 
 def check_candidates(
-    model: str,
-    dense: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    config: PruneConfig,
-    candidates: list[Candidate],
-    run: Run,
+    model: str, dense: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, plan: SweepPlan, run: Run
 ) -> None:
-    """Each candidate's settings checked as its single-ratio job checks them, before any work; llama.cpp, which
-    measures the GGUF candidates, must be there, and the GGUF files' tokenizer must be one it reproduces."""
-    if candidates[0].format == GGUF:
+    """What the plan could not check without the weights, before any work: llama.cpp, which measures the GGUF
+    candidates, must be there, and the GGUF files' tokenizer must be one it reproduces; each candidate's rounding
+    warns as its single-ratio job's does."""
+    if plan.format == GGUF:
         require_llama_cpp()
         check_gguf_tokenizer(model, dense, tokenizer)
-    for candidate in candidates:
-        check_settings(dense, config.candidate_config(candidate.ratio, candidate.format, candidate.variant), run)
+    for candidate in plan.candidates:
+        warn_rounding(dense, plan.prune_of(candidate.ratio, candidate.variant).allocation, run)
 
 
 def resume(retry: RetryState, run: Run) -> tuple[SweepState, PrunedSnapshot | None]:
@@ -570,8 +565,8 @@ def measure_dense(sweep: Sweep, dense: PreTrainedModel, run: Run) -> None:
         folder = sweep.staging / CANDIDATES_DIR / DENSE_DIR
         within = reporting_as(run, DENSE_POINTS.name)
         # Saved as a dense pick is (its GGUF files named alike, so that the pick's file is the one measured).
-        config = sweep.config.model_copy(update={"export": []})
-        save_checkpoint(dense, sweep.tokenizer, sweep.model, sweep.revision, config, within, folder)
+        artifacts = ArtifactsPlan.of(sweep.config.model_copy(update={"export": []}))
+        save_checkpoint(dense, sweep.tokenizer, sweep.model, sweep.revision, artifacts, within, folder)
         measured = Measured(dense, folder, 0.0, state.dense_figures, seconds)
         points = []
         for index, variant in enumerate(variants):
@@ -639,7 +634,7 @@ def measure_unit(sweep: Sweep, unit: Unit, result: PruneResult, prune_seconds: f
         sweep.tokenizer,
         sweep.model,
         sweep.revision,
-        candidate.model_copy(update={"export": []}),
+        ArtifactsPlan.of(candidate.model_copy(update={"export": []})),
         run,
         folder,
     )
@@ -746,14 +741,14 @@ def write_pick_files(sweep: Sweep, config: PruneConfig, pick: Point, kept: Prune
     """The pick's checkpoint and its export or quantization, from its model (`kept`: the best unit's, or the dense
     one), as its single-ratio job (`config`) writes them; its figures are those the sweep measured."""
     assert sweep.state.dense_figures is not None
-    model, plan = kept.model, sweep.inputs.plan
-    exports = save_checkpoint(model, sweep.tokenizer, sweep.model, sweep.revision, config, run, sweep.staging)
+    model, plan, artifacts = kept.model, sweep.inputs.plan, ArtifactsPlan.of(config)
+    exports = save_checkpoint(model, sweep.tokenizer, sweep.model, sweep.revision, artifacts, run, sweep.staging)
     evaluation = side_by_side(sweep.state.dense_figures, kept.pruned_figures, plan.texts)
     quantized = None
-    if config.quantization != NO_QUANTIZATION:
+    if artifacts.quantization is not None:
         with run.stage("quantization"):
             quantized = quantize(
-                QuantizationInput(model, sweep.tokenizer, sweep.staging, config.quantization, plan), run
+                QuantizationInput(model, sweep.tokenizer, sweep.staging, artifacts.quantization, plan), run
             )
     if pick.format == GGUF:
         # The pick's GGUF (its only export) is the file measured in the sweep, written again alike: its perplexity

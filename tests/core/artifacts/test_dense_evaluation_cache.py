@@ -15,7 +15,7 @@ from casp_core.artifacts.dense_cache import CACHE_FOLDER, FILE_DIGESTS, evaluate
 from casp_core.artifacts.gguf.source import SOURCE_RECORD
 from casp_core.eval.evaluate import EvaluationPlan
 from casp_core.job.run import run_job
-from casp_core.model import load_model
+from casp_core.model import load_config, load_model
 from casp_core.run import Run
 from casp_core.settings import EvaluationConfig, PruneConfig
 from tests.conftest import DATASETS_DIR, STORIES, tiny_config
@@ -96,7 +96,7 @@ def evaluated(model: torch.nn.Module, tokenizer, plan: EvaluationPlan, cache: Pa
 
 def text_plan(tokenizer, text: Path, limit: int = 2) -> EvaluationPlan:
     config = tiny_config(0.3, evaluation=EvaluationConfig(perplexity=[str(text)], seq_len=64, limit=limit))
-    return EvaluationPlan.for_job(tokenizer, config, 64)
+    return EvaluationPlan.of(config, load_config(str(STORIES))).with_texts(tokenizer)
 
 
 def test_the_figures_are_reused_only_while_the_key_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,7 +44,7 @@ from casp_core.method.placement import (
     estimate_recovery_memory,
 )
 from casp_core.method.surgery import LayerPruning, remove_units
-from casp_core.model import decoder_layers, load_model, sublayer_parameters
+from casp_core.model import decoder_layers, load_config, load_model, sublayer_parameters
 from casp_core.recovery.train import recover
 from casp_core.report.build import recovery_section
 from casp_core.run import Run
@@ -522,12 +522,12 @@ def test_the_masked_router_computes_what_the_router_without_the_rows_computes(
 
 
 def test_fewer_experts_than_top_k_left_are_refused(dense_folder: Path, tmp_path: Path, capsys) -> None:
-    model, _ = load_model(str(dense_folder))
-    plan_job(PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K}), model.config, model)
+    model_config = load_config(str(dense_folder))
+    plan_job(PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K}), model_config)
     with pytest.raises(
         InvalidConfig, match=r"^moe.prune_experts: removing 5 of the 6 experts .* remove at most 4$"
     ) as message:
-        plan_job(PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K + 1}), model.config, model)
+        plan_job(PruneConfig(ratio=0.3, device="cpu", moe={"prune_experts": EXPERTS - TOP_K + 1}), model_config)
     arguments = ["prune", "--model", str(dense_folder), "--ratio", "0.3", "--out", str(tmp_path / "out")]
     assert cli.main([*arguments, "--moe-prune-experts", "5", "--device", "cpu"]) != 0
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("casp: error")]
@@ -586,9 +586,8 @@ def test_the_experts_share_follows_their_sensitivity() -> None:
 def test_settings_moe_pruning_does_not_take_are_refused(
     family: str, settings: dict, name: str, dense_folders: dict[str, Path]
 ) -> None:
-    model, _ = load_model(str(dense_folders[family]))
     with pytest.raises(InvalidConfig, match=rf"^{name}: [\w-]+ \(a mixture of experts\)"):
-        plan_job(PruneConfig(ratio=0.3, device="cpu", **settings), model.config, model)
+        plan_job(PruneConfig(ratio=0.3, device="cpu", **settings), load_config(str(dense_folders[family])))
 
 
 # A user's process: the family's own class from config.json alone (no remote code), its experts run by the eager

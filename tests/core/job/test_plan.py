@@ -1,9 +1,12 @@
 """The job's plan: the settings turned once into the typed pieces the stages read (ptbwiki-7M's config alone)."""
 
+import pytest
+
+from casp_core.errors import InvalidDataset
 from casp_core.job.plan import plan_job
 from casp_core.method.prune import PrunePlan
 from casp_core.model import load_config
-from casp_core.settings import PruneConfig
+from casp_core.settings import PruneConfig, RecoveryConfig
 from tests.conftest import PTBWIKI
 
 
@@ -60,3 +63,38 @@ def test_a_sweep_plans_each_candidates_prune_with_the_rounding_its_variant_asks_
     # Everything else the two prunes read is the same, and the sweep's shared calibration and placement.
     assert (f16.calibration, f16.placement, f16.layer) == (q4_k_m.calibration, q4_k_m.placement, q4_k_m.layer)
     assert (f16.calibration, f16.placement) == (sweep.calibration, sweep.placement)
+
+
+def test_the_stages_after_pruning_are_planned_too() -> None:
+    """Evaluation windows of the model's context (512 tokens, under the default's 2048) unless the settings name a
+    length; recovery only when asked for, its windows checked against the context; what the checkpoint records of
+    the settings, without the machine's paths; no quantized checkpoint unless a scheme is named."""
+    model_config = load_config(str(PTBWIKI))
+    plain = plan_job(PruneConfig(ratio=0.3, datasets_dir="/data/sets", device="cpu"), model_config)
+    evaluation = plain.evaluation
+    assert (evaluation.seq_len, evaluation.perplexity, evaluation.texts) == (512, ("wikitext2", "ptb"), {})
+    assert plain.recovery is None and plain.artifacts.quantization is None and plain.artifacts.export == ()
+    assert "/data/sets" not in str(plain.artifacts.recorded_settings)
+    assert plain.artifacts.recorded_settings["ratio"] == 0.3
+
+    settings = PruneConfig(
+        ratio=0.3,
+        evaluation={"perplexity": ["wikitext2", "ptb"], "seq_len": 128, "limit": 4, "zero_shot": ["piqa"]},
+        recovery={"method": "lora", "dataset": "ptb:train", "max_seq_len": 256},
+        quantization="w8a8_int8",
+        export=["gguf"],
+        gguf_type="q8_0",
+        device="cpu",
+    )
+    plan = plan_job(settings, model_config)
+    evaluation = plan.evaluation
+    assert (evaluation.seq_len, evaluation.max_windows, evaluation.zero_shot) == (128, 4, ("piqa",))
+    assert plan.recovery is not None and (plan.recovery.context, plan.recovery.settings.method) == (512, "lora")
+    assert (plan.artifacts.export, plan.artifacts.gguf_type, plan.artifacts.quantization) == (
+        ("gguf",),
+        "q8_0",
+        "w8a8_int8",
+    )
+    too_long = settings.model_copy(update={"recovery": RecoveryConfig(method="lora", max_seq_len=1024)})
+    with pytest.raises(InvalidDataset, match=r"^recovery.max_seq_len: windows of 1024 tokens .* context of 512$"):
+        plan_job(too_long, model_config)

@@ -120,7 +120,7 @@ def test_run_job_and_the_command_line_refuse_before_calibration(tmp_path, capsys
     stages: list[str] = []
     with pytest.raises(InvalidConfig, match=r"at most 0\.8785"):
         run_job(str(STORIES), tiny_config(0.88), tmp_path / "out", Run(progress=lambda stage, *_: stages.append(stage)))
-    assert stages == ["load"]
+    assert stages == []  # refused from the config, before the first stage
     assert not (tmp_path / "out").exists()
 
     argv = ["prune", "--model", str(STORIES), "--ratio", "0.85", "--r-max", "0.85", "--out", str(tmp_path / "cli")]

@@ -72,7 +72,7 @@ def pruned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float, Evalu
     model = prune(model, tokenizer, config, Run()).model
     checkpoint = tmp_path_factory.mktemp("pruned") / "checkpoint"
     save_pruned(model, tokenizer, checkpoint)
-    plan = EvaluationPlan.for_job(tokenizer, config, 128)
+    plan = EvaluationPlan.of(config, model.config).with_texts(tokenizer)
     return checkpoint, evaluate(model, tokenizer, plan).perplexity["wikitext2"], plan
 
 
