@@ -23,7 +23,7 @@ Checked where they run, because they need more than the config:
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from casp_core.artifacts.compressed_tensors.quantize import check_quantization
 from casp_core.errors import InvalidConfig
@@ -129,11 +129,15 @@ def plan_sweep(model_config: PretrainedConfig, settings: PruneConfig) -> SweepPl
     assert settings.target is not None, "only a job with a target sweeps"
     estimator, fmt = Estimator(model_config, settings), sweep_format(settings)
     variants = sweep_variants(model_config, settings)
-    candidates = [
-        estimator.candidate(ratio, fmt, variant)
+    prunes = {
+        (ratio, variant): PrunePlan.of(settings.candidate_config(ratio, fmt, variant), model_config)
         for ratio in sorted(settings.ratios)
         for variant in variants
-        if _reaches(estimator, ratio, fmt, variant)
+    }
+    candidates = [
+        estimator.candidate(ratio, fmt, variant, prune)
+        for (ratio, variant), prune in prunes.items()
+        if _reaches(estimator.model, prune.allocation)
     ]
     if not candidates:
         raise InvalidConfig(
@@ -143,19 +147,16 @@ def plan_sweep(model_config: PretrainedConfig, settings: PruneConfig) -> SweepPl
     fitting = [c for c in candidates if within_target(c.estimated_bytes, c.estimated_params, settings.target)]
     if not fitting:
         raise InvalidConfig(nothing_fits(candidates, settings.target))
-    dense = tuple(estimator.candidate(0.0, fmt, variant) for variant in variants)
+    dense = tuple(estimator.candidate(0.0, fmt, variant, None) for variant in variants)
     calibration, placement = CalibrationPlan.of(settings, model_config), PlacementPlan.of(settings, model_config)
-    prunes = {
-        (c.ratio, c.variant): PrunePlan.of(settings.candidate_config(c.ratio, fmt, c.variant), model_config)
-        for c in fitting
-    }
-    return SweepPlan(fmt, tuple(fitting), dense, calibration, placement, prunes)
+    fitting_prunes = {(c.ratio, c.variant): prunes[(c.ratio, c.variant)] for c in fitting}
+    return SweepPlan(fmt, tuple(fitting), dense, calibration, placement, fitting_prunes)
 
 
-def _reaches(estimator: Estimator, ratio: float, fmt: str, variant: str) -> bool:
-    """Whether whole units within r_max reach `ratio` under the rounding the variant asks for."""
+def _reaches(model: PreTrainedModel, allocation: AllocationPlan) -> bool:
+    """Whether whole units within r_max reach the allocation's ratio under the rounding it asks for."""
     try:
-        check_reachable(estimator.model, AllocationPlan.of(estimator.candidate_config(ratio, fmt, variant)))
+        check_reachable(model, allocation)
     except InvalidConfig:
         return False
     return True

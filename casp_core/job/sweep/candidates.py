@@ -17,7 +17,8 @@ from casp_core.artifacts.compressed_tensors.size import safetensors_bytes
 from casp_core.artifacts.gguf.size import gguf_bytes
 from casp_core.artifacts.shapes import Geometry
 from casp_core.job.sweep.shapes import meta_model, planned_shape
-from casp_core.settings import PruneConfig, PruneSettings, TargetConfig
+from casp_core.method.prune import PrunePlan
+from casp_core.settings import PruneSettings, TargetConfig
 
 GGUF = "gguf"
 SAFETENSORS = "safetensors"
@@ -47,16 +48,12 @@ class Estimator:
 
     def __init__(self, model_config: PretrainedConfig, settings: PruneSettings) -> None:
         self.model = meta_model(model_config)
-        self.config = PruneConfig.from_dict(settings.model_dump(include=set(PruneSettings.model_fields)))
-        self.geometry = Geometry.of(self.model, self.config.dtype)
+        self.geometry = Geometry.of(self.model, settings.dtype)
 
-    def candidate_config(self, ratio: float, fmt: str, variant: str) -> PruneConfig:
-        """The single-ratio settings of the candidate, as its unit will be pruned with them."""
-        return self.config.candidate_config(ratio, fmt, variant)
-
-    def candidate(self, ratio: float, fmt: str, variant: str) -> Candidate:
-        """The candidate's sizes (a ratio the plan found whole units reach under its rounding; 0.0: dense)."""
-        shape = planned_shape(self.model, self.candidate_config(ratio, fmt, variant) if ratio else None)
+    def candidate(self, ratio: float, fmt: str, variant: str, prune: PrunePlan | None) -> Candidate:
+        """The candidate's sizes, pruned as `prune` says (a plan the job's checks found whole units reach; None:
+        the dense model, at ratio 0.0)."""
+        shape = planned_shape(self.model, prune)
         if fmt == GGUF:
             size = gguf_bytes(self.geometry, shape, variant)
         else:

@@ -20,8 +20,9 @@ from casp_core.artifacts.shapes import Geometry, LayerShape, PlannedShape, dense
 from casp_core.families import projections
 from casp_core.method.allocation import allocate_ratios, uniform_ratios
 from casp_core.method.budget import AllocationPlan, channels_to_prune, plan_budget, plan_uniform_shape
+from casp_core.method.prune import PrunePlan
 from casp_core.model import attention_geometry, decoder_layers
-from casp_core.settings import MEAN_BIAS_COMPENSATION, PruneConfig, fixed_alpha
+from casp_core.settings import MEAN_BIAS_COMPENSATION, fixed_alpha
 
 
 def meta_model(model_config: PretrainedConfig) -> PreTrainedModel:
@@ -53,16 +54,16 @@ def _layer_shape(heads: int, group: int, kv_heads: int, pruned_heads: int, ffn_w
     return LayerShape(heads - pruned_heads, len(groups), sum(size // repeat for size in groups), ffn_width)
 
 
-def planned_shape(model: PreTrainedModel, config: PruneConfig | None) -> PlannedShape:
-    """The model pruned by `config` (a single-ratio config; None: the dense model), from its meta model."""
+def planned_shape(model: PreTrainedModel, prune: PrunePlan | None) -> PlannedShape:
+    """The model pruned as `prune` says (None: the dense model), from its meta model."""
     layers = decoder_layers(model)
     geometry = attention_geometry(model, layers[0])  # the supported families' decoder layers are all alike
     heads, kv_heads = geometry.num_heads, geometry.num_kv_heads
     group = heads // kv_heads
     width = projections(layers[0]).down.in_features
-    if config is None:
+    if prune is None:
         return PlannedShape((_layer_shape(heads, group, kv_heads, 0, width),) * len(layers), dense_params(model))
-    allocation = AllocationPlan.of(config)
+    allocation = prune.allocation
     if allocation.uniform_shape:
         uniform = plan_uniform_shape(model, allocation)
         kept_heads = uniform.kv_heads * uniform.heads_per_kv
@@ -76,9 +77,9 @@ def planned_shape(model: PreTrainedModel, config: PruneConfig | None) -> Planned
             channels = channels_to_prune(plan, index, removed, attention)
             removed += attention + channels * layer.channel_params
             shapes.append(_layer_shape(heads, group, kv_heads, layer.heads, width - channels))
-    sizes = Geometry.of(model, config.dtype)  # the dtype does not change the count
+    sizes = Geometry.of(model, "auto")  # the dtype does not change the count
     kept = sum(sizes.projection_params(shape) for shape in shapes)
     # FLAP's bias goes on o_proj and down_proj where the model had none.
-    bias = config.compensation == MEAN_BIAS_COMPENSATION
+    bias = prune.layer.compensation == MEAN_BIAS_COMPENSATION
     added = bias * len(layers) * sizes.hidden * ((not sizes.o_bias) + (not sizes.mlp_bias))
     return PlannedShape(tuple(shapes), sizes.other_params + kept + added)

@@ -23,9 +23,9 @@ from casp_core.artifacts.gguf.types import llama_cpp_types
 from casp_core.artifacts.gguf.writer import GgufExport, attention_layout, export_gguf
 from casp_core.artifacts.gguf.writer import LayerShape as GgufLayer
 from casp_core.artifacts.shapes import LayerShape, PlannedShape
-from casp_core.job.sweep.candidates import Estimator
+from casp_core.job.sweep.candidates import Candidate, Estimator
 from casp_core.job.sweep.shapes import meta_model, planned_shape
-from casp_core.method.prune import prune
+from casp_core.method.prune import PrunePlan, prune
 from casp_core.model import load_config, load_model
 from casp_core.rounding import quantizer_block, round_to_for
 from casp_core.settings import CalibrationConfig
@@ -102,6 +102,13 @@ def estimator(name: str, ratio: float) -> Estimator:
     return Estimator(load_config(str(MODELS[name])), job_config(ratio or 0.5))
 
 
+def estimate(name: str, ratio: float, fmt: str, variant: str) -> Candidate:
+    """The candidate's sizes as a sweep's plan estimates them, from the prune it plans for it (ratio 0.0: dense)."""
+    model_config, settings = load_config(str(MODELS[name])), job_config(ratio or 0.5)
+    prune = PrunePlan.of(settings.candidate_config(ratio, fmt, variant), model_config) if ratio else None
+    return Estimator(model_config, settings).candidate(ratio, fmt, variant, prune)
+
+
 def assert_close(estimate: int, real: int, what: str) -> None:
     assert abs(estimate - real) <= ESTIMATE_TOLERANCE * real, f"{what}: estimated {estimate}, written {real}"
 
@@ -109,7 +116,7 @@ def assert_close(estimate: int, real: int, what: str) -> None:
 @pytest.mark.parametrize(("name", "ratio", "gguf_type"), GGUF_CASES)
 def test_the_gguf_estimate_is_within_the_tolerance_of_the_file(exported, name, ratio, gguf_type):
     out = exported(name, ratio, gguf_type)
-    candidate = estimator(name, ratio).candidate(ratio, "gguf", gguf_type)
+    candidate = estimate(name, ratio, "gguf", gguf_type)
     assert_close(candidate.estimated_bytes, out.bytes, f"{name} at {ratio} in {gguf_type}")
 
 
@@ -148,7 +155,7 @@ def test_the_safetensors_estimate_is_within_the_tolerance_of_the_files(written, 
         quantize_weights(model, scheme)
         save_pruned(model, tokenizer, tmp_path / scheme)
         folder = tmp_path / scheme
-    candidate = estimator(name, ratio).candidate(ratio, "safetensors", scheme)
+    candidate = estimate(name, ratio, "safetensors", scheme)
     assert_close(candidate.estimated_bytes, weight_bytes(folder), f"{name} at {ratio}, {scheme}")
 
 
@@ -156,7 +163,7 @@ def test_the_safetensors_estimate_is_within_the_tolerance_of_the_files(written, 
 def test_the_parameter_estimate_is_within_one_rounding_unit(written, name, ratio, types):
     model, _ = load_pruned(written[name, ratio, types[0]])
     held = sum(parameter.numel() for parameter in model.parameters())
-    candidate = estimator(name, ratio).candidate(ratio, "gguf", types[0])
+    candidate = estimate(name, ratio, "gguf", types[0])
     config = load_config(str(MODELS[name]))
     unit = round_to_for(config.intermediate_size, "auto", quantizer_block(job_config(ratio, types[0])))
     channel = 3 * config.hidden_size  # a channel's gate and up rows and down column
@@ -167,7 +174,7 @@ def test_the_dense_estimate_counts_every_parameter_once() -> None:
     for name, path in MODELS.items():
         model, _ = load_model(str(path))
         held = sum(parameter.numel() for parameter in model.parameters())  # the tied head once
-        assert estimator(name, 0.0).candidate(0.0, "gguf", "f16").estimated_params == held, name
+        assert estimate(name, 0.0, "gguf", "f16").estimated_params == held, name
         assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight), "the fixtures tie their head"
 
 
@@ -175,5 +182,5 @@ def test_the_safetensors_estimate_follows_the_dtype_setting(tmp_path) -> None:
     model, tokenizer = load_model(str(STORIES), dtype="bfloat16")  # the fixture's own dtype is float32
     save_pruned(model, tokenizer, tmp_path)
     settings = small_config(0.5, dtype="bfloat16")
-    candidate = Estimator(load_config(str(STORIES)), settings).candidate(0.0, "safetensors", "none")
+    candidate = Estimator(load_config(str(STORIES)), settings).candidate(0.0, "safetensors", "none", None)
     assert_close(candidate.estimated_bytes, weight_bytes(tmp_path), "stories260K in bfloat16")
