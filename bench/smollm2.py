@@ -11,8 +11,10 @@ parts:
   (`--zero-shot-limit` documents each; 0: every document) for the dense model and every row at
   `ZERO_SHOT_RATIOS`. The prune's wall time and peak host memory, in a fresh process per row.
 - `zero-shot`: the seven tasks on every document of each, for the dense model and each configuration of
-  `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. A row of its own, because it costs about
-  1.5 hours of 2 cores where the quality row's perplexities cost minutes.
+  `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. One row per task (`zero-shot/<configuration>/
+  <ratio>/<task>`, the cheapest tasks first), so that the part lands piece by piece: the dense model's seven cost
+  about two hours of 2 cores by its first 100 documents' times (hellaswag about an hour, boolq 37 minutes,
+  openbookqa a minute), where the quality row's perplexities take minutes. The table gathers a configuration's tasks, and its mean once all seven are in.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
@@ -43,6 +45,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from bench.common import (
@@ -76,6 +79,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 ZERO_SHOT_RATIOS = (0.2, 0.3)
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
+# The order the zero-shot part measures a model's tasks in, the cheapest on every document first (the dense model's
+# minutes on 2 cores, extrapolated from its first 100 documents: 1, 2, 6, 7, 10, 37, 66).
+ZERO_SHOT_TASKS_BY_COST = ("openbookqa", "winogrande", "piqa", "arc_challenge", "arc_easy", "boolq", "hellaswag")
 # Label -> the evaluation source: both test splits, held out from calibration and recovery text.
 EVAL_SETS = {"wikitext2": "wikitext2", "ptb:test": "ptb:test"}
 EVAL_SEQ_LENS = (128, 2048)
@@ -222,14 +228,16 @@ def pruned(
     )
 
 
-def zero_shot(model: Any, tokenizer: Any, settings: dict[str, Any], limit: int | None) -> dict[str, Any]:
+def zero_shot(
+    model: Any, tokenizer: Any, settings: dict[str, Any], limit: int | None, tasks: tuple[str, ...] = ZERO_SHOT_TASKS
+) -> dict[str, Any]:
     """The tasks' accuracies and their mean, on the first `limit` documents of each (None: all of them)."""
     from casp_core.eval.zeroshot import evaluate_zero_shot
 
     result = evaluate_zero_shot(
         model,
         tokenizer,
-        list(ZERO_SHOT_TASKS),
+        list(tasks),
         limit=limit,
         datasets_dir=settings["datasets_dir"],
         device="cpu",
@@ -256,14 +264,14 @@ def quality_row(
 
 
 def zero_shot_row(
-    settings: dict[str, Any], ratio: float, overrides: dict[str, Any], sensitivities: list[float] | None
+    settings: dict[str, Any], ratio: float, overrides: dict[str, Any], task: str, sensitivities: list[float] | None
 ) -> dict[str, Any]:
-    """Every document of the seven tasks, on the model the quality row of the same settings measures."""
+    """Every document of one task, on the model the quality row of the same settings measures."""
     model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
     start = time.perf_counter()
     return {
         **figures,
-        "zero_shot": zero_shot(model, tokenizer, settings, None),
+        "zero_shot": zero_shot(model, tokenizer, settings, None, (task,)),
         "evaluation_seconds": time.perf_counter() - start,
     }
 
@@ -415,7 +423,7 @@ def measure_row(key: str, settings: dict[str, Any], sensitivities: list[float] |
     if part == "quality":
         return quality_row(settings, ratio, overrides, sensitivities)
     if part == "zero-shot":
-        return zero_shot_row(settings, ratio, overrides, sensitivities)
+        return zero_shot_row(settings, ratio, overrides, rest[2], sensitivities)
     if part == "ladder":
         return ladder_row(settings, ratio, overrides, rest[1], sensitivities)
     return recovery_row(settings, ratio, rest[0], sensitivities)
@@ -442,10 +450,11 @@ def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
         for recipe in RECIPES:
             yield f"recovery/{recipe}"
     if "zero-shot" in parts:
-        yield "zero-shot/dense/0"
-        for ratio in (ratio for ratio in ratios if ratio in ZERO_SHOT_RATIOS):
-            for config in CONFIGS:
-                yield f"zero-shot/{config}/{ratio:g}"
+        models = ["dense/0"]
+        models += [f"{config}/{ratio:g}" for ratio in ratios if ratio in ZERO_SHOT_RATIOS for config in CONFIGS]
+        for model in models:
+            for task in ZERO_SHOT_TASKS_BY_COST:
+                yield f"zero-shot/{model}/{task}"
 
 
 def measure_in_child(key: str, settings: dict[str, Any], sensitivities: list[float] | None) -> dict[str, Any]:
@@ -817,10 +826,22 @@ def defaults_verdict(quality: dict[str, dict[str, Any]], columns: list[str]) -> 
     return ["", "Where the defaults lose:", "", *losses]
 
 
+def zero_shot_accuracies(rows: dict[str, dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """The tasks' accuracies by (configuration, ratio), from the rows keyed `part/configuration/ratio[/task]` that
+    measured them: a quality row all seven at once, a zero-shot row one."""
+    gathered: dict[tuple[str, str], dict[str, float]] = {}
+    for key, row in rows.items():
+        if row.get("zero_shot"):
+            config, ratio = key.split("/")[1:3]
+            gathered.setdefault((config, ratio), {}).update(row["zero_shot"]["acc"])
+    return gathered
+
+
 def zero_shot_table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
-    """The accuracies of the rows (keyed `part/configuration/ratio`) that measured the tasks, the dense one first."""
-    measured = [(key.split("/")[1:], row) for key, row in rows.items() if row.get("zero_shot")]
-    if not measured:
+    """The accuracies of the rows that measured the tasks, the dense model first; a task not measured yet is `-`,
+    and so is the mean until all seven are."""
+    accuracies = zero_shot_accuracies(rows)
+    if not accuracies:
         return []
     lines = [
         "",
@@ -830,9 +851,12 @@ def zero_shot_table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
         f"|---|---|{'---|' * len(ZERO_SHOT_TASKS)}---|",
     ]
     order = ["dense", *CONFIGS]
-    for (config, ratio), row in sorted(measured, key=lambda pair: (float(pair[0][1]), order.index(pair[0][0]))):
-        cells = " | ".join(f"{row['zero_shot']['acc'][task]:.3f}" for task in ZERO_SHOT_TASKS)
-        lines.append(f"| {ratio} | {config} | {cells} | {row['zero_shot']['mean']:.3f} |")
+    for config, ratio in sorted(accuracies, key=lambda pair: (float(pair[1]), order.index(pair[0]))):
+        acc = accuracies[config, ratio]
+        cells = " | ".join(f"{acc[task]:.3f}" if task in acc else "-" for task in ZERO_SHOT_TASKS)
+        complete = set(acc) >= set(ZERO_SHOT_TASKS)
+        mean = f"{fmean(acc[task] for task in ZERO_SHOT_TASKS):.3f}" if complete else "-"
+        lines.append(f"| {ratio} | {config} | {cells} | {mean} |")
     return lines
 
 

@@ -392,10 +392,13 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         quality_row("quality/defaults/0.2", (30.0, 45.0, 22.0, 35.0)),
         quality_row("quality/solver wanda_sp/0.2", (31.0, 44.0, 23.0, 36.0)),
         quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)),  # measured before the choice was recorded
-        {"key": "zero-shot/defaults/0.2", "settings": settings, "machine": machine, "prune_seconds": 60.0}
-        | {"zero_shot": {"acc": dict.fromkeys(smollm2.ZERO_SHOT_TASKS, 0.5), "mean": 0.5}},
-        {"key": "zero-shot/dense/0", "settings": settings, "machine": machine, "prune_seconds": 0.0}
-        | {"zero_shot": {"acc": dict.fromkeys(smollm2.ZERO_SHOT_TASKS, 0.625), "mean": 0.625}},
+        *(  # the zero-shot part's rows, a task each: the dense model's seven, two of the defaults'
+            {"key": f"zero-shot/{model}/{task}", "settings": settings, "machine": machine, "prune_seconds": 0.0}
+            | {"zero_shot": {"acc": {task: accuracy}, "mean": accuracy}}
+            for model, tasks in (("defaults/0.2", ("piqa", "boolq")), ("dense/0", smollm2.ZERO_SHOT_TASKS))
+            for task in tasks
+            for accuracy in [0.5 if model == "dense/0" and task == "boolq" else 0.625]
+        ),
         {"key": "ladder/0/dense", "settings": settings, "machine": machine, "files": [
             gguf_file("f16", 270_000_000, 15.0), gguf_file("q8_0", 145_000_000, 15.1),
             gguf_file("q4_k_m", 105_000_000, 16.0),
@@ -438,12 +441,18 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert (tmp_path / "smollm2.png").stat().st_size > 0
     # The full zero-shot rows in a table of their own, the dense one first; no quality row measured the tasks.
     every_document = markdown.split("### Zero-shot accuracy, every document")[1].split("\n## ")[0].splitlines()
-    assert every_document[4:6] == [f"| 0 | dense |{' 0.625 |' * 8}", f"| 0.2 | defaults |{' 0.500 |' * 8}"]
+    # The dense model's mean over its seven tasks (six at 0.625, boolq at 0.5); the defaults' two tasks, no mean.
+    assert every_document[4:6] == [
+        f"| 0 | dense | 0.500 |{' 0.625 |' * 6} 0.607 |",
+        "| 0.2 | defaults | 0.625 | 0.625 | - | - | - | - | - | - |",
+    ]
     assert "Zero-shot accuracy, the first" not in markdown
     assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
     planned = list(smollm2.planned_rows(["zero-shot"], [0.1, 0.2]))
-    assert planned[:3] == [smollm2.SENSITIVITIES_ROW, "zero-shot/dense/0", "zero-shot/defaults/0.2"]
-    assert len(planned) == 2 + len(smollm2.CONFIGS)  # 0.1 is not among the ratios the tasks are measured at
+    assert planned[:3] == [smollm2.SENSITIVITIES_ROW, "zero-shot/dense/0/openbookqa", "zero-shot/dense/0/winogrande"]
+    assert planned[8] == "zero-shot/defaults/0.2/openbookqa"
+    # 0.1 is not among the ratios the tasks are measured at.
+    assert len(planned) == 1 + (1 + len(smollm2.CONFIGS)) * len(smollm2.ZERO_SHOT_TASKS)
 
 
 def test_smollm2_measures_a_held_row_again_when_its_prune_would_change(tmp_path: Path) -> None:
