@@ -12,9 +12,10 @@ parts:
   `ZERO_SHOT_RATIOS`. The prune's wall time and peak host memory, in a fresh process per row.
 - `zero-shot`: the seven tasks on every document of each, for the dense model and each configuration of
   `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. One row per task (`zero-shot/<configuration>/
-  <ratio>/<task>`, the cheapest tasks first), so that the part lands piece by piece: the dense model's seven cost
-  about two hours of 2 cores by its first 100 documents' times (hellaswag about an hour, boolq 37 minutes,
-  openbookqa a minute), where the quality row's perplexities take minutes. The table gathers a configuration's tasks, and its mean once all seven are in.
+  <ratio>/<task>`, the cheapest tasks first; each prunes its model again, about 90 s), so that the part lands piece
+  by piece: the dense model's seven cost about two hours of 2 cores (hellaswag about an hour, boolq 37 minutes,
+  openbookqa a minute), where the quality row's perplexities take minutes. The table gathers a configuration's
+  tasks, and its mean once all seven are in.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
