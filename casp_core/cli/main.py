@@ -52,16 +52,12 @@ def prune_config(args: argparse.Namespace) -> PruneConfig:
 
 def run_prune(args: argparse.Namespace) -> int:
     # torch and transformers load only when needed
-    from casp_core.job.plan import plan_job
     from casp_core.job.run import run_job
-    from casp_core.model import load_config
     from casp_core.run import Run
 
+    # run_job plans from the model's config before any weight loads or stage starts (casp_core.job.plan), so what
+    # the job would refuse is refused here too, with the job's message and no progress bar drawn.
     config = prune_config(args)
-    # What the job would refuse from the model's config (casp_core.job.plan), refused before the weights load and
-    # with the job's message: a GGUF file that is no model to prune, an export or settings the family cannot take,
-    # a ratio it cannot reach, a quantization its widths cannot take, a budget no candidate meets.
-    plan_job(config, load_config(args.model, revision=args.revision))
     bars = StageBars()
     try:
         run = Run(progress=bars, on_warning=lambda message: print(f"casp: warning: {message}", file=sys.stderr))
