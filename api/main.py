@@ -16,7 +16,7 @@ from api.methods import Options
 from api.routes import files, health, jobs, keys, models, usage
 from api.streams import StreamSlots, watches_for
 from service.dispatch import Dispatcher, make_dispatcher
-from service.settings import Settings, local_devices, resolve_device
+from service.settings import Settings, load_settings, local_devices, resolve_device
 from service.storage import Storage, make_storage
 
 
@@ -35,7 +35,7 @@ BackgroundServices = Callable[[Settings, Storage, Dispatcher], Sequence[Backgrou
 
 
 def create_app(settings: Settings | None = None, background: BackgroundServices | None = None) -> FastAPI:
-    settings = settings or Settings()
+    settings = settings or load_settings()
     # The embedded service runs jobs on this machine, so it knows its devices: `auto` becomes one of them, and
     # a job asking for another is refused at submit. The distributed API cannot know its workers' devices.
     devices = local_devices() if settings.embedded else None

@@ -14,13 +14,13 @@ from sqlalchemy.pool import NullPool
 from service import job_queue
 from service.dispatch import TASK_NAME, CeleryDispatcher, fair_turn, make_celery
 from service.logs import configure_logging, install_record_context
-from service.settings import Settings
+from service.settings import load_settings
 from service.storage import Storage, make_storage
 from worker.runner import execute
 
 log = logging.getLogger(__name__)
 
-settings = Settings()
+settings = load_settings()  # a wrong variable: one line naming it (casp worker checked it already)
 app = make_celery(settings)
 
 
