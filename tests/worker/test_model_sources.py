@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from casp_cli.app import service_app
 from casp_cli.client import CaspClient
 from casp_core.artifacts.gguf.writer import export_gguf
+from service.api_keys import create_api_key
 from service.db import session_scope
 from service.reaper import sweep_expired_pending_uploads, sweep_expired_uploads
 from service.settings import S3Credentials, Settings
@@ -194,6 +195,30 @@ def test_a_bad_upload_is_refused_with_the_reason(
     assert error["param"] == "file" and reason in error["message"], error
     assert "/tmp" not in error["message"] and "uploads" not in error["message"]  # no server path
     assert api.get("/v1/models", headers=keys["alice"]).json()["data"] == before
+
+
+def test_the_uploads_list_pages_newest_first(api: TestClient, distributed_settings: Settings) -> None:
+    with session_scope(distributed_settings.database) as session:
+        _, key = create_api_key(session, "pages")  # a key of its own: no other test's uploads in its list
+    headers = {"Authorization": f"Bearer {key}"}
+    created = []
+    for name in ("first", "second", "third"):
+        response = upload(api, headers, model_tar(top=name))
+        assert response.status_code == 201, response.text
+        created.append(response.json()["id"])
+
+    pages, after = [], None
+    while True:
+        page = api.get("/v1/models", headers=headers, params={"limit": 2, **({"after": after} if after else {})})
+        assert page.status_code == 200, page.text
+        pages.append([model["name"] for model in page.json()["data"]])
+        if not page.json()["has_more"]:
+            break
+        after = page.json()["data"][-1]["id"]
+    assert pages == [["third", "second"], ["first"]]
+    assert refusal(api.get("/v1/models", headers=headers, params={"limit": 101}))["param"] == "limit"
+    for model_id in created:
+        assert api.delete(f"/v1/models/{model_id}", headers=headers).status_code == 204
 
 
 def api_key(headers: dict[str, str]) -> str:
