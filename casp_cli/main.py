@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from casp_cli.client import DEFAULT_RETRIES, GGUF_SUFFIX, ArtifactError, CaspAPIError, CaspClient
+from casp_core.artifacts.caches import cache_max_bytes
 from casp_core.cli.arguments import non_negative_int, positive_int
 from casp_core.cli.main import main as casp_main
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
@@ -72,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = load_settings()
+    cache_max_bytes()  # casp_core reads CASP_CACHE_MAX_BYTES at each GGUF job: a wrong one stops the start instead
     device = resolve_device(args.device or settings.default_device)
     if device not in local_devices():
         raise SystemExit(f"casp worker: no {device} device on this machine (torch sees: {', '.join(local_devices())})")

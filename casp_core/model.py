@@ -166,15 +166,20 @@ def load_model(
     CPU when None). `token`: a Hugging Face token for a private repository, handed to the hub's calls only (never
     kept or written). A GGUF file is loaded from the folder it was dequantized into (casp_core.artifacts.gguf.source),
     made in `cache_dir` (default: casp_core.artifacts.caches) the first time."""
-    torch_dtype: str | torch.dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     if is_gguf_reference(name_or_path):
         check_model_reference(name_or_path)
         torch_dtype = gguf_dtype(dtype, device or torch.device("cpu"))
-        folder = converted_folder(Path(name_or_path).expanduser(), torch_dtype, cache_dir or default_cache_dir())
-        source = str(folder)
-    else:
-        # A hub id: its folder in the cache, never the cwd.
-        source = str(model_source(name_or_path, revision, token))
+        gguf_file = Path(name_or_path).expanduser()
+        with converted_folder(gguf_file, torch_dtype, cache_dir or default_cache_dir()) as folder:
+            return _load_folder(str(folder), name_or_path, torch_dtype, token)
+    # A hub id: its folder in the cache, never the cwd.
+    source = str(model_source(name_or_path, revision, token))
+    return _load_folder(source, name_or_path, "auto" if dtype == "auto" else DTYPES[dtype], token)
+
+
+def _load_folder(
+    source: str, name_or_path: str, torch_dtype: str | torch.dtype, token: str | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     config = load_config(source)
     tokenizer = load_tokenizer(source)  # cheap, so a missing one fails first
     try:

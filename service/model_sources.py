@@ -14,12 +14,8 @@ died mid-download, and goes the next time the cache adds or finds an entry.
 """
 
 import contextlib
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +23,7 @@ from pathlib import Path
 from botocore.exceptions import ClientError
 from sqlalchemy.orm import Session
 
+from casp_core.artifacts.caches import BoundedCache
 from casp_core.artifacts.gguf.source import GGUF_MAGIC, check_gguf_file
 from casp_core.errors import Cancelled, InvalidModelFile, ModelNotFound
 from service.paths import S3_SCHEME, bucket_and_prefix, upload_id_of
@@ -37,8 +34,6 @@ from service.tables import UploadedModel
 # (fraction done, message) as the download goes; the worker turns it into the job's progress and events.
 Progress = Callable[[float, str], None]
 CHUNK_BYTES = 8 << 20
-PARTIAL_PREFIX = ".partial-"
-LOCKS = ".locks"
 # What S3 servers answer for a key that is not there (HEAD has no body, so no code but the status).
 NO_SUCH_OBJECT = ("404", "NoSuchKey", "NotFound")
 
@@ -140,22 +135,7 @@ def megabytes(size: int) -> str:
     return f"{size / 1e6:.1f} MB"
 
 
-class ModelCache:
-    def __init__(self, root: Path, max_bytes: int) -> None:
-        self.root = root
-        self.max_bytes = max_bytes
-
-    @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """One process at a time adds, takes or evicts entries (workers of one machine may share the cache)."""
-        (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
-        with (self.root / LOCKS / "cache").open("a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
-
-    def _lock_path(self, entry: str) -> Path:
-        return self.root / LOCKS / entry
-
+class ModelCache(BoundedCache):
     @contextlib.contextmanager
     def local_copy(self, location: S3Location, progress: Progress, should_cancel: Callable[[], bool]) -> Iterator[Path]:
         """The model's local folder (or GGUF file), `<entry>/<the prefix's last part>` (casp_core names a local model
@@ -164,20 +144,17 @@ class ModelCache:
         client = s3_client(location.credentials)
         objects = list_objects(client, location)
         entry = entry_name(location, objects)
-        with self._exclusive():
-            self._remove_abandoned_partials()
-            cached = (self.root / entry).is_dir()
+        with self.exclusive():
+            self.remove_abandoned_partials()
+            cached = self.has(entry)
         if cached:
             progress(1.0, f"{location}: in the model cache, its objects unchanged; nothing downloaded")
         else:
             self._download(client, location, objects, entry, name, progress, should_cancel)
-        with self._exclusive():
-            if not (self.root / entry).is_dir():  # evicted between the two locks: rare, and a retry downloads it
+        with self.exclusive():
+            if not self.has(entry):  # evicted between the two locks: rare, and a retry downloads it
                 raise ModelNotFound(f"{location}: evicted from the model cache before the job could use it")
-            use = self._lock_path(entry).open("a")
-            fcntl.flock(use, fcntl.LOCK_SH)
-            os.utime(self.root / entry)  # least recently used goes first: the modification time is the use
-            self._evict(keep=entry)
+            use = self.take(entry)
         try:
             yield self.root / entry / name
         finally:
@@ -195,11 +172,7 @@ class ModelCache:
     ) -> None:
         total = sum(stored.size for stored in objects) or 1
         done = 0
-        partial = self.root / f"{PARTIAL_PREFIX}{uuid.uuid4().hex}"
-        with self._exclusive():  # the lock is held before the folder exists: a cleaner never sees it free
-            downloading = self._lock_path(partial.name).open("a")
-            fcntl.flock(downloading, fcntl.LOCK_EX)
-        try:
+        with self.partial() as partial:
             for stored in objects:
                 target = stored.local_path(partial / name)
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -214,47 +187,9 @@ class ModelCache:
                         progress(done / total, f"downloading {location}: {megabytes(done)} of {megabytes(total)}")
             if location.is_gguf_file:  # casp_core's own check of its header, before the file enters the cache
                 check_gguf_file(partial / name)
-            with self._exclusive():
-                # Another worker of this machine may have downloaded it meanwhile: that copy is as good.
-                if not (self.root / entry).is_dir():
-                    partial.rename(self.root / entry)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-            self._lock_path(partial.name).unlink(missing_ok=True)
-            downloading.close()
+            self.add(partial, entry)
         files = f"{len(objects)} file{'s' if len(objects) > 1 else ''}"
         progress(1.0, f"downloaded {location}: {files}, {megabytes(total)}")
-
-    def _remove_abandoned_partials(self) -> None:
-        """Partial folders whose download's lock is free: their worker died (the lock went with its process).
-        Called under the cache's exclusive lock, which a download takes to create its partial folder's lock."""
-        for partial in self.root.glob(f"{PARTIAL_PREFIX}*"):
-            with self._lock_path(partial.name).open("a") as handle:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:  # still downloading
-                    continue
-                shutil.rmtree(partial, ignore_errors=True)
-                self._lock_path(partial.name).unlink()
-
-    def _evict(self, keep: str) -> None:
-        """Least recently used entries out, until the cache is within its bound; entries in use stay."""
-        entries = [path for path in self.root.iterdir() if path.is_dir() and not path.name.startswith(".")]
-        sizes = {path: sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) for path in entries}
-        total = sum(sizes.values())
-        for path in sorted(entries, key=lambda p: p.stat().st_mtime):
-            if total <= self.max_bytes:
-                return
-            if path.name == keep:
-                continue
-            with self._lock_path(path.name).open("a") as handle:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:  # a job is reading it
-                    continue
-                shutil.rmtree(path)
-                self._lock_path(path.name).unlink()
-            total -= sizes[path]
 
 
 @contextlib.contextmanager

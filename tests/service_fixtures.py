@@ -364,6 +364,13 @@ def embedded_settings(home: Path, **changes: Any) -> Settings:
     return settings
 
 
+def started_with(arguments: list[str], variables: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A command (`python -c ...`, `-m casp_cli.main ...`) run to its end from the repository with these CASP_*
+    variables alone, as a process manager would start it; its output captured."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")} | variables | {"PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The same settings as CASP_* variables, for processes started from the tests."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}

