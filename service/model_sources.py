@@ -151,14 +151,8 @@ class ModelCache(BoundedCache):
             progress(1.0, f"{location}: in the model cache, its objects unchanged; nothing downloaded")
         else:
             self._download(client, location, objects, entry, name, progress, should_cancel)
-        with self.exclusive():
-            if not self.has(entry):  # evicted between the two locks: rare, and a retry downloads it
-                raise ModelNotFound(f"{location}: evicted from the model cache before the job could use it")
-            use = self.take(entry)
-        try:
-            yield self.root / entry / name
-        finally:
-            use.close()
+        with self.held(entry, f"{location}: evicted from the model cache before the job could use it") as folder:
+            yield folder / name
 
     def _download(
         self,

@@ -364,16 +364,22 @@ def embedded_settings(home: Path, **changes: Any) -> Settings:
     return settings
 
 
+def process_env(variables: dict[str, str]) -> dict[str, str]:
+    """This process's environment with these CASP_* variables alone (and the repository importable), as a process
+    manager would start a command."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CASP_")} | variables | {"PYTHONPATH": str(REPO)}
+
+
 def started_with(arguments: list[str], variables: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """A command (`python -c ...`, `-m casp_cli.main ...`) run to its end from the repository with these CASP_*
-    variables alone, as a process manager would start it; its output captured."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")} | variables | {"PYTHONPATH": str(REPO)}
+    variables alone; its output captured."""
+    env = process_env(variables)
     return subprocess.run([sys.executable, *arguments], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
     """The same settings as CASP_* variables, for processes started from the tests."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}
+    variables = {}
     for name, value in settings.model_dump().items():
         if value is None:
             continue
@@ -383,9 +389,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
             value = ",".join(value)
         elif isinstance(value, dict):  # JSON, as pydantic-settings reads it
             value = json.dumps(value)
-        env[f"CASP_{name.upper()}"] = str(value)
-    env["PYTHONPATH"] = str(REPO)
-    return env
+        variables[f"CASP_{name.upper()}"] = str(value)
+    return process_env(variables)
 
 
 class WorkerProcess:

@@ -14,9 +14,8 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
-from casp_core.errors import InvalidConfig
+from casp_core.errors import InvalidConfig, ModelNotFound
 
 PARTIAL_PREFIX = ".partial-"
 LOCKS = ".locks"
@@ -50,7 +49,7 @@ class BoundedCache:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """One process at a time adds, takes or evicts entries."""
+        """One process at a time adds, holds or evicts entries."""
         (self.root / LOCKS).mkdir(parents=True, exist_ok=True)
         with (self.root / LOCKS / "cache").open("a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
@@ -86,15 +85,22 @@ class BoundedCache:
             if not self.has(entry):
                 partial.rename(self.root / entry)
 
-    def take(self, entry: str) -> IO[str]:
-        """Under `exclusive`: a shared lock on `entry`, which eviction leaves alone while it is held (close the
-        handle returned when done), its use recorded, and the least recently used other entries out until the
-        cache is within its bound."""
-        use = self.lock_path(entry).open("a")
-        fcntl.flock(use, fcntl.LOCK_SH)
-        os.utime(self.root / entry)  # least recently used goes first: the modification time is the use
-        self.evict(keep=entry)
-        return use
+    @contextlib.contextmanager
+    def held(self, entry: str, evicted: str) -> Iterator[Path]:
+        """The entry's folder, held while the block runs: a shared lock on it, which eviction leaves alone, its use
+        recorded, and the least recently used other entries out until the cache is within its bound. An entry
+        evicted since it was made (between two locks: rare, and a retry makes it again) is ModelNotFound(`evicted`)."""
+        with self.exclusive():
+            if not self.has(entry):
+                raise ModelNotFound(evicted)
+            use = self.lock_path(entry).open("a")
+            fcntl.flock(use, fcntl.LOCK_SH)
+            os.utime(self.root / entry)  # least recently used goes first: the modification time is the use
+            self.evict(keep=entry)
+        try:
+            yield self.root / entry
+        finally:
+            use.close()
 
     def remove_abandoned_partials(self) -> None:
         """Under `exclusive`: the partial folders whose lock is free, their process having died (the lock went with

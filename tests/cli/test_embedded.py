@@ -28,6 +28,7 @@ from tests.service_fixtures import (
     SMALL_JOB,
     expected_parameters,
     free_port,
+    process_env,
     wait_for,
 )
 
@@ -35,17 +36,16 @@ pytestmark = pytest.mark.service
 
 
 def embedded_env(home: Path, workers: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")}
-    env.update(
-        PYTHONPATH=str(REPO),
-        CASP_HOME=str(home),
-        CASP_AUTH="none",
-        CASP_ALLOWED_MODEL_ROOTS=f"{REPO / 'demo'}:{home}",
-        CASP_DATASETS_DIR=str(FIXTURE_DATA),
-        CASP_DEFAULT_DEVICE="cpu",
-        CASP_EMBEDDED_WORKERS=str(workers),
+    return process_env(
+        {
+            "CASP_HOME": str(home),
+            "CASP_AUTH": "none",
+            "CASP_ALLOWED_MODEL_ROOTS": f"{REPO / 'demo'}:{home}",
+            "CASP_DATASETS_DIR": str(FIXTURE_DATA),
+            "CASP_DEFAULT_DEVICE": "cpu",
+            "CASP_EMBEDDED_WORKERS": str(workers),
+        }
     )
-    return env
 
 
 @contextmanager
@@ -226,7 +226,7 @@ def test_client_commands_refused_by_the_service_say_so_in_one_line(tmp_path: Pat
 
 
 def test_casp_demo_prunes_the_bundled_model(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASP_")} | {"PYTHONPATH": str(REPO)}
+    env = process_env({})
     result = subprocess.run(
         [sys.executable, "-m", "casp_cli.main", "demo", "--home", str(tmp_path / "casp-home")],
         cwd=REPO,

@@ -223,14 +223,9 @@ def converted_folder(path: Path, dtype: torch.dtype, cache_dir: Path) -> Iterato
                 record = {**asdict(source), "converted_at": datetime.now(UTC).isoformat(timespec="seconds")}
                 (partial / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
                 cache.add(partial, entry)
-    with cache.exclusive():
-        if not cache.has(entry):  # evicted between the two locks: rare, and a retry makes it again
-            raise ModelNotFound(f"{path.name}: its dequantized folder was evicted from the cache before it loaded")
-        use = cache.take(entry)
-    try:
-        yield cache.root / entry
-    finally:
-        use.close()
+    evicted = f"{path.name}: its dequantized folder was evicted from the cache before it loaded"
+    with cache.held(entry, evicted) as folder:
+        yield folder
 
 
 def _folder(path: Path, dtype: str, cache_dir: Path) -> Path:
