@@ -62,8 +62,9 @@ screenshots: $(DEV_STAMP)
 # The 1B-scale checks and SmolLM2's whole-job memory bound (tests/core/method/test_host_memory.py, minutes each:
 # before a change to memory or placement), the load and quality benches' own runs (tests/test_bench.py,
 # tests/service/test_load_bench.py), distillation jobs on both toy fixtures, compensation's quality claim on
-# ptbwiki-7M, and the budget and float32-verification tests at their other ratios and solvers, which `make test`
-# leaves out to stay under 20 minutes.
+# ptbwiki-7M, the budget and float32-verification tests at their other ratios and solvers, the mixtures of experts'
+# command-line prunes at their other ratios and the pipeline's other solvers, which `make test` leaves out to stay
+# under 20 minutes.
 test-slow: $(DEV_STAMP)
 	$(OFFLINE) $(BIN)/python -m pytest -q -m slow
 

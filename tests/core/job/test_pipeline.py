@@ -41,6 +41,9 @@ def test_budget_within_one_point_and_greedy_below_diagonal(stories, ratio):
     assert sum(ratios) / len(ratios) == pytest.approx(ratio, abs=1e-6)
 
 
+# make test-slow: each solver alone is in tests/core/method/test_solvers.py, the pipeline with greedy and diagonal in
+# make test (test_budget_within_one_point_and_greedy_below_diagonal).
+@pytest.mark.slow
 def test_uniform_dense_mode_and_other_solvers(stories):
     model, tokenizer = stories
     result = prune(
