@@ -37,7 +37,7 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
@@ -60,7 +60,7 @@ def machine_info() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         # Other work on the machine inflates every timing; the load average says how much there was.
         "loadavg_start": list(os.getloadavg()),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
     }
 
 

@@ -12,10 +12,10 @@ parts:
   `ZERO_SHOT_RATIOS`. The prune's wall time and peak host memory, in a fresh process per row.
 - `zero-shot`: the seven tasks on every document of each, for the dense model and each configuration of
   `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. One row per task (`zero-shot/<configuration>/
-  <ratio>/<task>`, the cheapest tasks first; each prunes its model again, about 90 s), so that the part lands piece
-  by piece: the dense model's seven cost about two hours of 2 cores (hellaswag about an hour, boolq 37 minutes,
-  openbookqa a minute), where the quality row's perplexities take minutes. The table gathers a configuration's
-  tasks, and its mean once all seven are in.
+  <ratio>/<task>`, the cheapest tasks first; the first of a configuration's rows prunes and writes the model,
+  the others load it, `pruned_once`), so that the part lands piece by piece: the dense model's seven cost about
+  two hours of 2 cores (hellaswag about an hour, boolq 37 minutes, openbookqa a minute), where the quality row's
+  perplexities take minutes. The table gathers a configuration's tasks, and its mean once all seven are in.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
@@ -38,8 +38,10 @@ smollm2.png are rendered from the JSON after every row (`--render` alone renders
 """
 
 import argparse
+import hashlib
 import json
 import math
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -55,6 +57,7 @@ from bench.common import (
     default_datasets_dir,
     default_models_dir,
     finish_machine_info,
+    git_commit,
     machine_info,
     machine_line,
     run_child,
@@ -96,6 +99,9 @@ SPEED_REPEATS = 3
 SPEED = {"threads": list(SPEED_THREADS), "repeats": SPEED_REPEATS, "against": "dense of the same type, timed beside"}
 FRONT_AXIS = ("wikitext2", 2048)  # the plot's perplexity and the equal-bytes table's first column
 RECOVERY_RATIO = 0.3
+# The zero-shot rows' pruned model, under casp's cache folder (casp_core.artifacts.caches.default_cache_dir).
+PRUNED_CACHE = "bench-smollm2-pruned"
+PRUNE_FIGURES = "prune-figures.json"
 RECIPES = {"distill_ce+lora": ("lora", "distill_ce"), "distill+full": ("full", "distill")}
 RECOVERY_SEQ_LEN = 256
 # The settings a pruned model depends on: a row records them, casp's defaults resolved, and is measured again when
@@ -264,11 +270,42 @@ def quality_row(
     }
 
 
+def pruned_once(
+    settings: dict[str, Any], ratio: float, overrides: dict[str, Any], sensitivities: list[float] | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The model `pruned` gives, pruned by the first of a configuration's zero-shot rows and written to the cache,
+    then loaded from there by every row (each row is a process of its own, and the prune is about 90 s of a cheap
+    task's 2-4 minutes). An entry is the prune's settings, the S_l and the commit; the cache keeps the latest alone
+    (about 0.5 GB; the rows run a configuration's tasks one after another). Its figures are those of the prune that
+    made it; `pruned_model_reused` says whether this row made it."""
+    from casp_core.artifacts.caches import default_cache_dir
+    from casp_core.artifacts.checkpoint import load_pruned
+
+    cache = default_cache_dir() / PRUNED_CACHE
+    described = [prune_config(settings, ratio, overrides).to_dict(), sensitivities, git_commit()]
+    folder = cache / hashlib.sha256(json.dumps(described).encode()).hexdigest()[:24]
+    reused = (folder / PRUNE_FIGURES).is_file()
+    if not reused:
+        shutil.rmtree(cache, ignore_errors=True)
+        model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
+        cache.mkdir(parents=True)
+        partial = Path(tempfile.mkdtemp(dir=cache, prefix=".partial-"))
+        save_checkpoint(model, tokenizer, partial, settings)
+        (partial / PRUNE_FIGURES).write_text(json.dumps(figures))
+        partial.rename(folder)  # whole or not at all: a row cut short leaves no entry to load
+        del model
+    model, tokenizer = load_pruned(folder)
+    return model, tokenizer, json.loads((folder / PRUNE_FIGURES).read_text()) | {"pruned_model_reused": reused}
+
+
 def zero_shot_row(
     settings: dict[str, Any], ratio: float, overrides: dict[str, Any], task: str, sensitivities: list[float] | None
 ) -> dict[str, Any]:
     """Every document of one task, on the model the quality row of the same settings measures."""
-    model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
+    if ratio:
+        model, tokenizer, figures = pruned_once(settings, ratio, overrides, sensitivities)
+    else:
+        model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
     start = time.perf_counter()
     return {
         **figures,
