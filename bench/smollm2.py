@@ -277,7 +277,7 @@ def pruned_once(
     then loaded from there by every row (each row is a process of its own, and the prune is about 90 s of a cheap
     task's 2-4 minutes). An entry is the prune's settings, the S_l and the commit; the cache keeps the latest alone
     (about 0.5 GB; the rows run a configuration's tasks one after another). Its figures are those of the prune that
-    made it; `pruned_model_reused` says whether this row made it."""
+    made it; `pruned_model_reused` says whether this row loaded it, made by an earlier row."""
     from casp_core.artifacts.caches import default_cache_dir
     from casp_core.artifacts.checkpoint import load_pruned
 
