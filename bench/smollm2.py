@@ -41,7 +41,6 @@ import argparse
 import hashlib
 import json
 import math
-import shutil
 import tempfile
 import time
 from collections import Counter
@@ -275,37 +274,37 @@ def pruned_once(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """The model `pruned` gives, pruned by the first of a configuration's zero-shot rows and written to the cache,
     then loaded from there by every row (each row is a process of its own, and the prune is about 90 s of a cheap
-    task's 2-4 minutes). An entry is the prune's settings, the S_l and the commit; the cache keeps the latest alone
-    (about 0.5 GB; the rows run a configuration's tasks one after another). Its figures are those of the prune that
-    made it; `pruned_model_reused` says whether this row loaded it, made by an earlier row."""
-    from casp_core.artifacts.caches import default_cache_dir
+    task's 2-4 minutes). An entry is the prune's settings, the S_l and the commit; the cache keeps the one in use
+    alone (about 0.5 GB; the rows run a configuration's tasks one after another). Its figures are those of the
+    prune that made it; `pruned_model_reused` says whether this row loaded it, made by an earlier row. The dense
+    model (ratio 0) is `pruned`'s: loading it is all there is."""
+    from casp_core.artifacts.caches import BoundedCache, default_cache_dir
     from casp_core.artifacts.checkpoint import load_pruned
 
-    cache = default_cache_dir() / PRUNED_CACHE
+    if not ratio:
+        return pruned(settings, ratio, overrides, sensitivities)
+    cache = BoundedCache(default_cache_dir() / PRUNED_CACHE, max_bytes=0)
     described = [prune_config(settings, ratio, overrides).to_dict(), sensitivities, git_commit()]
-    folder = cache / hashlib.sha256(json.dumps(described).encode()).hexdigest()[:24]
-    reused = (folder / PRUNE_FIGURES).is_file()
+    entry = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:24]
+    reused = cache.has(entry)
     if not reused:
-        shutil.rmtree(cache, ignore_errors=True)
         model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
-        cache.mkdir(parents=True)
-        partial = Path(tempfile.mkdtemp(dir=cache, prefix=".partial-"))
-        save_checkpoint(model, tokenizer, partial, settings)
-        (partial / PRUNE_FIGURES).write_text(json.dumps(figures))
-        partial.rename(folder)  # whole or not at all: a row cut short leaves no entry to load
+        with cache.partial() as partial:  # whole or not at all: a row cut short leaves no entry to load
+            save_checkpoint(model, tokenizer, partial, settings)
+            (partial / PRUNE_FIGURES).write_text(json.dumps(figures))
+            cache.add(partial, entry)
         del model
-    model, tokenizer = load_pruned(folder)
-    return model, tokenizer, json.loads((folder / PRUNE_FIGURES).read_text()) | {"pruned_model_reused": reused}
+    with cache.held(entry, evicted=f"the pruned model {entry} left the cache while it was being loaded") as folder:
+        model, tokenizer = load_pruned(folder)
+        figures = json.loads((folder / PRUNE_FIGURES).read_text())
+    return model, tokenizer, figures | {"pruned_model_reused": reused}
 
 
 def zero_shot_row(
     settings: dict[str, Any], ratio: float, overrides: dict[str, Any], task: str, sensitivities: list[float] | None
 ) -> dict[str, Any]:
     """Every document of one task, on the model the quality row of the same settings measures."""
-    if ratio:
-        model, tokenizer, figures = pruned_once(settings, ratio, overrides, sensitivities)
-    else:
-        model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)
+    model, tokenizer, figures = pruned_once(settings, ratio, overrides, sensitivities)
     start = time.perf_counter()
     return {
         **figures,

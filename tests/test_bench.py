@@ -8,10 +8,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import device_memory, engines, frontier, load, quality, quantized, recovery, smollm2, speed, sweep
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 from casp_core.settings import PruneConfig
+from tests.conftest import STORIES
 
 pytestmark = pytest.mark.skipif(
     not (Path(default_models_dir()) / "stories260K").is_dir() or not Path(default_datasets_dir()).is_dir(),
@@ -453,6 +455,43 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert planned[8] == "zero-shot/defaults/0.2/openbookqa"
     # 0.1 is not among the ratios the tasks are measured at.
     assert len(planned) == 1 + (1 + len(smollm2.CONFIGS)) * len(smollm2.ZERO_SHOT_TASKS)
+
+
+def test_smollm2_prunes_a_configuration_once_for_its_zero_shot_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench.smollm2.pruned_once, on stories260K as a GGUF in SmolLM2's place: a configuration's first row prunes
+    and writes the model to the cache, the next loads that model, another configuration's takes the one place."""
+    from casp_core.artifacts.gguf.writer import export_gguf
+
+    source = export_gguf(STORIES, tmp_path / "stories260K.gguf", "f32").path
+    monkeypatch.setattr(smollm2, "model_path", lambda settings: str(source))
+    monkeypatch.setenv("CASP_CACHE_DIR", str(tmp_path / "cache"))
+    settings = {"datasets_dir": default_datasets_dir()}
+    quick = {"solver": "diagonal", "allocation": "uniform"}
+
+    def entries() -> list[str]:
+        return [path.name for path in (tmp_path / "cache" / smollm2.PRUNED_CACHE).iterdir() if path.name[0] != "."]
+
+    written, _, first = smollm2.pruned_once(settings, 0.3, quick, None)
+    loaded, _, again = smollm2.pruned_once(settings, 0.3, quick, None)
+    assert (first["pruned_model_reused"], again["pruned_model_reused"]) == (False, True)
+    assert again == first | {"pruned_model_reused": True}  # the figures of the prune that made it
+    assert 0.25 < first["achieved_ratio"] < 0.35
+    in_memory, _, _ = smollm2.pruned(settings, 0.3, quick, None)  # the prune is deterministic: the same model
+    tokens = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        expected = in_memory(tokens).logits
+        assert torch.allclose(written(tokens).logits, expected, atol=1e-5)
+        assert torch.allclose(loaded(tokens).logits, expected, atol=1e-5)
+    [entry] = entries()
+
+    _, _, other = smollm2.pruned_once(settings, 0.3, quick | {"solver": "wanda_sp"}, None)
+    assert not other["pruned_model_reused"]
+    assert len(entries()) == 1 and entries() != [entry]  # the latest configuration's alone
+    _, _, dense = smollm2.pruned_once(settings, 0, {}, None)
+    assert dense["achieved_ratio"] == 0 and "pruned_model_reused" not in dense  # loaded from the source, not cached
+    assert len(entries()) == 1
 
 
 def test_smollm2_measures_a_held_row_again_when_its_prune_would_change(tmp_path: Path) -> None:
