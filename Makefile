@@ -63,8 +63,8 @@ screenshots: $(DEV_STAMP)
 # before a change to memory or placement), the load and quality benches' own runs (tests/test_bench.py,
 # tests/service/test_load_bench.py), distillation jobs on both toy fixtures, compensation's quality claim on
 # ptbwiki-7M, the budget and float32-verification tests at their other ratios and solvers, the mixtures of experts'
-# command-line prunes at their other ratios and the pipeline's other solvers, which `make test` leaves out to stay
-# under 20 minutes.
+# command-line prunes at their other ratios, the pipeline's other solvers and the K-quants of SmolLM2's shape but
+# q4_k_m, which `make test` leaves out to stay under 20 minutes.
 test-slow: $(DEV_STAMP)
 	$(OFFLINE) $(BIN)/python -m pytest -q -m slow
 

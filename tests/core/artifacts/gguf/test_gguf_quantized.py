@@ -252,10 +252,15 @@ def llama_cpp_quantized(source: Path, out: Path, gguf_type: str) -> Path:
     return out
 
 
-def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(tmp_path, capsys):
-    """SmolLM2's case: `casp prune --export gguf --gguf-type q4_k_m` works, and every file, pruned or dense, holds
-    each tensor in the type llama.cpp's own quantizer gives a file of the same shapes, fallbacks included; the
-    fallbacks are named, the bits per weight are llama.cpp's, and q4_k_m, q3_k_m and q2_k load and generate."""
+# q4_k_m (the real model's file in the bench and tests/worker/test_real_model.py) in make test; q3_k_m and q2_k, each
+# three more passes through llama.cpp's quantizer, in make test-slow
+@pytest.mark.parametrize(
+    "gguf_type", ["q4_k_m", *(pytest.param(gguf_type, marks=pytest.mark.slow) for gguf_type in ("q3_k_m", "q2_k"))]
+)
+def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(tmp_path, capsys, gguf_type):
+    """SmolLM2's case: `casp prune --export gguf --gguf-type q4_k_m` works, and every file of `gguf_type`, pruned or
+    dense, holds each tensor in the type llama.cpp's own quantizer gives a file of the same shapes, fallbacks
+    included; the fallbacks are named, the bits per weight are llama.cpp's, and the file loads and generates."""
     dense = write_dense(LlamaConfig(**SMOLLM2_LIKE), tmp_path / "dense")
     out = tmp_path / "pruned"
     arguments = ["prune", "--model", str(dense), "--ratio", "0.3", "--out", str(out), *small_run_arguments(tmp_path)]
@@ -288,16 +293,15 @@ def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(tmp
         "`token_embd`; `attn_v` in layers 0-1, "
     ) in markdown
 
-    for gguf_type in ("q4_k_m", "q3_k_m", "q2_k"):
-        for name, checkpoint in (("pruned", out), ("dense", dense)):
-            exported = export_gguf(checkpoint, tmp_path / f"{name}-{gguf_type}.gguf", gguf_type)
-            reference = same_shape_f32(exported.path, tmp_path / f"{name}-{gguf_type}-reference-f32.gguf")
-            by_llama_cpp = llama_cpp_quantized(reference, tmp_path / f"{name}-{gguf_type}-reference.gguf", gguf_type)
-            assert exported.tensor_types == read_types(by_llama_cpp)[0], (name, gguf_type)
-            assert {fallback.tensor for fallback in exported.fallbacks} >= {"token_embd.weight"}
-            size, params = llama_cpp_size(exported.path)
-            assert exported.bits_per_weight == pytest.approx(size * 8 / params)
-        assert len(generate(exported.path)) == NEW_TOKENS
+    for name, checkpoint in (("pruned", out), ("dense", dense)):
+        exported = export_gguf(checkpoint, tmp_path / f"{name}-{gguf_type}.gguf", gguf_type)
+        reference = same_shape_f32(exported.path, tmp_path / f"{name}-{gguf_type}-reference-f32.gguf")
+        by_llama_cpp = llama_cpp_quantized(reference, tmp_path / f"{name}-{gguf_type}-reference.gguf", gguf_type)
+        assert exported.tensor_types == read_types(by_llama_cpp)[0], name
+        assert {fallback.tensor for fallback in exported.fallbacks} >= {"token_embd.weight"}
+        size, params = llama_cpp_size(exported.path)
+        assert exported.bits_per_weight == pytest.approx(size * 8 / params)
+    assert len(generate(exported.path)) == NEW_TOKENS
 
 
 WITHOUT_LLAMA_CPP = """
