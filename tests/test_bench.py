@@ -394,12 +394,16 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         quality_row("quality/defaults/0.2", (30.0, 45.0, 22.0, 35.0)),
         quality_row("quality/solver wanda_sp/0.2", (31.0, 44.0, 23.0, 36.0)),
         quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)),  # measured before the choice was recorded
-        *(  # the zero-shot part's rows, a task each: the dense model's seven, two of the defaults'
+        *(  # the zero-shot part's rows, a task each: the dense model's seven, two of the defaults', diagonal's five
             {"key": f"zero-shot/{model}/{task}", "settings": settings, "machine": machine, "prune_seconds": 0.0}
             | {"zero_shot": {"acc": {task: accuracy}, "mean": accuracy}}
-            for model, tasks in (("defaults/0.2", ("piqa", "boolq")), ("dense/0", smollm2.ZERO_SHOT_TASKS))
+            for model, tasks in (
+                ("defaults/0.2", ("piqa", "boolq")),
+                ("dense/0", smollm2.ZERO_SHOT_TASKS),
+                ("solver diagonal/0.2", ("openbookqa", "winogrande", "piqa", "arc_challenge", "arc_easy")),
+            )
             for task in tasks
-            for accuracy in [0.5 if model == "dense/0" and task == "boolq" else 0.625]
+            for accuracy in [{"boolq": 0.5, "openbookqa": 0.25}.get(task, 0.625) if model == "dense/0" else 0.625]
         ),
         {"key": "ladder/0/dense", "settings": settings, "machine": machine, "files": [
             gguf_file("f16", 270_000_000, 15.0), gguf_file("q8_0", 145_000_000, 15.1),
@@ -443,10 +447,13 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert (tmp_path / "smollm2.png").stat().st_size > 0
     # The full zero-shot rows in a table of their own, the dense one first; no quality row measured the tasks.
     every_document = markdown.split("### Zero-shot accuracy, every document")[1].split("\n## ")[0].splitlines()
-    # The dense model's mean over its seven tasks (six at 0.625, boolq at 0.5); the defaults' two tasks, no mean.
-    assert every_document[4:6] == [
-        f"| 0 | dense | 0.500 |{' 0.625 |' * 6} 0.607 |",
-        "| 0.2 | defaults | 0.625 | 0.625 | - | - | - | - | - | - |",
+    # The dense model's means over its seven tasks (boolq 0.5, openbookqa 0.25, the others 0.625) and over the first
+    # five; the defaults' two tasks, no mean; the diagonal selection's first five, their mean alone.
+    assert every_document[4:8] == [
+        f"| 0 | dense | 0.500 |{' 0.625 |' * 5} 0.250 | 0.554 | 0.550 |",
+        "| 0.2 | defaults | 0.625 | 0.625 | - | - | - | - | - | - | - |",
+        "| 0.2 | solver diagonal | - | 0.625 | - | 0.625 | 0.625 | 0.625 | 0.625 | - | 0.625 |",
+        "",
     ]
     assert "Zero-shot accuracy, the first" not in markdown
     assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
