@@ -15,7 +15,8 @@ parts:
   <ratio>/<task>`, the cheapest tasks first; the first of a configuration's rows prunes and writes the model,
   the others load it, `pruned_once`), so that the part lands piece by piece: the dense model's seven cost about
   two hours of 2 cores (hellaswag about an hour, boolq 37 minutes, openbookqa a minute), where the quality row's
-  perplexities take minutes. The table gathers a configuration's tasks, and its mean once all seven are in.
+  perplexities take minutes. The table gathers a configuration's tasks, the mean of its first five
+  (`FIRST_FIVE_TASKS`) once they are in, and the mean of all seven once all are.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
