@@ -252,20 +252,25 @@ def llama_cpp_quantized(source: Path, out: Path, gguf_type: str) -> Path:
     return out
 
 
-# q4_k_m (the real model's file in the bench and tests/worker/test_real_model.py) in make test; q3_k_m and q2_k, each
-# three more passes through llama.cpp's quantizer, in make test-slow
-@pytest.mark.parametrize(
-    "gguf_type", ["q4_k_m", *(pytest.param(gguf_type, marks=pytest.mark.slow) for gguf_type in ("q3_k_m", "q2_k"))]
-)
-def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(tmp_path, capsys, gguf_type):
-    """SmolLM2's case: `casp prune --export gguf --gguf-type q4_k_m` works, and every file of `gguf_type`, pruned or
-    dense, holds each tensor in the type llama.cpp's own quantizer gives a file of the same shapes, fallbacks
-    included; the fallbacks are named, the bits per weight are llama.cpp's, and the file loads and generates."""
-    dense = write_dense(LlamaConfig(**SMOLLM2_LIKE), tmp_path / "dense")
-    out = tmp_path / "pruned"
-    arguments = ["prune", "--model", str(dense), "--ratio", "0.3", "--out", str(out), *small_run_arguments(tmp_path)]
-    assert main([*arguments, "--export", "gguf", "--gguf-type", "q4_k_m"]) == 0
-    (export,) = json.loads(capsys.readouterr().out)["exports"]
+@pytest.fixture(scope="module")
+def smollm2_like(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(dense checkpoint, pruned checkpoint, the command's summary line): a random model of SmolLM2's proportions,
+    pruned once for the module by `casp prune --export gguf --gguf-type q4_k_m` as a user runs it."""
+    root = tmp_path_factory.mktemp("smollm2-like")
+    dense = write_dense(LlamaConfig(**SMOLLM2_LIKE), root / "dense")
+    out = root / "pruned"
+    arguments = ["prune", "--model", str(dense), "--ratio", "0.3", "--out", str(out), *small_run_arguments(root)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main([*arguments, "--export", "gguf", "--gguf-type", "q4_k_m"]) == 0
+    return dense, out, json.loads(stdout.getvalue().splitlines()[-1])
+
+
+def test_q4_k_m_of_a_hidden_size_no_multiple_of_256_names_each_fallback(smollm2_like):
+    """SmolLM2's case: `casp prune --export gguf --gguf-type q4_k_m` works; round_to auto fits the FFN widths to the
+    block, and the tensors whose rows are no whole blocks fall back, each named in the export and the report."""
+    _, out, summary = smollm2_like
+    (export,) = summary["exports"]
     path = out / export["path"]
     types, rows, _ = read_types(path)
     widths = gguf.GGUFReader(path).get_field("deci.feed_forward_length").contents()
@@ -293,6 +298,17 @@ def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(tmp
         "`token_embd`; `attn_v` in layers 0-1, "
     ) in markdown
 
+
+# q4_k_m (the real model's file in the bench and tests/worker/test_real_model.py) in make test; q3_k_m and q2_k, each
+# three more passes through llama.cpp's quantizer, in make test-slow
+@pytest.mark.parametrize(
+    "gguf_type", ["q4_k_m", *(pytest.param(gguf_type, marks=pytest.mark.slow) for gguf_type in ("q3_k_m", "q2_k"))]
+)
+def test_k_quants_of_a_hidden_size_no_multiple_of_256_are_llama_cpps_own_mix(smollm2_like, tmp_path, gguf_type):
+    """Every file of `gguf_type` of SmolLM2's proportions, pruned or dense, holds each tensor in the type llama.cpp's
+    own quantizer gives a file of the same shapes, fallbacks included; the bits per weight are llama.cpp's, and the
+    file loads and generates."""
+    dense, out, _ = smollm2_like
     for name, checkpoint in (("pruned", out), ("dense", dense)):
         exported = export_gguf(checkpoint, tmp_path / f"{name}-{gguf_type}.gguf", gguf_type)
         reference = same_shape_f32(exported.path, tmp_path / f"{name}-{gguf_type}-reference-f32.gguf")
