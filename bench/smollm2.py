@@ -16,7 +16,8 @@ parts:
   the others load it, `pruned_once`), so that the part lands piece by piece: the dense model's seven cost about
   two hours of 2 cores (hellaswag about an hour, boolq 37 minutes, openbookqa a minute), where the quality row's
   perplexities take minutes. The table gathers a configuration's tasks, the mean of its first five
-  (`FIRST_FIVE_TASKS`) once they are in, and the mean of all seven once all are.
+  (`FIRST_FIVE_TASKS`) once they are in, and the mean of all seven once all are; below it, the accuracies that
+  differ from the defaults' by over twice the standard error of the difference.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
@@ -252,7 +253,13 @@ def zero_shot(
         datasets_dir=settings["datasets_dir"],
         device="cpu",
     )
-    return {"acc": {task: figures["acc"] for task, figures in result["tasks"].items()}, "mean": result["average_acc"]}
+    tasks_figures = result["tasks"].items()
+    return {
+        "acc": {task: figures["acc"] for task, figures in tasks_figures},
+        "acc_stderr": {task: figures["acc_stderr"] for task, figures in tasks_figures},
+        "n_samples": {task: figures["n_samples"] for task, figures in tasks_figures},
+        "mean": result["average_acc"],
+    }
 
 
 def quality_row(
@@ -802,9 +809,9 @@ def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]
         f"Zero-shot accuracy, the first {dense['settings']['zero_shot_limit']} documents of each task",
         {key: row for key, row in rows.items() if key.startswith("quality/")},
     )
-    lines += zero_shot_table(
-        "Zero-shot accuracy, every document", {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
-    )
+    every_document = {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
+    lines += zero_shot_table("Zero-shot accuracy, every document", every_document)
+    lines += zero_shot_against_defaults(every_document)
     return lines
 
 
@@ -902,6 +909,51 @@ def zero_shot_table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"| {ratio} | {config} | {cells} | {means} |")
     lines += ["", f"Mean of five: {', '.join(FIRST_FIVE_TASKS)}, the tasks each configuration has first."]
     return lines
+
+
+def accuracy_standard_error(accuracy: float, documents: int) -> float:
+    """The standard error lm-eval gives an accuracy over `documents` (a mean of 0/1 scores): their sample standard
+    deviation over the root of their count."""
+    return math.sqrt(accuracy * (1 - accuracy) / (documents - 1))
+
+
+def zero_shot_against_defaults(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Each configuration's accuracy against the defaults' at the same ratio, task by task, where the two differ
+    by over twice the standard error of their difference. Unpaired: the two standard errors combine as if the
+    models were scored on independent documents, which overstates it for two models scored on the same ones, so
+    a difference named here is a real one. A task's document count comes from the rows that recorded it."""
+    accuracies = zero_shot_accuracies(rows)
+    documents: dict[str, int] = {}
+    for row in rows.values():
+        documents |= row["zero_shot"].get("n_samples", {}) if row.get("zero_shot") else {}
+    compared, differences = 0, []
+    for (config, ratio), acc in sorted(accuracies.items(), key=lambda item: (float(item[0][1]), item[0][0])):
+        defaults = accuracies.get(("defaults", ratio))
+        if config in ("dense", "defaults") or defaults is None:
+            continue
+        for task in ZERO_SHOT_TASKS:
+            if task not in acc or task not in defaults or task not in documents:
+                continue
+            compared += 1
+            error = math.hypot(*(accuracy_standard_error(a[task], documents[task]) for a in (acc, defaults)))
+            gap = acc[task] - defaults[task]
+            if abs(gap) > 2 * error:
+                differences.append(
+                    f"- at {ratio}, {config} on {task}: {acc[task]:.3f} against {defaults[task]:.3f} "
+                    f"({100 * gap:+.1f} points, {abs(gap) / error:.1f} standard errors)"
+                )
+    if not compared:
+        return []
+    lines = [
+        "",
+        "### Zero-shot: where a configuration differs from the defaults",
+        "",
+        f"Of the {compared} (configuration, ratio, task) accuracies measured on every document beside the defaults', "
+        "those over twice the standard error of the difference from the defaults' (lm-eval's standard error of "
+        "each, combined as if unpaired, so an overstatement for two models on the same documents):",
+        "",
+    ]
+    return lines + (differences or ["- none"])
 
 
 def ladder_tables(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]]) -> list[str]:

@@ -405,6 +405,11 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
             for task in tasks
             for accuracy in [{"boolq": 0.5, "openbookqa": 0.25}.get(task, 0.625) if model == "dense/0" else 0.625]
         ),
+        *(  # rows that record their documents, as the part's rows do since stop 58
+            {"key": f"zero-shot/solver wanda_sp/0.2/{task}", "settings": settings, "machine": machine}
+            | {"prune_seconds": 0.0, "zero_shot": {"acc": {task: accuracy}, "n_samples": {task: documents}}}
+            for task, accuracy, documents in (("piqa", 0.58, 1838), ("boolq", 0.605, 3270))
+        ),
         {"key": "ladder/0/dense", "settings": settings, "machine": machine, "files": [
             gguf_file("f16", 270_000_000, 15.0), gguf_file("q8_0", 145_000_000, 15.1),
             gguf_file("q4_k_m", 105_000_000, 16.0),
@@ -449,12 +454,20 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     every_document = markdown.split("### Zero-shot accuracy, every document")[1].split("\n## ")[0].splitlines()
     # The dense model's means over its seven tasks (boolq 0.5, openbookqa 0.25, the others 0.625) and over the first
     # five; the defaults' two tasks, no mean; the diagonal selection's first five, their mean alone.
-    assert every_document[4:8] == [
+    assert every_document[4:9] == [
         f"| 0 | dense | 0.500 |{' 0.625 |' * 5} 0.250 | 0.554 | 0.550 |",
         "| 0.2 | defaults | 0.625 | 0.625 | - | - | - | - | - | - | - |",
         "| 0.2 | solver diagonal | - | 0.625 | - | 0.625 | 0.625 | 0.625 | 0.625 | - | 0.625 |",
+        "| 0.2 | solver wanda_sp | 0.605 | 0.580 | - | - | - | - | - | - | - |",
         "",
     ]
+    # Against the defaults where a document count is known (piqa, boolq): diagonal's piqa ties; wanda_sp's piqa is
+    # 4.5 points down, sqrt(0.625 * 0.375 / 1837) and sqrt(0.58 * 0.42 / 1837) combined: 2.8 standard errors; its
+    # boolq, 2.0 points down over 3270 documents (1.7 standard errors), is not named.
+    differences = markdown.split("### Zero-shot: where a configuration differs from the defaults")[1]
+    assert "Of the 3 (configuration, ratio, task) accuracies measured on every document" in differences
+    assert "- at 0.2, solver wanda_sp on piqa: 0.580 against 0.625 (-4.5 points, 2.8 standard errors)" in differences
+    assert differences.count("\n- ") == 1
     assert "Zero-shot accuracy, the first" not in markdown
     assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
     planned = list(smollm2.planned_rows(["zero-shot"], [0.1, 0.2]))
@@ -462,6 +475,14 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert planned[8] == "zero-shot/defaults/0.2/openbookqa"
     # 0.1 is not among the ratios the tasks are measured at.
     assert len(planned) == 1 + (1 + len(smollm2.CONFIGS)) * len(smollm2.ZERO_SHOT_TASKS)
+
+
+def test_smollm2_standard_error_of_an_accuracy_is_lm_evals() -> None:
+    """The standard error the zero-shot comparison uses is the one lm-eval reports for a mean of 0/1 scores."""
+    from lm_eval.api.metrics import mean_stderr
+
+    scores = [1] * 290 + [0] * 210
+    assert smollm2.accuracy_standard_error(0.58, 500) == pytest.approx(mean_stderr(scores), rel=1e-12)
 
 
 def test_smollm2_prunes_a_configuration_once_for_its_zero_shot_rows(
