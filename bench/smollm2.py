@@ -17,7 +17,8 @@ parts:
   two hours of 2 cores (hellaswag about an hour, boolq 37 minutes, openbookqa a minute), where the quality row's
   perplexities take minutes. The table gathers a configuration's tasks, the mean of its first five
   (`FIRST_FIVE_TASKS`) once they are in, and the mean of all seven once all are; below it, the accuracies that
-  differ from the defaults' by over twice the standard error of the difference.
+  differ from the defaults' by over twice the standard error of the difference, and the rows measured and left,
+  with the hours left at the minutes each task's rows took.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
@@ -49,7 +50,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 from typing import Any
 
 from bench.common import (
@@ -84,9 +85,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 ZERO_SHOT_RATIOS = (0.2, 0.3)
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
-# The order the zero-shot part measures a model's tasks in, the cheapest on every document first (the dense model's
-# minutes on 2 cores, extrapolated from its first 100 documents: 1, 2, 6, 7, 10, 37, 66).
-ZERO_SHOT_TASKS_BY_COST = ("openbookqa", "winogrande", "piqa", "arc_challenge", "arc_easy", "boolq", "hellaswag")
+# The dense model's minutes a task on every document, on 2 cores, extrapolated from its first 100 documents: what
+# the progress table expects of a task no row has measured on every document yet.
+EXTRAPOLATED_MINUTES = {
+    "openbookqa": 1,
+    "winogrande": 2,
+    "piqa": 6,
+    "arc_challenge": 7,
+    "arc_easy": 10,
+    "boolq": 37,
+    "hellaswag": 66,
+}
+# The order the zero-shot part measures a model's tasks in, the cheapest on every document first.
+ZERO_SHOT_TASKS_BY_COST = tuple(sorted(EXTRAPOLATED_MINUTES, key=EXTRAPOLATED_MINUTES.__getitem__))
 # The five a configuration has first, a tenth of the part's hours: their mean ranks the configurations while boolq
 # and hellaswag are still to come.
 FIRST_FIVE_TASKS = ZERO_SHOT_TASKS_BY_COST[:5]
@@ -812,6 +823,7 @@ def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]
     every_document = {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
     lines += zero_shot_table("Zero-shot accuracy, every document", every_document)
     lines += zero_shot_against_defaults(every_document)
+    lines += zero_shot_progress(every_document)
     return lines
 
 
@@ -954,6 +966,42 @@ def zero_shot_against_defaults(rows: dict[str, dict[str, Any]]) -> list[str]:
         "",
     ]
     return lines + (differences or ["- none"])
+
+
+def zero_shot_progress(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The zero-shot part's rows measured and left, task by task, and the hours left: each row at the median of its
+    task's rows measured so far (the extrapolated minutes of a task none has measured), and a prune for each model
+    with rows left (a rerun from another commit prunes each model again)."""
+    planned = [key for key in planned_rows(["zero-shot"], list(ZERO_SHOT_RATIOS)) if key.startswith("zero-shot/")]
+    left = [key for key in planned if key not in rows]
+    if not rows or not left:
+        return []
+    lines = [
+        "",
+        "### Zero-shot: measured and left",
+        "",
+        "| task | rows measured | rows left | minutes a row | hours left |",
+        "|---|---|---|---|---|",
+    ]
+    hours_left = 0.0
+    for task in ZERO_SHOT_TASKS_BY_COST:
+        measured = [row["evaluation_seconds"] / 60 for key, row in rows.items() if key.endswith(f"/{task}")]
+        minutes = median(measured) if measured else EXTRAPOLATED_MINUTES[task]
+        task_left = sum(key.endswith(f"/{task}") for key in left)
+        hours_left += task_left * minutes / 60
+        shown = f"{minutes:.1f}" if measured else f"{minutes} (extrapolated)"
+        lines.append(f"| {task} | {len(measured)} | {task_left} | {shown} | {task_left * minutes / 60:.1f} |")
+    models_left = {key.rsplit("/", 1)[0] for key in left} - {"zero-shot/dense/0"}
+    prunes = [row["prune_seconds"] for row in rows.values() if row.get("pruned_model_reused") is False]
+    prune_minutes = median(prunes) / 60 if prunes else 0.0
+    hours_left += len(models_left) * prune_minutes / 60
+    return [
+        *lines,
+        "",
+        f"{len(planned) - len(left)} of {len(planned)} rows measured; {len(left)} left, about {hours_left:.0f} hours "
+        f"of this machine, with a prune of {prune_minutes:.1f} minutes (the median) for each of the "
+        f"{len(models_left)} pruned models with rows left. Minutes a row: the median of the task's rows measured.",
+    ]
 
 
 def ladder_tables(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]]) -> list[str]:

@@ -396,7 +396,7 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)),  # measured before the choice was recorded
         *(  # the zero-shot part's rows, a task each: the dense model's seven, two of the defaults', diagonal's five
             {"key": f"zero-shot/{model}/{task}", "settings": settings, "machine": machine, "prune_seconds": 0.0}
-            | {"zero_shot": {"acc": {task: accuracy}, "mean": accuracy}}
+            | {"evaluation_seconds": 60.0, "zero_shot": {"acc": {task: accuracy}, "mean": accuracy}}
             for model, tasks in (
                 ("defaults/0.2", ("piqa", "boolq")),
                 ("dense/0", smollm2.ZERO_SHOT_TASKS),
@@ -407,7 +407,8 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
         ),
         *(  # rows that record their documents, as the part's rows do since stop 58
             {"key": f"zero-shot/solver wanda_sp/0.2/{task}", "settings": settings, "machine": machine}
-            | {"prune_seconds": 0.0, "zero_shot": {"acc": {task: accuracy}, "n_samples": {task: documents}}}
+            | {"prune_seconds": 0.0, "evaluation_seconds": 60.0}
+            | {"zero_shot": {"acc": {task: accuracy}, "n_samples": {task: documents}}}
             for task, accuracy, documents in (("piqa", 0.58, 1838), ("boolq", 0.605, 3270))
         ),
         {"key": "ladder/0/dense", "settings": settings, "machine": machine, "files": [
@@ -464,10 +465,11 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     # Against the defaults where a document count is known (piqa, boolq): diagonal's piqa ties; wanda_sp's piqa is
     # 4.5 points down, sqrt(0.625 * 0.375 / 1837) and sqrt(0.58 * 0.42 / 1837) combined: 2.8 standard errors; its
     # boolq, 2.0 points down over 3270 documents (1.7 standard errors), is not named.
-    differences = markdown.split("### Zero-shot: where a configuration differs from the defaults")[1]
+    differences = markdown.split("### Zero-shot: where a configuration differs from the defaults")[1].split("\n### ")[0]
     assert "Of the 3 (configuration, ratio, task) accuracies measured on every document" in differences
     assert "- at 0.2, solver wanda_sp on piqa: 0.580 against 0.625 (-4.5 points, 2.8 standard errors)" in differences
     assert differences.count("\n- ") == 1
+    assert "16 of 147 rows measured; 131 left" in markdown
     assert "Zero-shot accuracy, the first" not in markdown
     assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
     planned = list(smollm2.planned_rows(["zero-shot"], [0.1, 0.2]))
@@ -483,6 +485,34 @@ def test_smollm2_standard_error_of_an_accuracy_is_lm_evals() -> None:
 
     scores = [1] * 290 + [0] * 210
     assert smollm2.accuracy_standard_error(0.58, 500) == pytest.approx(mean_stderr(scores), rel=1e-12)
+
+
+def test_smollm2_zero_shot_progress_counts_the_rows_left_and_their_hours() -> None:
+    """Each task's rows left at the median minutes of its rows measured, or its extrapolated minutes where none is,
+    and a prune for each pruned model with rows left."""
+
+    def row(seconds: float, **pruned: float | bool) -> dict:
+        return {"evaluation_seconds": seconds, "prune_seconds": 0.0} | pruned
+
+    rows = {
+        "zero-shot/dense/0/openbookqa": row(60.0),
+        "zero-shot/dense/0/winogrande": row(120.0),
+        "zero-shot/defaults/0.2/openbookqa": row(30.0, prune_seconds=90.0, pruned_model_reused=False),
+        "zero-shot/defaults/0.2/winogrande": row(150.0, pruned_model_reused=True),
+    }
+    progress = smollm2.zero_shot_progress(rows)
+    assert "| openbookqa | 2 | 19 | 0.8 | 0.2 |" in progress  # 1 and 0.5 minutes: 19 x 0.75
+    assert "| winogrande | 2 | 19 | 2.2 | 0.7 |" in progress  # 2 and 2.5: 19 x 2.25
+    assert "| piqa | 0 | 21 | 6 (extrapolated) | 2.1 |" in progress
+    assert "| hellaswag | 0 | 21 | 66 (extrapolated) | 23.1 |" in progress
+    # 0.24 + 0.71 + 2.1 + 2.45 + 3.5 + 12.95 + 23.1 hours of tasks, and 20 prunes of 1.5 minutes
+    assert progress[-1].startswith(
+        "4 of 147 rows measured; 143 left, about 46 hours of this machine, with a prune of 1.5 minutes (the median) "
+        "for each of the 20 pruned models with rows left."
+    )
+    assert smollm2.zero_shot_progress({}) == []
+    every_row = smollm2.planned_rows(["zero-shot"], list(smollm2.ZERO_SHOT_RATIOS))
+    assert smollm2.zero_shot_progress({key: row(60.0) for key in every_row}) == []
 
 
 def test_smollm2_prunes_a_configuration_once_for_its_zero_shot_rows(
