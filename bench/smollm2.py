@@ -932,8 +932,9 @@ def accuracy_standard_error(accuracy: float, documents: int) -> float:
 def zero_shot_against_defaults(rows: dict[str, dict[str, Any]]) -> list[str]:
     """Each configuration's accuracy against the defaults' at the same ratio, task by task, where the two differ
     by over twice the standard error of their difference. Unpaired: the two standard errors combine as if the
-    models were scored on independent documents, which overstates it for two models scored on the same ones, so
-    a difference named here is a real one. A task's document count comes from the rows that recorded it."""
+    models were scored on independent documents, which overstates it for two models scored on the same ones; still,
+    of many comparisons, a few may pass twice their standard error by chance. A task's document count comes from the
+    rows that recorded it."""
     accuracies = zero_shot_accuracies(rows)
     documents: dict[str, int] = {}
     for row in rows.values():
@@ -962,7 +963,8 @@ def zero_shot_against_defaults(rows: dict[str, dict[str, Any]]) -> list[str]:
         "",
         f"Of the {compared} (configuration, ratio, task) accuracies measured on every document beside the defaults', "
         "those over twice the standard error of the difference from the defaults' (lm-eval's standard error of "
-        "each, combined as if unpaired, so an overstatement for two models on the same documents):",
+        "each, combined as if unpaired, so an overstatement for two models on the same documents). Where two models "
+        "score alike, about one comparison in twenty would still pass by chance on independent documents:",
         "",
     ]
     return lines + (differences or ["- none"])
