@@ -47,7 +47,7 @@ import math
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from statistics import fmean, median
@@ -897,6 +897,13 @@ def zero_shot_accuracies(rows: dict[str, dict[str, Any]]) -> dict[tuple[str, str
     return gathered
 
 
+def in_table_order(models: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(configuration, ratio) pairs by ratio, then as the tables list configurations: the dense model, then
+    `CONFIGS`."""
+    order = ["dense", *CONFIGS]
+    return sorted(models, key=lambda pair: (float(pair[1]), order.index(pair[0])))
+
+
 def zero_shot_table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     """The accuracies of the rows that measured the tasks, the dense model first; a task not measured yet is `-`,
     and so is a mean until all its tasks are: the seven's, and that of `FIRST_FIVE_TASKS`."""
@@ -910,8 +917,7 @@ def zero_shot_table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
         f"| ratio | configuration | {' | '.join(ZERO_SHOT_TASKS)} | mean | mean of five |",
         f"|---|---|{'---|' * len(ZERO_SHOT_TASKS)}---|---|",
     ]
-    order = ["dense", *CONFIGS]
-    for config, ratio in sorted(accuracies, key=lambda pair: (float(pair[1]), order.index(pair[0]))):
+    for config, ratio in in_table_order(accuracies):
         acc = accuracies[config, ratio]
         cells = " | ".join(f"{acc[task]:.3f}" if task in acc else "-" for task in ZERO_SHOT_TASKS)
         means = " | ".join(
@@ -940,8 +946,8 @@ def zero_shot_against_defaults(rows: dict[str, dict[str, Any]]) -> list[str]:
     for row in rows.values():
         documents |= row["zero_shot"].get("n_samples", {}) if row.get("zero_shot") else {}
     compared, differences = 0, []
-    for (config, ratio), acc in sorted(accuracies.items(), key=lambda item: (float(item[0][1]), item[0][0])):
-        defaults = accuracies.get(("defaults", ratio))
+    for config, ratio in in_table_order(accuracies):
+        acc, defaults = accuracies[config, ratio], accuracies.get(("defaults", ratio))
         if config in ("dense", "defaults") or defaults is None:
             continue
         for task in ZERO_SHOT_TASKS:
