@@ -18,8 +18,9 @@ from casp_core.settings import PruneSettings
 
 # The version of what `evaluate` measures and how: part of the key of the dense models' evaluations kept for later
 # jobs (casp_core.artifacts.dense_cache). Raise it with any change that moves a figure: the texts, their windows or
-# tokens, the perplexity's arithmetic, the zero-shot tasks' settings.
-EVALUATION_VERSION = 1
+# tokens, the perplexity's arithmetic, the zero-shot tasks' settings. 2: the zero-shot log-likelihoods read each
+# context once (casp_core.eval.shared_context; the same to float rounding, which could still break a tie).
+EVALUATION_VERSION = 2
 
 
 @dataclass(frozen=True)

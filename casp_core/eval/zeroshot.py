@@ -5,7 +5,8 @@ Face hub. With a data set directory (argument or env `CASP_DATASETS_DIR`, layout
 shared/fixtures/data: `zeroshot/<task>/<split>.jsonl`) the *same* task definitions run on the local
 files: for each task a YAML is generated into a temporary directory that `include:`s the harness's own
 YAML and overrides only where the data comes from (see fixtures/PROVENANCE.md). Nothing else changes,
-so prompts, choices, metrics and versions are the harness's.
+so prompts, choices, metrics and versions are the harness's. So are the log-likelihoods, computed with each
+context read once for all its choices (casp_core.eval.shared_context).
 
 Output of `evaluate_zero_shot`:
 
@@ -178,7 +179,7 @@ def evaluate_zero_shot(
     """
     _check_tasks(tasks)
     lm_eval = harness()
-    from lm_eval.models.huggingface import HFLM
+    from casp_core.eval.shared_context import SharedContextLM
 
     datasets_dir = resolve_datasets_dir(datasets_dir)
     target = resolve_device(device)
@@ -186,7 +187,7 @@ def evaluate_zero_shot(
     offline = nullcontext() if datasets_dir is None else _datasets_offline()
     with tempfile.TemporaryDirectory(prefix="casp-zeroshot-") as yaml_dir, offline:
         task_manager = _task_manager(tasks, datasets_dir, Path(yaml_dir))
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(tasks),

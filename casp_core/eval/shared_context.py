@@ -1,0 +1,135 @@
+"""The harness's log-likelihoods with each context read once.
+
+lm-evaluation-harness's `HFLM` scores a (context, continuation) request by one forward over context +
+continuation that computes the vocabulary's logits at every position. A multiple-choice task's choices share
+their context (hellaswag's four endings follow one passage, boolq's " yes" and " no" one passage and question),
+and only the positions that predict a continuation token are read. `SharedContextLM` reads each context once,
+keeps its KV cache, and reads the choices' continuations from it in one batch, computing logits only where
+they are read: the same log-likelihoods and greedy flags (up to float rounding: the attention sums in another
+order), for less work: bench/results/zero_shot_scorer.md says how much.
+
+Everything else (requests, prompts, metrics, truncation of over-long requests) is the harness's: this module
+overrides only `_loglikelihood_tokens`, and hands it back the requests it does not serve (over-long ones, and
+every request of a sequence-to-sequence model).
+"""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
+from transformers import Cache
+
+Request = tuple[tuple[str, str] | None, list[int], list[int]]
+Answer = tuple[float, bool]
+AUTO_BATCH_SIZE = 16  # evaluate_zero_shot's default
+
+
+class SharedContextLM(HFLM):
+    """`HFLM` whose log-likelihood requests sharing a context share its forward."""
+
+    def _loglikelihood_tokens(
+        self, requests: list[Request], disable_tqdm: bool = False, override_bs: int | None = None
+    ) -> list[Answer]:
+        answers: dict[int, Answer] = {}
+        handed_back = [
+            index
+            for index, (_, context, continuation) in enumerate(requests)
+            if self.backend != "causal" or len(context) + len(continuation) > self.max_length + 1
+        ]
+        if handed_back:
+            harness_answers = super()._loglikelihood_tokens(
+                [requests[index] for index in handed_back], disable_tqdm=disable_tqdm, override_bs=override_bs
+            )
+            answers.update(zip(handed_back, harness_answers, strict=True))
+        choices_of: dict[tuple[int, ...], list[int]] = {}
+        for index, (_, context, _) in enumerate(requests):
+            if index not in answers:
+                choices_of.setdefault(tuple(context), []).append(index)
+        progress = tqdm(
+            total=len(requests) - len(handed_back),
+            disable=disable_tqdm or self.rank != 0,
+            desc="Running loglikelihood requests (contexts shared)",
+        )
+        for batch in self._batches(choices_of):
+            scored = self._score_batch(
+                [list(context) for context, _ in batch],
+                [[requests[index][2] for index in indices] for _, indices in batch],
+            )
+            for (_, indices), answers_of_context in zip(batch, scored, strict=True):
+                for index, answer in zip(indices, answers_of_context, strict=True):
+                    answers[index] = answer
+                    request_string = requests[index][0]
+                    if request_string is not None:  # loglikelihood_rolling's windows cache per document instead
+                        self.cache_hook.add_partial("loglikelihood", request_string, answer)
+                progress.update(len(indices))
+        progress.close()
+        return [answers[index] for index in range(len(requests))]
+
+    def _per_batch(self) -> int:
+        """The batch size asked for; with "auto" (the harness's search for the largest that fits), its default."""
+        return self.batch_size if isinstance(self.batch_size, int) else AUTO_BATCH_SIZE
+
+    def _batches(self, choices_of: dict[tuple[int, ...], list[int]]) -> list[list[tuple[tuple[int, ...], list[int]]]]:
+        """Contexts of one length, at most `batch_size` of them a batch, with at most `batch_size` choices each
+        (a context with more is read again for each further `batch_size`). One length needs no padding, so no
+        attention mask: every context is read exactly as the harness reads it."""
+        per_batch = self._per_batch()
+        of_length: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}
+        for context, indices in choices_of.items():
+            for start in range(0, len(indices), per_batch):
+                of_length.setdefault(len(context), []).append((context, indices[start : start + per_batch]))
+        return [
+            same_length[start : start + per_batch]
+            for _, same_length in sorted(of_length.items(), reverse=True)
+            for start in range(0, len(same_length), per_batch)
+        ]
+
+    def _score_batch(self, contexts: list[list[int]], continuations: list[list[list[int]]]) -> list[list[Answer]]:
+        """For each context (all of one length), each of its continuations' summed log-probability after it, and
+        whether greedy decoding yields that continuation."""
+        owner = [context for context, of_context in enumerate(continuations) for _ in of_context]
+        rows = [continuation for of_context in continuations for continuation in of_context]
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device_type=self.device.type,
+                dtype=self.mixed_precision_dtype,
+                enabled=self.mixed_precision_dtype is not None,
+            ),
+        ):
+            read = self.model(torch.tensor(contexts, device=self.device), use_cache=True, logits_to_keep=1)
+            # A context's last position predicts each of its continuations' first token; the rest follow.
+            first = read.logits[:, -1]
+            later = self._later_logits(read.cache, owner, rows)
+        answers: list[list[Answer]] = [[] for _ in contexts]
+        for row, (context, continuation) in enumerate(zip(owner, rows, strict=True)):
+            logits = first[context : context + 1]
+            if row in later:
+                logits = torch.cat([logits, later[row]])
+            log_probabilities = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
+            target = torch.tensor(continuation, device=log_probabilities.device)
+            chosen = log_probabilities.gather(1, target[:, None])
+            greedy = bool((log_probabilities.argmax(dim=-1) == target).all())
+            answers[context].append((float(chosen.sum()), greedy))
+        return answers
+
+    def _later_logits(self, cache: Cache, owner: list[int], rows: list[list[int]]) -> dict[int, torch.Tensor]:
+        """Each continuation's logits after its first token, by its row (none for a one-token continuation), read
+        from its context's entry in `cache`. As the harness batches its requests: sorted by length, `batch_size` a
+        batch, so that little is padding; each batch from its own copy of the cache (a few milliseconds)."""
+        longer = sorted((row for row, tokens in enumerate(rows) if len(tokens) > 1), key=lambda row: -len(rows[row]))
+        per_batch = self._per_batch()
+        batches = [longer[start : start + per_batch] for start in range(0, len(longer), per_batch)]
+        later: dict[int, torch.Tensor] = {}
+        for batch in batches:
+            batch_cache = copy.deepcopy(cache) if len(batches) > 1 else cache
+            batch_cache.batch_select_indices(torch.tensor([owner[row] for row in batch], device=self.device))
+            width = len(rows[batch[0]]) - 1
+            # Right padding: no position before a pad attends to it, so it changes no logit that is read.
+            inputs = [rows[row][:-1] + [rows[row][-1]] * (width + 1 - len(rows[row])) for row in batch]
+            logits = self.model(torch.tensor(inputs, device=self.device), cache=batch_cache, use_cache=True).logits
+            for position, row in enumerate(batch):
+                later[row] = logits[position, : len(rows[row]) - 1]
+        return later

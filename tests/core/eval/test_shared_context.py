@@ -1,0 +1,98 @@
+"""SharedContextLM against the harness's own HFLM, request by request, on the seven tasks' first documents of the
+real data: the same log-likelihoods and greedy flags for stories260K dense and pruned at 0.5 (uneven heads per
+layer), with requests longer than the model reads handed back to the harness; and each context read once."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+
+from casp_core.eval.shared_context import SharedContextLM
+from casp_core.eval.zeroshot import _datasets_offline, _task_manager
+from casp_core.method.prune import prune
+from casp_core.model import load_model
+from casp_core.settings import ZERO_SHOT_TASKS
+from tests.conftest import STORIES, small_config
+from tests.core.eval.eval_helpers import (
+    datasets_dir_or_skip,
+    one_torch_thread,  # noqa: F401 (an autouse fixture)
+)
+
+DOCUMENTS = 12
+
+
+@pytest.fixture(scope="module")
+def requests_by_task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Instance]]:
+    """Each task's log-likelihood requests for its first DOCUMENTS documents, as the harness builds them."""
+    datasets_dir = str(datasets_dir_or_skip())
+    with _datasets_offline():
+        manager = _task_manager(list(ZERO_SHOT_TASKS), datasets_dir, Path(tmp_path_factory.mktemp("tasks")))
+        tasks = manager.load(list(ZERO_SHOT_TASKS))["tasks"]
+        for task in tasks.values():
+            task.build_all_requests(limit=DOCUMENTS, rank=0, world_size=1)
+    return {name: list(task.instances) for name, task in tasks.items()}
+
+
+@pytest.fixture(scope="module")
+def stories_dense_and_pruned():
+    dense, tokenizer = load_model(str(STORIES))
+    masked, _ = load_model(str(STORIES))
+    pruned = prune(masked, tokenizer, small_config(0.5)).model
+    assert len({layer.self_attn.num_heads for layer in pruned.model.layers}) > 1
+    return {"dense": dense, "pruned at 0.5": pruned}, tokenizer
+
+
+@pytest.mark.parametrize("which", ["dense", "pruned at 0.5"])
+def test_the_same_answers_as_the_harness(requests_by_task, stories_dense_and_pruned, which):
+    models, tokenizer = stories_dense_and_pruned
+    model = models[which]
+    arguments = {"pretrained": model, "tokenizer": tokenizer, "batch_size": 3}
+    harness, ours = HFLM(**arguments), SharedContextLM(**arguments)
+    requests = [
+        (request.args, *harness._encode_pair(*request.args))
+        for task in ZERO_SHOT_TASKS
+        for request in requests_by_task[task]
+    ]
+    # The tasks' answers are rarely what this small model would say: add a few it would, three tokens it decodes
+    # greedily after some of arc_easy's questions, so that the greedy flags are compared where they are True.
+    questions = [request.args[0] for request in requests_by_task["arc_easy"][::4]]
+    for question in questions:
+        context = harness.tok_encode(question)
+        with torch.no_grad():
+            decoded = model.generate(torch.tensor([context]), max_new_tokens=3, do_sample=False)[0, len(context) :]
+        requests.append((None, context, decoded.tolist()))
+    theirs, mine = harness._loglikelihood_tokens(requests), ours._loglikelihood_tokens(requests)
+    assert len(mine) == len(theirs) == len(requests) > 7 * DOCUMENTS
+    assert [greedy for _, greedy in mine] == [greedy for _, greedy in theirs]
+    assert [greedy for _, greedy in mine[-len(questions) :]] == [True] * len(questions)
+    for (ll_mine, _), (ll_theirs, _) in zip(mine, theirs, strict=True):
+        assert ll_mine == pytest.approx(ll_theirs, rel=1e-5, abs=1e-4)
+    # Both paths were taken: ours, and the harness's for requests longer than the model reads (boolq's passages
+    # exceed stories260K's 512 tokens).
+    fits = [len(context) + len(continuation) <= ours.max_length + 1 for _, context, continuation in requests]
+    assert any(fits) and not all(fits)
+
+
+def test_each_context_is_read_once(requests_by_task, stories_dense_and_pruned):
+    """hellaswag: four endings after one context. The harness reads the context four times, ours once."""
+    models, tokenizer = stories_dense_and_pruned
+    model = models["dense"]
+    requests = requests_by_task["hellaswag"]
+    tokens_read: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: tokens_read.append((args[0] if args else kwargs["input_ids"]).numel()),
+        with_kwargs=True,
+    )
+    try:
+        read = {}
+        for name, cls in (("harness", HFLM), ("ours", SharedContextLM)):
+            tokens_read.clear()
+            cls(pretrained=model, tokenizer=tokenizer, batch_size=4).loglikelihood(requests)
+            read[name] = sum(tokens_read)
+    finally:
+        hook.remove()
+    contexts = {request.args[0] for request in requests}
+    assert len(contexts) == DOCUMENTS and len(requests) == 4 * DOCUMENTS
+    assert 0 < read["ours"] < 0.7 * read["harness"]
