@@ -768,18 +768,50 @@ def markdown(rows: dict[str, dict[str, Any]], files: list[dict[str, Any]], rerun
     lines += quality_tables(rows, reruns)
     lines += ladder_tables(rows, files)
     lines += recovery_table(rows, files)
-    if reruns:
-        lines += ["", "## Reruns from the recorded settings", "", "| row | perplexity held | rerun | change |"]
-        lines.append("|---|---|---|---|")
-        for rerun in reruns:
-            held = rows.get(rerun["key"])
-            # A held row measured again under changed defaults is no longer what the rerun repeated.
-            if held is None or "ppl" not in held or held.get("prune") != rerun.get("prune"):
-                continue
-            for name, value in rerun["ppl"].items():
-                change = value / held["ppl"][name] - 1
-                lines.append(f"| {rerun['key']} {name} | {_ppl(held['ppl'][name])} | {_ppl(value)} | {change:+.2%} |")
+    lines += reruns_tables(rows, reruns)
     return lines
+
+
+def reruns_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]) -> list[str]:
+    """Each rerun beside the row it measured again: a perplexity's relative change, an accuracy's in points, with
+    both commits (a zero-shot row held from before the scorer read each context once, rerun since, checks the two
+    scorers agree as well as the row's reproducibility)."""
+    # A held row measured again under changed defaults is no longer what the rerun repeated.
+    comparable = [
+        (rerun, rows[rerun["key"]])
+        for rerun in reruns
+        if rerun["key"] in rows and rows[rerun["key"]].get("prune") == rerun.get("prune")
+    ]
+    perplexity = [
+        f"| {rerun['key']} {name} | {_ppl(held['ppl'][name])} | {_ppl(value)} | {value / held['ppl'][name] - 1:+.2%} |"
+        for rerun, held in comparable
+        if "ppl" in held
+        for name, value in rerun["ppl"].items()
+    ]
+    accuracy = [
+        f"| {_task_row(rerun['key'], task)} | {before:.4f} ({_commit(held)}) | {value:.4f} ({_commit(rerun)}) "
+        f"| {100 * (value - before):+.2f} |"
+        for rerun, held in comparable
+        if held.get("zero_shot") and rerun.get("zero_shot")
+        for task, value in rerun["zero_shot"]["acc"].items()
+        for before in [held["zero_shot"]["acc"][task]]
+    ]
+    lines = ["", "## Reruns from the recorded settings"] if perplexity or accuracy else []
+    if perplexity:
+        lines += ["", "| row | perplexity held | rerun | change |", "|---|---|---|---|", *perplexity]
+    if accuracy:
+        lines += ["", "| row | accuracy held (commit) | rerun (commit) | change (points) |", "|---|---|---|---|"]
+        lines += accuracy
+    return lines
+
+
+def _task_row(key: str, task: str) -> str:
+    """A zero-shot row's key names its task; a quality row's measures them all."""
+    return key if key.endswith(f"/{task}") else f"{key} {task}"
+
+
+def _commit(row: dict[str, Any]) -> str:
+    return str(row["machine"].get("git_commit") or "?")[:7]
 
 
 def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]) -> list[str]:

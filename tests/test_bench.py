@@ -10,7 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import device_memory, engines, frontier, load, quality, quantized, recovery, smollm2, speed, sweep
+from bench import (
+    device_memory,
+    engines,
+    frontier,
+    load,
+    quality,
+    quantized,
+    recovery,
+    smollm2,
+    speed,
+    sweep,
+    zero_shot_scorer,
+)
 from bench.common import all_finite, default_datasets_dir, default_models_dir
 from casp_core.settings import PruneConfig
 from tests.conftest import STORIES
@@ -366,7 +378,8 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     """bench.smollm2's tables from rows of the shape its children write (its measurements take hours: not here)."""
     columns = ("wikitext2@128", "ptb:test@128", "wikitext2@2048", "ptb:test@2048")
     machine = {"date": "2026-11-28", "cpu_model": "a CPU", "nproc": 2, "torch": "2.13.0", "torch_threads": 2}
-    machine |= {"transformers": "5.24.0", "loadavg_start": [1.0, 1.0, 1.0], "loadavg_end": [1.5, 1.0, 1.0]}
+    machine |= {"git_commit": "aaaaaaaaaa", "transformers": "5.24.0"}
+    machine |= {"loadavg_start": [1.0, 1.0, 1.0], "loadavg_end": [1.5, 1.0, 1.0]}
     settings = {"windows": {"128": 4, "2048": 1}, "zero_shot_limit": -1}
 
     def quality_row(key: str, ppl: tuple[float, ...]) -> dict:
@@ -428,11 +441,17 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     rerun = quality_row("quality/alpha auto/0.2", (32.0, 46.0, 23.0, 36.0)) | {"alpha_auto": {"chosen": 0.5}}
     # A rerun of the prune the held row no longer records: not set against it.
     other_prune = quality_row("quality/solver wanda_sp/0.2", (31.0, 44.0, 23.0, 36.0)) | {"prune": rows[2]["prune"]}
-    smollm2.render({"rows": rows, "reruns": [rerun, other_prune]}, tmp_path)
+    # A zero-shot row measured again at another commit (the scorer changed between them), one document apart.
+    zero_shot_rerun = next(row for row in rows if row["key"] == "zero-shot/solver wanda_sp/0.2/piqa") | {
+        "machine": machine | {"git_commit": "bbbbbbbbbb"},
+        "zero_shot": {"acc": {"piqa": 0.58 + 1 / 1838}, "n_samples": {"piqa": 1838}},
+    }
+    smollm2.render({"rows": rows, "reruns": [rerun, other_prune, zero_shot_rerun]}, tmp_path)
     markdown = (tmp_path / "smollm2.md").read_text()
     assert "| 0.2 | alpha auto (chose 0.5) | 32.00 |" in markdown  # the choice its rerun recorded
     assert "| quality/alpha auto/0.2 wikitext2@128 | 32.00 | 32.00 | +0.00% |" in markdown
     assert "| quality/solver wanda_sp/0.2 wikitext2@128" not in markdown
+    assert "| zero-shot/solver wanda_sp/0.2/piqa | 0.5800 (aaaaaaa) | 0.5805 (bbbbbbb) | +0.05 |" in markdown
     assert "The gradient sensitivities S_l on the calibration windows took 240 s (peak RSS 1400 MiB" in markdown
     assert "| solver wanda_sp | +4.5% / +2.9% | 3 of 4 |" in markdown  # 23/22 and 36/35 at 2048; loses ptb:test@128
     assert "| defaults | 22.00 / 35.00 |  |" in markdown
@@ -585,3 +604,25 @@ def test_smollm2_measures_a_held_row_again_when_its_prune_would_change(tmp_path:
     assert not smollm2.same_settings(
         {"key": "quality/defaults/0.2", "settings": settings | {"windows": {}}, "prune": defaults}, timed
     )
+
+
+def test_zero_shot_scorer_compares_the_answers_each_scorer_picks(tmp_path: Path) -> None:
+    """bench.zero_shot_scorer counts the documents whose highest-scoring choice differs between the scorers."""
+    from lm_eval.api.instance import Instance
+
+    requests = [
+        Instance("loglikelihood", {}, ("context", f" choice {idx}"), idx, ("hellaswag", doc_id, 1))
+        for doc_id in range(3)
+        for idx in range(4)
+    ]
+    harness = [(-1.0 - idx, False) for doc_id in range(3) for idx in range(4)]  # choice 0 scores highest
+    ours = [(-1.0 - idx + 5.0 * (doc_id == 1 and idx == 2), False) for doc_id in range(3) for idx in range(4)]
+    assert zero_shot_scorer.picks(requests, harness) == [0, 0, 0]
+    assert zero_shot_scorer.picks(requests, ours) == [0, 2, 0]
+    machine = {"date": "2026-11-30", "cpu_model": "a CPU", "nproc": 2, "torch": "2.13.0", "torch_threads": 2}
+    machine |= {"transformers": "5.24.0", "git_commit": "abc", "loadavg_start": [1.0] * 3, "loadavg_end": [1.0] * 3}
+    row = {"task": "hellaswag", "documents": 3, "requests": 12, "harness_seconds": 10.0}
+    row |= {"shared_context_seconds": 5.0, "ratio": 0.5, "max_abs_log_likelihood_difference": 2e-5}
+    row |= {"greedy_flags_differing": 0, "picks_differing": 1}
+    payload = {"machine": machine, "settings": {"model": "m", "limit": 3, "batch_size": 16}, "rows": [row]}
+    assert "| hellaswag | 3 | 12 | 10.0 | 5.0 | 0.50 | 2.0e-05 | 0 | 1 |" in zero_shot_scorer.markdown(payload)

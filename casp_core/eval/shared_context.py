@@ -4,7 +4,7 @@ lm-evaluation-harness's `HFLM` scores a (context, continuation) request by one f
 continuation that computes the vocabulary's logits at every position. A multiple-choice task's choices share
 their context (hellaswag's four endings follow one passage, boolq's " yes" and " no" one passage and question),
 and only the positions that predict a continuation token are read. `SharedContextLM` reads each context once,
-keeps its KV cache, and reads the choices' continuations from it in one batch, computing logits only where
+keeps its KV cache, and reads the choices' continuations from it (batched by length), computing logits only where
 they are read: the same log-likelihoods and greedy flags (up to float rounding: the attention sums in another
 order), for less work: bench/results/zero_shot_scorer.md says how much.
 
