@@ -32,7 +32,7 @@ from bench.common import (
     machine_line,
     write_json,
 )
-from casp_core.eval.shared_context import SharedContextLM
+from casp_core.eval.shared_context import SHARED_WORTH_IT, SharedContextLM
 from casp_core.eval.zeroshot import _datasets_offline, _task_manager
 from casp_core.model import load_model
 
@@ -68,6 +68,8 @@ def timed(scorer: HFLM, requests: list[Instance]) -> tuple[float, list[tuple[flo
 def task_row(model: Any, tokenizer: Any, task: str, requests: list[Instance], batch_size: int) -> dict[str, Any]:
     harness = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     ours = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    encoded = [(request.args, *ours._encode_pair(*request.args)) for request in requests]
+    work_ratio = ours._work_shared(encoded) / ours._work_harness(encoded)
     harness_seconds, harness_answers = timed(harness, requests)
     ours_seconds, our_answers = timed(ours, requests)
     pairs = list(zip(harness_answers, our_answers, strict=True))
@@ -75,6 +77,9 @@ def task_row(model: Any, tokenizer: Any, task: str, requests: list[Instance], ba
         "task": task,
         "documents": len({request.doc_id for request in requests}),
         "requests": len(requests),
+        # Our estimate of the shared plan's work beside the harness's, and the plan it chose.
+        "work_ratio": work_ratio,
+        "plan": "contexts shared" if work_ratio <= SHARED_WORTH_IT else "the harness's",
         "harness_seconds": harness_seconds,
         "shared_context_seconds": ours_seconds,
         "ratio": ours_seconds / harness_seconds,
@@ -93,17 +98,20 @@ def markdown(payload: dict[str, Any]) -> list[str]:
         "",
         f"`python -m bench.zero_shot_scorer`: {settings['model']}, the first {settings['limit']} documents of each "
         f"task, batch size {settings['batch_size']}; the harness's `HFLM`, then casp's `SharedContextLM`, on the "
-        "same requests in one process.",
+        "same requests in one process. Work ratio: casp's estimate of the work with contexts shared beside the "
+        f"harness's (tokens through the model, padding included, and the logits computed); at {SHARED_WORTH_IT} or "
+        "under casp shares the contexts, else it hands the requests to the harness.",
         "",
         f"Machine: {machine_line(machine)}. {concurrency_note(machine)}",
         "",
-        "| task | documents | requests | harness s | shared context s | time ratio | largest log-likelihood "
-        "difference | greedy flags differing | answers differing |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | documents | requests | work ratio (estimated) | plan | harness s | casp s | time ratio | largest "
+        "log-likelihood difference | greedy flags differing | answers differing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in payload["rows"]:
         lines.append(
-            f"| {row['task']} | {row['documents']} | {row['requests']} | {row['harness_seconds']:.1f} | "
+            f"| {row['task']} | {row['documents']} | {row['requests']} | {row['work_ratio']:.2f} | {row['plan']} | "
+            f"{row['harness_seconds']:.1f} | "
             f"{row['shared_context_seconds']:.1f} | {row['ratio']:.2f} | "
             f"{row['max_abs_log_likelihood_difference']:.1e} | {row['greedy_flags_differing']} | "
             f"{row['picks_differing']} |"

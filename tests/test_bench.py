@@ -621,8 +621,10 @@ def test_zero_shot_scorer_compares_the_answers_each_scorer_picks(tmp_path: Path)
     assert zero_shot_scorer.picks(requests, ours) == [0, 2, 0]
     machine = {"date": "2026-11-30", "cpu_model": "a CPU", "nproc": 2, "torch": "2.13.0", "torch_threads": 2}
     machine |= {"transformers": "5.24.0", "git_commit": "abc", "loadavg_start": [1.0] * 3, "loadavg_end": [1.0] * 3}
-    row = {"task": "hellaswag", "documents": 3, "requests": 12, "harness_seconds": 10.0}
+    row = {"task": "hellaswag", "documents": 3, "requests": 12, "work_ratio": 0.55, "plan": "contexts shared"}
+    row |= {"harness_seconds": 10.0}
     row |= {"shared_context_seconds": 5.0, "ratio": 0.5, "max_abs_log_likelihood_difference": 2e-5}
     row |= {"greedy_flags_differing": 0, "picks_differing": 1}
     payload = {"machine": machine, "settings": {"model": "m", "limit": 3, "batch_size": 16}, "rows": [row]}
-    assert "| hellaswag | 3 | 12 | 10.0 | 5.0 | 0.50 | 2.0e-05 | 0 | 1 |" in zero_shot_scorer.markdown(payload)
+    markdown = zero_shot_scorer.markdown(payload)
+    assert "| hellaswag | 3 | 12 | 0.55 | contexts shared | 10.0 | 5.0 | 0.50 | 2.0e-05 | 0 | 1 |" in markdown
