@@ -25,8 +25,9 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]
 Answer = tuple[float, bool]
 AUTO_BATCH_SIZE = 16  # evaluate_zero_shot's default
 # Contexts are shared where that saves a fifth of the work or more: its batches are smaller and more numerous, and
-# cost more a token (on SmolLM2's first 200 documents, winogrande at 0.83 of the harness's work took 1.12 times its
-# time, boolq at 0.62 took 0.73 of it; bench/results/zero_shot_scorer.md).
+# cost more a token. bench/zero_shot_scorer.py at a8c9333, which shared every task's: on SmolLM2's first 200
+# documents winogrande, at 0.83 of the harness's work, took 1.12 times its time; piqa, at 1.32, 1.46; boolq, at
+# 0.62, 0.73.
 SHARED_WORTH_IT = 0.8
 
 
