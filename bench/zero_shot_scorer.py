@@ -69,7 +69,8 @@ def task_row(model: Any, tokenizer: Any, task: str, requests: list[Instance], ba
     harness = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     ours = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     encoded = [(request.args, *ours._encode_pair(*request.args)) for request in requests]
-    work_ratio = ours._work_shared(encoded) / ours._work_harness(encoded)
+    plan = ours._plan(encoded, list(range(len(encoded))))
+    work_ratio = ours._work_shared(encoded, plan) / ours._work_harness(encoded)
     harness_seconds, harness_answers = timed(harness, requests)
     ours_seconds, our_answers = timed(ours, requests)
     pairs = list(zip(harness_answers, our_answers, strict=True))

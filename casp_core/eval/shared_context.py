@@ -44,8 +44,9 @@ class SharedContextLM(HFLM):
             if self.backend != "causal" or len(context) + len(continuation) > self.max_length + 1
         ]
         harness_reads = set(handed_back)
-        served = [request for index, request in enumerate(requests) if index not in harness_reads]
-        if self._work_shared(served) > SHARED_WORTH_IT * self._work_harness(served):
+        served = [index for index in range(len(requests)) if index not in harness_reads]
+        batches = self._plan(requests, served)
+        if self._work_shared(requests, batches) > SHARED_WORTH_IT * self._work_harness([requests[i] for i in served]):
             # Choices whose contexts are short beside them (piqa) or differ (winogrande) gain little or nothing from
             # a shared context, and its smaller, more numerous batches cost more a token: the harness is faster.
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
@@ -54,16 +55,12 @@ class SharedContextLM(HFLM):
                 [requests[index] for index in handed_back], disable_tqdm=disable_tqdm, override_bs=override_bs
             )
             answers.update(zip(handed_back, harness_answers, strict=True))
-        choices_of: dict[tuple[int, ...], list[int]] = {}
-        for index, (_, context, _) in enumerate(requests):
-            if index not in answers:
-                choices_of.setdefault(tuple(context), []).append(index)
         progress = tqdm(
             total=len(requests) - len(handed_back),
             disable=disable_tqdm or self.rank != 0,
             desc="Running loglikelihood requests (contexts shared)",
         )
-        for batch in self._batches(choices_of):
+        for batch in batches:
             scored = self._score_batch(
                 [list(context) for context, _ in batch],
                 [[requests[index][2] for index in indices] for _, indices in batch],
@@ -78,21 +75,25 @@ class SharedContextLM(HFLM):
         progress.close()
         return [answers[index] for index in range(len(requests))]
 
-    def _work_shared(self, requests: list[Request]) -> float:
-        """The model's work for `requests` with their contexts shared, in tokens through the body (padding
-        included) plus the head's share of a token for each position whose logits are computed."""
+    def _plan(self, requests: list[Request], indices: list[int]) -> list[list[tuple[tuple[int, ...], list[int]]]]:
+        """The batches that score `requests[indices]` with their contexts shared (`_batches`)."""
         choices_of: dict[tuple[int, ...], list[int]] = {}
-        for index, (_, context, _) in enumerate(requests):
-            choices_of.setdefault(tuple(context), []).append(index)
+        for index in indices:
+            choices_of.setdefault(tuple(requests[index][1]), []).append(index)
+        return self._batches(choices_of)
+
+    def _work_shared(self, requests: list[Request], batches: list[list[tuple[tuple[int, ...], list[int]]]]) -> float:
+        """The model's work for `batches` (`_plan`'s) of `requests`, in tokens through the body (padding included)
+        plus the head's share of a token for each position whose logits are computed."""
         context_tokens = continuation_tokens = 0
-        for batch in self._batches(choices_of):
+        for batch in batches:
             context_tokens += len(batch[0][0]) * len(batch)
             rows = [requests[index][2] for _, indices in batch for index in indices]
             continuation_tokens += sum(
                 len(chunk) * (len(rows[chunk[0]]) - 1) for chunk in self._continuation_batches(rows)
             )
-        contexts = sum(len(indices) for indices in choices_of.values())
-        return context_tokens + continuation_tokens + self._head_share() * (contexts + continuation_tokens)
+        served = sum(len(indices) for batch in batches for _, indices in batch)
+        return context_tokens + continuation_tokens + self._head_share() * (served + continuation_tokens)
 
     def _work_harness(self, requests: list[Request]) -> float:
         """The same for the harness's `HFLM`, which computes logits at every position it reads: each context +
