@@ -32,8 +32,8 @@ from bench.common import (
     machine_line,
     write_json,
 )
-from casp_core.eval.shared_context import SHARED_WORTH_IT, SharedContextLM
-from casp_core.eval.zeroshot import _datasets_offline, _task_manager
+from casp_core.eval.shared_context import SHARED_WORTH_IT, SharedContextLM, shares_contexts
+from casp_core.eval.zeroshot import datasets_offline, task_manager
 from casp_core.model import load_model
 
 MODEL = "smollm2-135m-instruct-gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,8 +43,8 @@ RESULT = "zero_shot_scorer"
 
 def task_requests(tasks: list[str], limit: int, datasets_dir: str) -> dict[str, list[Instance]]:
     """Each task's requests for its first `limit` documents, as the harness builds them."""
-    with _datasets_offline(), tempfile.TemporaryDirectory() as yaml_dir:
-        manager: TaskManager = _task_manager(tasks, datasets_dir, Path(yaml_dir))
+    with datasets_offline(), tempfile.TemporaryDirectory() as yaml_dir:
+        manager: TaskManager = task_manager(tasks, datasets_dir, Path(yaml_dir))
         loaded = manager.load(tasks)["tasks"]
         for task in loaded.values():
             task.build_all_requests(limit=limit, rank=0, world_size=1)
@@ -69,8 +69,7 @@ def task_row(model: Any, tokenizer: Any, task: str, requests: list[Instance], ba
     harness = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     ours = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     encoded = [(request.args, *ours._encode_pair(*request.args)) for request in requests]
-    plan = ours._plan(encoded, list(range(len(encoded))))
-    work_ratio = ours._work_shared(encoded, plan) / ours._work_harness(encoded)
+    work_ratio = ours.work_ratio(encoded, ours.plan(encoded, list(range(len(encoded)))))
     harness_seconds, harness_answers = timed(harness, requests)
     ours_seconds, our_answers = timed(ours, requests)
     pairs = list(zip(harness_answers, our_answers, strict=True))
@@ -80,7 +79,7 @@ def task_row(model: Any, tokenizer: Any, task: str, requests: list[Instance], ba
         "requests": len(requests),
         # Our estimate of the shared plan's work beside the harness's, and the plan it chose.
         "work_ratio": work_ratio,
-        "plan": "contexts shared" if work_ratio <= SHARED_WORTH_IT else "the harness's",
+        "plan": "contexts shared" if shares_contexts(work_ratio) else "the harness's",
         "harness_seconds": harness_seconds,
         "shared_context_seconds": ours_seconds,
         "ratio": ours_seconds / harness_seconds,

@@ -23,12 +23,19 @@ from transformers import Cache
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
 Answer = tuple[float, bool]
+# Batches of contexts (token ids) with the indices of the requests that continue each.
+Plan = list[list[tuple[tuple[int, ...], list[int]]]]
 AUTO_BATCH_SIZE = 16  # evaluate_zero_shot's default
 # Contexts are shared where that saves a fifth of the work or more: its batches are smaller and more numerous, and
 # cost more a token. bench/zero_shot_scorer.py at a8c9333, which shared every task's: on SmolLM2's first 200
 # documents winogrande, at 0.83 of the harness's work, took 1.12 times its time; piqa, at 1.32, 1.46; boolq, at
 # 0.62, 0.73.
 SHARED_WORTH_IT = 0.8
+
+
+def shares_contexts(work_ratio: float) -> bool:
+    """Whether a plan estimated at `work_ratio` of the harness's work is worth its contexts shared."""
+    return work_ratio <= SHARED_WORTH_IT
 
 
 class SharedContextLM(HFLM):
@@ -45,8 +52,8 @@ class SharedContextLM(HFLM):
         ]
         harness_reads = set(handed_back)
         served = [index for index in range(len(requests)) if index not in harness_reads]
-        batches = self._plan(requests, served)
-        if self._work_shared(requests, batches) > SHARED_WORTH_IT * self._work_harness([requests[i] for i in served]):
+        batches = self.plan(requests, served)
+        if not shares_contexts(self.work_ratio(requests, batches)):
             # Choices whose contexts are short beside them (piqa) or differ (winogrande) gain little or nothing from
             # a shared context, and its smaller, more numerous batches cost more a token: the harness is faster.
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
@@ -75,25 +82,32 @@ class SharedContextLM(HFLM):
         progress.close()
         return [answers[index] for index in range(len(requests))]
 
-    def _plan(self, requests: list[Request], indices: list[int]) -> list[list[tuple[tuple[int, ...], list[int]]]]:
+    def plan(self, requests: list[Request], indices: list[int]) -> Plan:
         """The batches that score `requests[indices]` with their contexts shared (`_batches`)."""
         choices_of: dict[tuple[int, ...], list[int]] = {}
         for index in indices:
             choices_of.setdefault(tuple(requests[index][1]), []).append(index)
         return self._batches(choices_of)
 
-    def _work_shared(self, requests: list[Request], batches: list[list[tuple[tuple[int, ...], list[int]]]]) -> float:
-        """The model's work for `batches` (`_plan`'s) of `requests`, in tokens through the body (padding included)
-        plus the head's share of a token for each position whose logits are computed."""
-        context_tokens = continuation_tokens = 0
+    def work_ratio(self, requests: list[Request], batches: Plan) -> float:
+        """The estimated work of `batches` (`plan`'s for some of `requests`) beside the harness's for the same
+        requests."""
+        served = [requests[index] for batch in batches for _, indices in batch for index in indices]
+        return self._work_shared(requests, batches) / self._work_harness(served)
+
+    def _work_shared(self, requests: list[Request], batches: Plan) -> float:
+        """The model's work for `batches` of `requests`, in tokens through the body (padding included) plus the
+        head's share of a token for each position whose logits are computed: each context's last (once however
+        many choices follow it) and the continuations' later ones."""
+        contexts_read = context_tokens = continuation_tokens = 0
         for batch in batches:
+            contexts_read += len(batch)
             context_tokens += len(batch[0][0]) * len(batch)
             rows = [requests[index][2] for _, indices in batch for index in indices]
             continuation_tokens += sum(
                 len(chunk) * (len(rows[chunk[0]]) - 1) for chunk in self._continuation_batches(rows)
             )
-        served = sum(len(indices) for batch in batches for _, indices in batch)
-        return context_tokens + continuation_tokens + self._head_share() * (served + continuation_tokens)
+        return context_tokens + continuation_tokens + self._head_share() * (contexts_read + continuation_tokens)
 
     def _work_harness(self, requests: list[Request]) -> float:
         """The same for the harness's `HFLM`, which computes logits at every position it reads: each context +
@@ -116,7 +130,7 @@ class SharedContextLM(HFLM):
         """The batch size asked for; with "auto" (the harness's search for the largest that fits), its default."""
         return self.batch_size if isinstance(self.batch_size, int) else AUTO_BATCH_SIZE
 
-    def _batches(self, choices_of: dict[tuple[int, ...], list[int]]) -> list[list[tuple[tuple[int, ...], list[int]]]]:
+    def _batches(self, choices_of: dict[tuple[int, ...], list[int]]) -> Plan:
         """Contexts of one length, at most `batch_size` of them a batch, with at most `batch_size` choices each
         (a context with more is read again for each further `batch_size`). One length needs no padding, so no
         attention mask: every context is read exactly as the harness reads it."""

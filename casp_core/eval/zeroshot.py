@@ -109,7 +109,7 @@ def local_task_config(task: str, datasets_dir: str | Path) -> dict[str, Any]:
 
 
 @contextmanager
-def _datasets_offline() -> Iterator[None]:
+def datasets_offline() -> Iterator[None]:
     """Local files need no network, but `datasets` pings the hub to count every load of its `json` builder
     unless it believes it is offline: make it believe so, for this evaluation only."""
     import datasets  # lm_eval's own dependency: there when it is
@@ -122,7 +122,9 @@ def _datasets_offline() -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = saved
 
 
-def _task_manager(tasks: list[str], datasets_dir: str | None, yaml_dir: Path) -> "TaskManager":
+def task_manager(tasks: list[str], datasets_dir: str | None, yaml_dir: Path) -> "TaskManager":
+    """The harness's task manager for `tasks`: from `datasets_dir`'s files (`local_task_config`, written to
+    `yaml_dir`), or the harness's own definitions where no folder is given."""
     from lm_eval.tasks import TaskManager
 
     if datasets_dir is None:
@@ -184,16 +186,16 @@ def evaluate_zero_shot(
     datasets_dir = resolve_datasets_dir(datasets_dir)
     target = resolve_device(device)
     model.to(target)
-    offline = nullcontext() if datasets_dir is None else _datasets_offline()
+    offline = nullcontext() if datasets_dir is None else datasets_offline()
     with tempfile.TemporaryDirectory(prefix="casp-zeroshot-") as yaml_dir, offline:
-        task_manager = _task_manager(tasks, datasets_dir, Path(yaml_dir))
+        manager = task_manager(tasks, datasets_dir, Path(yaml_dir))
         lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(tasks),
             num_fewshot=0,
             limit=limit,
-            task_manager=task_manager,
+            task_manager=manager,
             log_samples=False,
         )
     assert results is not None  # None only on non-zero ranks of a distributed run

@@ -9,8 +9,8 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
-from casp_core.eval.shared_context import SHARED_WORTH_IT, SharedContextLM
-from casp_core.eval.zeroshot import _datasets_offline, _task_manager
+from casp_core.eval.shared_context import SharedContextLM, shares_contexts
+from casp_core.eval.zeroshot import datasets_offline, task_manager
 from casp_core.method.prune import prune
 from casp_core.model import load_model
 from casp_core.settings import ZERO_SHOT_TASKS
@@ -27,8 +27,8 @@ DOCUMENTS = 12
 def requests_by_task(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Instance]]:
     """Each task's log-likelihood requests for its first DOCUMENTS documents, as the harness builds them."""
     datasets_dir = str(datasets_dir_or_skip())
-    with _datasets_offline():
-        manager = _task_manager(list(ZERO_SHOT_TASKS), datasets_dir, Path(tmp_path_factory.mktemp("tasks")))
+    with datasets_offline():
+        manager = task_manager(list(ZERO_SHOT_TASKS), datasets_dir, Path(tmp_path_factory.mktemp("tasks")))
         tasks = manager.load(list(ZERO_SHOT_TASKS))["tasks"]
         for task in tasks.values():
             task.build_all_requests(limit=DOCUMENTS, rank=0, world_size=1)
@@ -64,8 +64,7 @@ def test_the_same_answers_as_the_harness(requests_by_task, stories_dense_and_pru
             decoded = model.generate(torch.tensor([context]), max_new_tokens=3, do_sample=False)[0, len(context) :]
         requests.append((None, context, decoded.tolist()))
     # The contexts are shared for these requests (hellaswag's and arc's dominate), not handed to the harness.
-    plan = ours._plan(requests, list(range(len(requests))))
-    assert ours._work_shared(requests, plan) < SHARED_WORTH_IT * ours._work_harness(requests)
+    assert shares_contexts(ours.work_ratio(requests, ours.plan(requests, list(range(len(requests))))))
     theirs, mine = harness._loglikelihood_tokens(requests), ours._loglikelihood_tokens(requests)
     assert len(mine) == len(theirs) == len(requests) > 7 * DOCUMENTS
     assert [greedy for _, greedy in mine] == [greedy for _, greedy in theirs]
@@ -113,3 +112,26 @@ def test_the_harness_reads_what_sharing_would_not_speed_up(requests_by_task, sto
     assert len(first_endings) == DOCUMENTS
     read = tokens_read_by_each(models["dense"], tokenizer, first_endings)
     assert read["ours"] == read["harness"] > 0
+
+
+def test_the_work_estimate_is_the_tokens_read_and_the_logits_computed(requests_by_task, stories_dense_and_pruned):
+    """boolq: " yes" and " no" after each passage. The shared plan's estimate is the tokens the model is given plus
+    the head's share of a token for each logit computed: once per passage (its last position predicts both choices'
+    first token), not once per choice, and once per later continuation token."""
+    models, tokenizer = stories_dense_and_pruned
+    ours = SharedContextLM(pretrained=models["dense"], tokenizer=tokenizer, batch_size=4)
+    fitting = [
+        request
+        for request in requests_by_task["boolq"]
+        if sum(map(len, ours._encode_pair(*request.args))) <= ours.max_length + 1
+    ]
+    encoded = [(request.args, *ours._encode_pair(*request.args)) for request in fitting]
+    plan = ours.plan(encoded, list(range(len(encoded))))
+    assert shares_contexts(ours.work_ratio(encoded, plan))
+    read = tokens_read_by_each(models["dense"], tokenizer, fitting)["ours"]
+    passages = {tuple(context) for _, context, _ in encoded}
+    assert len(fitting) == 2 * len(passages) >= 6
+    later_tokens = read - sum(map(len, passages))  # the continuations' after their first: a logit each
+    assert later_tokens == sum(len(continuation) - 1 for _, _, continuation in encoded)
+    expected = read + ours._head_share() * (len(passages) + later_tokens)
+    assert ours._work_shared(encoded, plan) == pytest.approx(expected)
