@@ -15,7 +15,9 @@ parts:
   <ratio>/<task>`, the cheapest tasks first; the first of a configuration's rows prunes and writes the model,
   the others load it, `pruned_once`), so that the part lands piece by piece: the dense model's seven cost about
   two hours of 2 cores (hellaswag about an hour, boolq 37 minutes, openbookqa a minute), where the quality row's
-  perplexities take minutes. The table gathers a configuration's tasks, the mean of its first five
+  perplexities take minutes. A model a row of the task has measured, bit for bit (`weights_digest`: alpha "auto"
+  where it chooses the default's temperature), is not evaluated again: its row copies that accuracy and names
+  the row (`same_weights_as`). The table gathers a configuration's tasks, the mean of its first five
   (`FIRST_FIVE_TASKS`) once they are in, and the mean of all seven once all are; below it, the accuracies that
   differ from the defaults' by over twice the standard error of the difference, and the rows measured and left,
   with the hours left at the minutes each task's rows took.
@@ -322,14 +324,41 @@ def pruned_once(
     return model, tokenizer, figures | {"pruned_model_reused": reused}
 
 
+def weights_digest(model: Any) -> str:
+    """The model as it computes: its config less what names the settings asked for (casp's provenance, the
+    source's path) and its tensors. Two configurations that prune to one model share it: alpha "auto" where it
+    chooses the default's temperature, or 0 at a ratio where that is the uniform allocation."""
+    import torch
+
+    config = model.config.to_diff_dict()
+    for named_elsewhere in ("casp", "_name_or_path", "transformers_version"):
+        config.pop(named_elsewhere, None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 def zero_shot_row(
-    settings: dict[str, Any], ratio: float, overrides: dict[str, Any], task: str, sensitivities: list[float] | None
+    settings: dict[str, Any],
+    ratio: float,
+    overrides: dict[str, Any],
+    task: str,
+    sensitivities: list[float] | None,
+    measured_models: dict[str, str],
 ) -> dict[str, Any]:
-    """Every document of one task, on the model the quality row of the same settings measures."""
+    """Every document of one task, on the model the quality row of the same settings measures; not measured again
+    where `measured_models` (the task's rows measured, by their model's `weights_digest`) holds the same model:
+    `same_weights_as` names that row, and the parent copies its accuracy."""
     model, tokenizer, figures = pruned_once(settings, ratio, overrides, sensitivities)
+    digest = weights_digest(model)
+    if digest in measured_models:
+        return {**figures, "weights_digest": digest, "same_weights_as": measured_models[digest]}
     start = time.perf_counter()
     return {
         **figures,
+        "weights_digest": digest,
         "zero_shot": zero_shot(model, tokenizer, settings, None, (task,)),
         "evaluation_seconds": time.perf_counter() - start,
     }
@@ -474,7 +503,9 @@ def recovery_row(
         }
 
 
-def measure_row(key: str, settings: dict[str, Any], sensitivities: list[float] | None) -> dict[str, Any]:
+def measure_row(
+    key: str, settings: dict[str, Any], sensitivities: list[float] | None, measured_models: dict[str, str]
+) -> dict[str, Any]:
     part, *rest = key.split("/")
     if part == "allocation":
         return sensitivities_row(settings)
@@ -482,7 +513,7 @@ def measure_row(key: str, settings: dict[str, Any], sensitivities: list[float] |
     if part == "quality":
         return quality_row(settings, ratio, overrides, sensitivities)
     if part == "zero-shot":
-        return zero_shot_row(settings, ratio, overrides, rest[2], sensitivities)
+        return zero_shot_row(settings, ratio, overrides, rest[2], sensitivities, measured_models)
     if part == "ladder":
         return ladder_row(settings, ratio, overrides, rest[1], sensitivities)
     return recovery_row(settings, ratio, rest[0], sensitivities)
@@ -516,11 +547,35 @@ def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
                 yield f"zero-shot/{model}/{task}"
 
 
-def measure_in_child(key: str, settings: dict[str, Any], sensitivities: list[float] | None) -> dict[str, Any]:
-    """One row in a fresh process: its peak RSS is its own, and nothing but the S_l is shared between rows."""
+def measured_models(rows: list[dict[str, Any]], key: str) -> dict[str, str]:
+    """For a zero-shot row, the rows of its task that measured it, by their model's `weights_digest`."""
+    if not key.startswith("zero-shot/"):
+        return {}
+    task = key.rsplit("/", 1)[1]
+    return {
+        row["weights_digest"]: row["key"]
+        for row in rows
+        if row["key"].startswith("zero-shot/")
+        and row["key"].endswith(f"/{task}")
+        and "same_weights_as" not in row
+        and "weights_digest" in row
+    }
+
+
+def measure_in_child(
+    key: str, settings: dict[str, Any], sensitivities: list[float] | None, held_rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One row in a fresh process: its peak RSS is its own, and nothing but the S_l is shared between rows (and,
+    for a zero-shot row whose model a held row measured, that row's accuracy)."""
     machine = machine_info()
-    arguments = ["--row", key, json.dumps(settings), "--sensitivities", json.dumps(sensitivities)]
+    measured = measured_models(held_rows, key)
+    arguments = [
+        *("--row", key, json.dumps(settings)),
+        *("--sensitivities", json.dumps(sensitivities), "--measured-models", json.dumps(measured)),
+    ]
     figures = run_child("bench.smollm2", arguments, key)
+    if "same_weights_as" in figures:
+        figures["zero_shot"] = next(row for row in held_rows if row["key"] == figures["same_weights_as"])["zero_shot"]
     record = prune_record(settings, key)
     return {"key": key, "settings": settings, "prune": record, "machine": finish_machine_info(machine), **figures}
 
@@ -562,6 +617,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--row", nargs=2, metavar=("KEY", "SETTINGS"), help=argparse.SUPPRESS)
     parser.add_argument("--sensitivities", help=argparse.SUPPRESS)
+    parser.add_argument("--measured-models", help=argparse.SUPPRESS)
     parser.add_argument(
         "--parts",
         default="quality,ladder,recovery,zero-shot",
@@ -589,7 +645,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.row:
         key, settings = args.row
-        print(json.dumps(measure_row(key, json.loads(settings), json.loads(args.sensitivities or "null"))))
+        sensitivities, measured = json.loads(args.sensitivities or "null"), json.loads(args.measured_models or "{}")
+        print(json.dumps(measure_row(key, json.loads(settings), sensitivities, measured)))
         return
     path = args.out / f"{RESULT}.json"
     payload = json.loads(path.read_text()) if path.is_file() else {"rows": [], "reruns": []}
@@ -605,7 +662,8 @@ def main(argv: list[str] | None = None) -> None:
             held_sensitivities = next(
                 (r["sensitivities"] for r in payload["rows"] if r["key"] == SENSITIVITIES_ROW), None
             )
-            row = measure_in_child(key, settings, held_sensitivities if key != SENSITIVITIES_ROW else None)
+            sensitivities = held_sensitivities if key != SENSITIVITIES_ROW else None
+            row = measure_in_child(key, settings, sensitivities, [] if args.rerun else payload["rows"])
             if args.rerun:
                 payload["reruns"].append(row)
             else:
@@ -854,6 +912,7 @@ def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]
     )
     every_document = {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
     lines += zero_shot_table("Zero-shot accuracy, every document", every_document)
+    lines += same_weights_lines(every_document)
     lines += zero_shot_against_defaults(every_document)
     lines += zero_shot_progress(every_document)
     return lines
@@ -967,6 +1026,27 @@ def accuracy_standard_error(accuracy: float, documents: int) -> float:
     return math.sqrt(accuracy * (1 - accuracy) / (documents - 1))
 
 
+def same_weights_lines(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The rows whose pruned model a row of the same task had measured, bit for bit (`weights_digest`)."""
+
+    def model(key: str) -> str:
+        config, ratio = key.split("/")[1:3]
+        return f"{config} at {ratio}"
+
+    copied = [
+        f"{model(key)} on {key.rsplit('/', 1)[1]}: {model(row['same_weights_as'])}'s"
+        for key, row in rows.items()
+        if "same_weights_as" in row
+    ]
+    if not copied:
+        return []
+    return [
+        "",
+        "Not measured again: the same weights and config as a model measured on the task, so the same accuracy "
+        f"({'; '.join(copied)}).",
+    ]
+
+
 def zero_shot_against_defaults(rows: dict[str, dict[str, Any]]) -> list[str]:
     """Each configuration's accuracy against the defaults' at the same ratio, task by task, where the two differ
     by over twice the standard error of their difference. Unpaired: the two standard errors combine as if the
@@ -1025,12 +1105,13 @@ def zero_shot_progress(rows: dict[str, dict[str, Any]]) -> list[str]:
     ]
     hours_left = 0.0
     for task in ZERO_SHOT_TASKS_BY_COST:
-        measured = [row["evaluation_seconds"] / 60 for key, row in rows.items() if key.endswith(f"/{task}")]
+        done = [row for key, row in rows.items() if key.endswith(f"/{task}")]
+        measured = [row["evaluation_seconds"] / 60 for row in done if "same_weights_as" not in row]
         minutes = median(measured) if measured else EXTRAPOLATED_MINUTES[task]
         task_left = sum(key.endswith(f"/{task}") for key in left)
         hours_left += task_left * minutes / 60
         shown = f"{minutes:.1f}" if measured else f"{minutes} (extrapolated)"
-        lines.append(f"| {task} | {len(measured)} | {task_left} | {shown} | {task_left * minutes / 60:.1f} |")
+        lines.append(f"| {task} | {len(done)} | {task_left} | {shown} | {task_left * minutes / 60:.1f} |")
     models_left = {key.rsplit("/", 1)[0] for key in left} - {"zero-shot/dense/0"}
     prunes = [row["prune_seconds"] for row in rows.values() if row.get("pruned_model_reused") is False]
     prune_minutes = median(prunes) / 60 if prunes else 0.0

@@ -571,6 +571,54 @@ def test_smollm2_prunes_a_configuration_once_for_its_zero_shot_rows(
     assert len(entries()) == 1
 
 
+def test_smollm2_measures_a_pruned_model_once_on_a_task_whatever_configuration_pruned_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A zero-shot row whose model (its weights and config but casp's provenance: `weights_digest`) a row of the same
+    task measured is not evaluated again, and the parent copies that row's accuracy: alpha "auto" choosing the
+    default's temperature prunes the defaults' model. Here stories260K stands for both prunes, loaded twice with
+    other provenance, and changed in one weight for a third; the evaluation is recorded, not run."""
+    from casp_core.model import load_model
+
+    def pruned_once(settings, ratio, overrides, sensitivities) -> tuple:
+        model, tokenizer = load_model(str(STORIES))
+        model.config.casp = {"settings": overrides}
+        if overrides.get("solver") == "wanda_sp":
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] += 1e-3
+        return model, tokenizer, {"pruned_model_reused": False, "prune_seconds": 90.0}
+
+    evaluated: list[dict] = []
+
+    def zero_shot(model, tokenizer, settings, limit, tasks) -> dict:
+        evaluated.append(model.config.casp["settings"])
+        return {"acc": {task: 0.25 + len(evaluated) / 100 for task in tasks}}
+
+    monkeypatch.setattr(smollm2, "pruned_once", pruned_once)
+    monkeypatch.setattr(smollm2, "zero_shot", zero_shot)
+    settings = {"datasets_dir": default_datasets_dir()}
+    key = "zero-shot/defaults/0.2/openbookqa"
+    defaults = {"key": key} | smollm2.zero_shot_row(settings, 0.2, {}, "openbookqa", None, {})
+    assert defaults["zero_shot"] == {"acc": {"openbookqa": 0.26}} and "same_weights_as" not in defaults
+    measured = smollm2.measured_models([defaults], "zero-shot/alpha auto/0.2/openbookqa")
+    assert measured == {defaults["weights_digest"]: key}
+    assert smollm2.measured_models([defaults], "zero-shot/alpha auto/0.2/piqa") == {}  # another task's accuracy
+
+    auto = smollm2.zero_shot_row(settings, 0.2, {"alpha": "auto"}, "openbookqa", None, measured)
+    assert auto["same_weights_as"] == key and "zero_shot" not in auto
+    other = smollm2.zero_shot_row(settings, 0.2, {"solver": "wanda_sp"}, "openbookqa", None, measured)
+    assert other["weights_digest"] != defaults["weights_digest"] and "same_weights_as" not in other
+    assert evaluated == [{}, {"solver": "wanda_sp"}]
+
+    monkeypatch.setattr(smollm2, "run_child", lambda *arguments: auto)
+    copied = smollm2.measure_in_child("zero-shot/alpha auto/0.2/openbookqa", settings, None, [defaults])
+    assert copied["zero_shot"] == defaults["zero_shot"] and copied["same_weights_as"] == key
+    rendered = smollm2.same_weights_lines({key: defaults, copied["key"]: copied})
+    assert "alpha auto at 0.2 on openbookqa: defaults at 0.2's" in rendered[-1]
+    progress = smollm2.zero_shot_progress({key: defaults | {"evaluation_seconds": 60.0}, copied["key"]: copied})
+    assert "| openbookqa | 2 | 19 | 1.0 | 0.3 |" in progress  # both done; the minutes are the one evaluated's
+
+
 def test_smollm2_measures_a_held_row_again_when_its_prune_would_change(tmp_path: Path) -> None:
     """A row records its prune's settings with casp's defaults resolved; a changed default re-measures the rows it
     changes, and only those."""
