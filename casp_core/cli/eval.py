@@ -22,11 +22,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from casp_core.cli.arguments import names, non_negative_int, positive_int
+from casp_core.cli.progress import StageBars
 from casp_core.errors import InvalidConfig, ModelNotFound
 from casp_core.settings import ZERO_SHOT_TASKS, EfficiencyConfig
+
+if TYPE_CHECKING:
+    from casp_core.run import Run
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -88,6 +92,7 @@ def evaluate_checkpoint(
     batch_size: int = 16,
     efficiency: dict[str, int] | None = None,
     cache_dir: Path | None = None,
+    run: "Run | None" = None,
 ) -> dict[str, Any]:
     """Loads `model_path` and evaluates it; `efficiency` holds measure_efficiency's settings, None skips it. A GGUF
     file is evaluated dequantized (casp_core.artifacts.gguf.source, converted once into `cache_dir`), and its
@@ -133,7 +138,7 @@ def evaluate_checkpoint(
         efficiency=efficiency,
     ).with_texts(tokenizer)
     texts = plan.texts
-    figures = evaluate(model, tokenizer, plan)
+    figures = evaluate(model, tokenizer, plan, run)
     out: dict[str, Any] = {"model": model_path}
     if figures.zero_shot is not None:
         zero_shot = dict(figures.zero_shot)
@@ -164,6 +169,8 @@ def gguf_file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from casp_core.run import Run  # torch: loaded only when a command needs it
+
     efficiency = (
         {
             "batch_size": args.latency_batch_size,
@@ -175,18 +182,23 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.efficiency
         else None
     )
-    out = evaluate_checkpoint(
-        args.model,
-        tasks=args.tasks,
-        limit=args.limit,
-        perplexity_sets=args.perplexity,
-        seq_len=args.seq_len,
-        max_windows=args.max_windows,
-        datasets_dir=args.datasets_dir,
-        device=args.device,
-        batch_size=args.batch_size,
-        efficiency=efficiency,
-    )
+    bars = StageBars()
+    try:
+        out = evaluate_checkpoint(
+            args.model,
+            tasks=args.tasks,
+            limit=args.limit,
+            perplexity_sets=args.perplexity,
+            seq_len=args.seq_len,
+            max_windows=args.max_windows,
+            datasets_dir=args.datasets_dir,
+            device=args.device,
+            batch_size=args.batch_size,
+            efficiency=efficiency,
+            run=Run(progress=bars),
+        )
+    finally:
+        bars.close()
     text = json.dumps(out, indent=2) + "\n"
     if args.out is None:
         sys.stdout.write(text)

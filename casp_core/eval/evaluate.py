@@ -101,6 +101,7 @@ def evaluate(
             datasets_dir=plan.datasets_dir,
             batch_size=plan.zero_shot_batch_size,
             device=plan.device,
+            run=run,
         )
     if plan.efficiency is not None:
         run.check_cancelled()

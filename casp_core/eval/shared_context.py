@@ -14,6 +14,8 @@ request of a sequence-to-sequence model, and all of them where sharing would sav
 """
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +40,31 @@ def shares_contexts(work_ratio: float) -> bool:
     return work_ratio <= SHARED_WORTH_IT
 
 
+def harness_inputs(requests: list[Request]) -> set[tuple[int, ...]]:
+    """What the harness's `HFLM` gives the model for `requests`: each context + continuation but the last token,
+    once for requests that differ only in a one-token continuation (its `logits_cache`)."""
+    return {tuple(context + continuation[:-1]) for _, context, continuation in requests}
+
+
 class SharedContextLM(HFLM):
     """`HFLM` whose log-likelihood requests sharing a context share its forward."""
+
+    def __init__(self, *args: Any, on_progress: Callable[[float], None] | None = None, **kwargs: Any) -> None:
+        """`on_progress`, when given, is called after each batch the model reads with the fraction of the reads
+        done (a cancelled job's raises there, between batches)."""
+        super().__init__(*args, **kwargs)
+        self.on_progress = on_progress
+        self._reads_done = self._reads_planned = 0
 
     def _loglikelihood_tokens(
         self, requests: list[Request], disable_tqdm: bool = False, override_bs: int | None = None
     ) -> list[Answer]:
+        try:
+            return self._score_requests(requests, disable_tqdm, override_bs)
+        finally:
+            self._reads_planned = 0  # no progress outside a scoring (the harness's batch-size search)
+
+    def _score_requests(self, requests: list[Request], disable_tqdm: bool, override_bs: int | None) -> list[Answer]:
         answers: dict[int, Answer] = {}
         handed_back = [
             index
@@ -53,10 +74,14 @@ class SharedContextLM(HFLM):
         harness_reads = set(handed_back)
         served = [index for index in range(len(requests)) if index not in harness_reads]
         batches = self.plan(requests, served)
+        self._reads_done = 0
         if not shares_contexts(self.work_ratio(requests, batches)):
             # Choices whose contexts are short beside them (piqa) or differ (winogrande) gain little or nothing from
             # a shared context, and its smaller, more numerous batches cost more a token: the harness is faster.
+            self._reads_planned = len(harness_inputs(requests))
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        # A read: one of the harness's inputs, or one request of ours.
+        self._reads_planned = len(harness_inputs([requests[index] for index in handed_back])) + len(served)
         if handed_back:
             harness_answers = super()._loglikelihood_tokens(
                 [requests[index] for index in handed_back], disable_tqdm=disable_tqdm, override_bs=override_bs
@@ -79,8 +104,24 @@ class SharedContextLM(HFLM):
                     if request_string is not None:  # loglikelihood_rolling's windows cache per document instead
                         self.cache_hook.add_partial("loglikelihood", request_string, answer)
                 progress.update(len(indices))
+                self._advance(len(indices))
         progress.close()
         return [answers[index] for index in range(len(requests))]
+
+    def _model_call(
+        self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The harness's forward over one of its batches; the batch's rows count as reads done."""
+        logits = super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+        self._advance(len(inps))
+        return logits
+
+    def _advance(self, reads: int) -> None:
+        if not self._reads_planned:
+            return
+        self._reads_done += reads
+        if self.on_progress is not None:
+            self.on_progress(min(1.0, self._reads_done / self._reads_planned))
 
     def plan(self, requests: list[Request], indices: list[int]) -> Plan:
         """The batches that score `requests[indices]` with their contexts shared (`_batches`)."""
@@ -110,11 +151,9 @@ class SharedContextLM(HFLM):
         return context_tokens + continuation_tokens + self._head_share() * (contexts_read + continuation_tokens)
 
     def _work_harness(self, requests: list[Request]) -> float:
-        """The same for the harness's `HFLM`, which computes logits at every position it reads: each context +
-        continuation but the last token, once for requests that differ only in a one-token continuation (its
-        `logits_cache`), sorted by length, `batch_size` a batch, each padded to its first."""
-        inputs = {tuple(context + continuation[:-1]) for _, context, continuation in requests}
-        lengths = sorted((len(tokens) for tokens in inputs), reverse=True)
+        """The same for the harness's `HFLM`, which computes logits at every position of its inputs
+        (`harness_inputs`), sorted by length, `batch_size` a batch, each padded to its first."""
+        lengths = sorted((len(tokens) for tokens in harness_inputs(requests)), reverse=True)
         per_batch = self._per_batch()
         batches = [lengths[start : start + per_batch] for start in range(0, len(lengths), per_batch)]
         return (1 + self._head_share()) * sum(len(batch) * batch[0] for batch in batches)

@@ -40,6 +40,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from casp_core.data import POINT_ELSEWHERE
 from casp_core.errors import DatasetNotFound, InvalidConfig
 from casp_core.model import resolve_device
+from casp_core.run import Run
 from casp_core.settings import ZERO_SHOT_TASKS
 
 if TYPE_CHECKING:
@@ -173,12 +174,20 @@ def evaluate_zero_shot(
     datasets_dir: str | None,
     batch_size: int = 16,
     device: str,
+    run: Run | None = None,
 ) -> dict[str, Any]:
     """Zero-shot acc / acc_norm of `model` on `tasks` (any of ZERO_SHOT_TASKS), as the harness computes them.
 
     `limit` caps the documents per task (the first ones of the split), for quick runs. The model is moved
-    to `device` ("auto": cuda when available) in place, and put in eval mode.
+    to `device` ("auto": cuda when available) in place, and put in eval mode. `run` hears the fraction scored
+    after each batch, and its cancellation stops the scoring there.
     """
+    run = run or Run()
+
+    def scored(fraction: float) -> None:
+        run.check_cancelled()  # every document of the seven tasks is hours of a CPU
+        run.report("evaluation", fraction, f"zero-shot {', '.join(tasks)}")
+
     _check_tasks(tasks)
     lm_eval = harness()
     from casp_core.eval.shared_context import SharedContextLM
@@ -189,7 +198,7 @@ def evaluate_zero_shot(
     offline = nullcontext() if datasets_dir is None else datasets_offline()
     with tempfile.TemporaryDirectory(prefix="casp-zeroshot-") as yaml_dir, offline:
         manager = task_manager(tasks, datasets_dir, Path(yaml_dir))
-        lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, on_progress=scored)
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(tasks),

@@ -99,6 +99,20 @@ def test_sections_can_be_skipped_and_printed(capsys: pytest.CaptureFixture[str])
     assert json.loads(capsys.readouterr().out) == {"model": str(STORIES)}
 
 
+def test_progress_goes_to_stderr_batch_by_batch(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """In a log (stderr not a terminal), with a line for every report: the zero-shot scoring's fractions."""
+    monkeypatch.setenv("CASP_PROGRESS_INTERVAL", "0")
+    datasets_dir = datasets_dir_or_skip()
+    argv = ["--model", str(STORIES), "--tasks", "arc_easy", "--limit", "24", "--perplexity", "", "--no-efficiency"]
+    assert _casp_eval([*argv, "--datasets-dir", str(datasets_dir), "--batch-size", "4"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["zero_shot"]["arc_easy"]["n_samples"] == 24
+    lines = [line for line in captured.err.splitlines() if line.startswith("casp: ")]  # not the libraries' own
+    assert lines[0] == "casp: evaluation: zero-shot arc_easy"
+    assert len(lines) > 3 and all(line.startswith("casp: evaluation: zero-shot arc_easy (") for line in lines[1:])
+    assert "(100%, " in lines[-1]
+
+
 def test_bad_input_is_refused(tmp_path: Path):
     with pytest.raises(ModelNotFound):
         evaluate_checkpoint(str(tmp_path / "nothing"), tasks=[], perplexity_sets=[])

@@ -135,3 +135,31 @@ def test_the_work_estimate_is_the_tokens_read_and_the_logits_computed(requests_b
     assert later_tokens == sum(len(continuation) - 1 for _, _, continuation in encoded)
     expected = read + ours._head_share() * (len(passages) + later_tokens)
     assert ours._work_shared(encoded, plan) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "task, path",
+    [("hellaswag", "contexts shared"), ("hellaswag first endings", "the harness's"), ("boolq", "both")],
+)
+def test_progress_reaches_one_after_each_batch_on_every_path(requests_by_task, stories_dense_and_pruned, task, path):
+    """The fraction of the reads done, after each batch the model reads: shared contexts (hellaswag), the harness's
+    batches (one ending per document), or both (boolq's passages over stories260K's 512 tokens go to the harness)."""
+    models, tokenizer = stories_dense_and_pruned
+    requests = requests_by_task[task.split()[0]]
+    if task.endswith("first endings"):
+        requests = [request for request in requests if request.idx == 0]
+    fractions: list[float] = []
+    calls: list[str] = []
+    scorer = SharedContextLM(
+        pretrained=models["dense"], tokenizer=tokenizer, batch_size=4, on_progress=fractions.append
+    )
+    harness_call = scorer._model_call
+    scorer._model_call = lambda *arguments, **keywords: calls.append("harness") or harness_call(*arguments, **keywords)
+    scorer.loglikelihood(requests)
+    harness_batches = {"contexts shared": 0, "the harness's": len(fractions)}.get(path)
+    if harness_batches is None:
+        assert 0 < len(calls) < len(fractions)
+    else:
+        assert len(calls) == harness_batches
+    assert len(fractions) > 2 and fractions == sorted(fractions)
+    assert 0 < fractions[0] < 0.5 and fractions[-1] == pytest.approx(1.0)

@@ -11,8 +11,9 @@ import yaml
 from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from casp_core.errors import DatasetNotFound, InvalidConfig
+from casp_core.errors import Cancelled, DatasetNotFound, InvalidConfig
 from casp_core.eval.zeroshot import LOCAL_TASKS, evaluate_zero_shot
+from casp_core.run import Run
 from casp_core.settings import ZERO_SHOT_TASKS
 from tests.conftest import STORIES
 from tests.core.eval.eval_helpers import (
@@ -128,3 +129,27 @@ def test_unknown_task_is_refused(stories_model):
     model, tokenizer = stories_model
     with pytest.raises(InvalidConfig, match="mmlu"):
         evaluate_zero_shot(model, tokenizer, ["piqa", "mmlu"], limit=1, datasets_dir=None, device="cpu")
+
+
+def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progress(stories_model):
+    """Every document of the seven tasks is hours of a CPU: the evaluation reports the fraction scored after each
+    batch, and a cancelled job stops at the next one."""
+    datasets_dir = datasets_dir_or_skip()
+    model, tokenizer = stories_model
+    reports: list[tuple[str, float, str]] = []
+    run = Run(progress=lambda stage, fraction, message="": reports.append((stage, fraction, message)))
+    evaluate_zero_shot(model, tokenizer, ["arc_easy"], limit=40, datasets_dir=str(datasets_dir), device="cpu", run=run)
+    assert len(reports) >= 3 and {stage for stage, _, _ in reports} == {"evaluation"}
+    assert {message for _, _, message in reports} == {"zero-shot arc_easy"}
+    fractions = [fraction for _, fraction, _ in reports]
+    assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+
+    reports.clear()
+    run = Run(
+        progress=lambda stage, fraction, message="": reports.append(fraction), should_cancel=lambda: bool(reports)
+    )
+    with pytest.raises(Cancelled):
+        evaluate_zero_shot(
+            model, tokenizer, ["arc_easy"], limit=40, datasets_dir=str(datasets_dir), device="cpu", run=run
+        )
+    assert len(reports) == 1 and reports[0] < 0.5
