@@ -9,8 +9,9 @@ they are read: the same log-likelihoods and greedy flags (up to float rounding: 
 order), for less work: bench/results/zero_shot_scorer.md says how much.
 
 Everything else (requests, prompts, metrics, truncation of over-long requests) is the harness's: this module
-overrides only `_loglikelihood_tokens`, and hands it back the requests it does not serve: over-long ones, every
-request of a sequence-to-sequence model, and all of them where sharing would save under a fifth of the work.
+overrides `_loglikelihood_tokens`, and hands it back the requests it does not serve: over-long ones, every request
+of a sequence-to-sequence model, and all of them where sharing would save under a fifth of the work. Either way,
+`on_progress` hears the fraction of the reads done after each batch (the harness's counted in `_model_call`).
 """
 
 import copy
@@ -62,7 +63,7 @@ class SharedContextLM(HFLM):
         try:
             return self._score_requests(requests, disable_tqdm, override_bs)
         finally:
-            self._reads_planned = 0  # no progress outside a scoring (the harness's batch-size search)
+            self._reads_planned = 0  # a forward outside a scoring reports nothing
 
     def _score_requests(self, requests: list[Request], disable_tqdm: bool, override_bs: int | None) -> list[Answer]:
         answers: dict[int, Answer] = {}
