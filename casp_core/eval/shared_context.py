@@ -90,7 +90,7 @@ class SharedContextLM(HFLM):
             answers.update(zip(handed_back, harness_answers, strict=True))
         progress = tqdm(
             total=len(requests) - len(handed_back),
-            disable=disable_tqdm or self.rank != 0,
+            disable=disable_tqdm or self.rank != 0 or self.on_progress is not None,  # casp reports it instead
             desc="Running loglikelihood requests (contexts shared)",
         )
         for batch in batches:
