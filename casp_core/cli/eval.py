@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from casp_core.cli.arguments import names, non_negative_int, positive_int
-from casp_core.cli.progress import StageBars
+from casp_core.cli.progress import local_run
 from casp_core.errors import InvalidConfig, ModelNotFound
 from casp_core.settings import ZERO_SHOT_TASKS, EfficiencyConfig
 
@@ -169,8 +169,6 @@ def gguf_file_figures(path: Path, texts: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from casp_core.run import Run  # torch: loaded only when a command needs it
-
     efficiency = (
         {
             "batch_size": args.latency_batch_size,
@@ -182,8 +180,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.efficiency
         else None
     )
-    bars = StageBars()
-    try:
+    with local_run() as run:
         out = evaluate_checkpoint(
             args.model,
             tasks=args.tasks,
@@ -195,10 +192,8 @@ def run_eval(args: argparse.Namespace) -> int:
             device=args.device,
             batch_size=args.batch_size,
             efficiency=efficiency,
-            run=Run(progress=bars),
+            run=run,
         )
-    finally:
-        bars.close()
     text = json.dumps(out, indent=2) + "\n"
     if args.out is None:
         sys.stdout.write(text)

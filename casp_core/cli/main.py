@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from casp_core.cli.eval import add_eval_parser
 from casp_core.cli.export import add_export_parser, warn_about
-from casp_core.cli.progress import StageBars
+from casp_core.cli.progress import local_run
 from casp_core.cli.recover import add_recover_parser
 from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, settings_from_args
 from casp_core.cli.upgrade import add_upgrade_parser
@@ -53,17 +53,12 @@ def prune_config(args: argparse.Namespace) -> PruneConfig:
 def run_prune(args: argparse.Namespace) -> int:
     # torch and transformers load only when needed
     from casp_core.job.run import run_job
-    from casp_core.run import Run
 
     # run_job plans from the model's config before any weight loads or stage starts (casp_core.job.plan), so what
     # the job would refuse is refused here too, with the job's message and no progress bar drawn.
     config = prune_config(args)
-    bars = StageBars()
-    try:
-        run = Run(progress=bars, on_warning=lambda message: print(f"casp: warning: {message}", file=sys.stderr))
+    with local_run() as run:
         report = run_job(args.model, config, args.out, run, revision=args.revision)
-    finally:
-        bars.close()
     summary = {
         "out": str(args.out),
         "achieved_ratio": round(report["achieved_ratio"], 4),

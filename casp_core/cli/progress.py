@@ -1,16 +1,20 @@
-"""Progress of a local run on the command line (`casp prune`, `casp recover`)."""
+"""Progress of a local run on the command line (`casp prune`, `casp recover`, `casp eval`)."""
 
 import math
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import TextIO
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, TextIO
 
 from tqdm import tqdm
 
 from casp_core.errors import InvalidConfig
+
+if TYPE_CHECKING:
+    from casp_core.run import Run
 
 # How often a log (stderr that is not a terminal) gets a line while one stage goes on; the variable sets another,
 # and 0 gives a line for every report (each of the service's progress events, and more).
@@ -108,6 +112,18 @@ class StageBars:
             self.heartbeat.join()
         with self.lock:
             self._close_bar()
+
+
+@contextmanager
+def local_run() -> Iterator["Run"]:
+    """The `Run` of a command: its stages' progress and its warnings on stderr, the bars closed however it ends."""
+    from casp_core.run import Run  # torch: loaded only when a command needs it
+
+    bars = StageBars()
+    try:
+        yield Run(progress=bars, on_warning=lambda message: print(f"casp: warning: {message}", file=sys.stderr))
+    finally:
+        bars.close()
 
 
 def _minutes_seconds(seconds: float) -> str:

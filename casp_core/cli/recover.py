@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from casp_core.cli.progress import StageBars
+from casp_core.cli.progress import local_run
 from casp_core.cli.setting_flags import add_machine_flags, add_setting_flags, bare_flag, settings_from_args
 from casp_core.errors import InvalidConfig
 from casp_core.settings import LORA_ONLY_SETTINGS, RecoveryConfig
@@ -52,7 +52,6 @@ def add_recover_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_recover(args: argparse.Namespace) -> int:
     from casp_core.job.run import recover_checkpoint  # torch and transformers load only when needed
     from casp_core.model import resolve_device
-    from casp_core.run import Run
 
     settings = settings_from_args(args, RecoveryConfig)
     unused = [name for name in LORA_ONLY_SETTINGS if name in settings]
@@ -60,13 +59,10 @@ def run_recover(args: argparse.Namespace) -> int:
         raise InvalidConfig(f"{bare_flag(unused[0])}: a LoRA setting, unused by --method {args.method}")
     config = RecoveryConfig.from_dict({**settings, "method": args.method})
     resolve_device(args.device)
-    bars = StageBars()
-    try:
+    with local_run() as run:
         summary = recover_checkpoint(
-            args.checkpoint, config, args.out, Run(progress=bars), datasets_dir=args.datasets_dir, device=args.device
+            args.checkpoint, config, args.out, run, datasets_dir=args.datasets_dir, device=args.device
         )
-    finally:
-        bars.close()
     final = summary["curve"][-1]["loss"] if summary["curve"] else None
     print(json.dumps({"out": str(args.out), "steps": summary["steps"], "final_loss": final}))
     return 0

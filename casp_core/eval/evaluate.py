@@ -91,8 +91,6 @@ def evaluate(
             model, text, device=plan.device, batch_size=plan.perplexity_batch_size, run=run
         )
     if plan.zero_shot:
-        run.check_cancelled()
-        run.report("evaluation", 0.0, f"zero-shot {', '.join(plan.zero_shot)}")
         figures.zero_shot = evaluate_zero_shot(
             model,
             tokenizer,

@@ -179,8 +179,8 @@ def evaluate_zero_shot(
     """Zero-shot acc / acc_norm of `model` on `tasks` (any of ZERO_SHOT_TASKS), as the harness computes them.
 
     `limit` caps the documents per task (the first ones of the split), for quick runs. The model is moved
-    to `device` ("auto": cuda when available) in place, and put in eval mode. `run` hears the fraction scored
-    after each batch, and its cancellation stops the scoring there.
+    to `device` ("auto": cuda when available) in place, and put in eval mode. `run` hears the start and the
+    fraction scored after each batch, and its cancellation stops the scoring there.
     """
     run = run or Run()
 
@@ -189,6 +189,7 @@ def evaluate_zero_shot(
         run.report("evaluation", fraction, f"zero-shot {', '.join(tasks)}")
 
     _check_tasks(tasks)
+    scored(0.0)  # the tasks' documents load and become requests before the first batch: minutes for hellaswag
     lm_eval = harness()
     from casp_core.eval.shared_context import SharedContextLM
 

@@ -5,13 +5,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from casp_core.cli import main as cli
-from casp_core.cli.progress import LOG_INTERVAL_SECONDS, LOG_INTERVAL_VARIABLE, StageBars, log_interval
+from casp_core.cli.progress import LOG_INTERVAL_SECONDS, LOG_INTERVAL_VARIABLE, StageBars, local_run, log_interval
 from casp_core.errors import InvalidConfig
 from tests.conftest import DATASETS_DIR, REPO, STORIES
 
@@ -58,6 +59,23 @@ def test_a_log_gets_a_line_at_intervals_while_no_report_comes() -> None:
     assert len(lines) >= 4 and set(lines[1:]) == {"casp: allocation: gradients of 2 of 8 sequences (25%, 0:00 elapsed)"}
     time.sleep(0.2)
     assert stream.getvalue().splitlines() == lines  # closed: the thread has stopped
+
+
+def test_a_command_s_run_prints_its_progress_and_warnings_and_stops_its_thread_however_it_ends(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`casp prune`, `casp recover` and `casp eval` all run through `local_run` (recover's warnings, the LoRA
+    dropout of experts, were once dropped)."""
+    monkeypatch.setenv(LOG_INTERVAL_VARIABLE, "60")  # the log's thread runs, and writes no line of its own here
+    with pytest.raises(RuntimeError, match="the stage failed"), local_run() as run:
+        run.report("recovery", 0.5, "step 2 of 4")
+        run.warn("recovery: LoRA dropout 0 instead of 0.05")
+        assert any(thread.name == "casp-progress" for thread in threading.enumerate())
+        raise RuntimeError("the stage failed")
+    assert not any(thread.name == "casp-progress" for thread in threading.enumerate())
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == ["casp: recovery: step 2 of 4", "casp: warning: recovery: LoRA dropout 0 instead of 0.05"]
+    assert run.warnings == ["recovery: LoRA dropout 0 instead of 0.05"]
 
 
 def test_the_interval_is_set_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -132,8 +132,8 @@ def test_unknown_task_is_refused(stories_model):
 
 
 def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progress(stories_model):
-    """Every document of the seven tasks is hours of a CPU: the evaluation reports the fraction scored after each
-    batch, and a cancelled job stops at the next one."""
+    """Every document of the seven tasks is hours of a CPU: the evaluation reports its start (before the documents
+    load), then the fraction scored after each batch, and a cancelled job stops at the next one."""
     datasets_dir = datasets_dir_or_skip()
     model, tokenizer = stories_model
     reports: list[tuple[str, float, str]] = []
@@ -142,14 +142,14 @@ def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progre
     assert len(reports) >= 3 and {stage for stage, _, _ in reports} == {"evaluation"}
     assert {message for _, _, message in reports} == {"zero-shot arc_easy"}
     fractions = [fraction for _, fraction, _ in reports]
-    assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+    assert fractions[0] == 0.0 and fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
 
     reports.clear()
     run = Run(
-        progress=lambda stage, fraction, message="": reports.append(fraction), should_cancel=lambda: bool(reports)
+        progress=lambda stage, fraction, message="": reports.append(fraction), should_cancel=lambda: len(reports) > 1
     )
     with pytest.raises(Cancelled):
         evaluate_zero_shot(
             model, tokenizer, ["arc_easy"], limit=40, datasets_dir=str(datasets_dir), device="cpu", run=run
         )
-    assert len(reports) == 1 and reports[0] < 0.5
+    assert len(reports) == 2 and reports[0] == 0.0 < reports[1] < 0.5  # the start, the first batch
