@@ -8,6 +8,8 @@ differentiated, each chunk's logits are recomputed in the backward pass (activat
 so a backward pass too holds one chunk's logits at a time.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -58,18 +60,31 @@ def token_losses(model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Te
     `targets` (...), shaped as `targets`; the logits of `tokens_per_chunk` positions at a time. Differentiable with
     respect to `hidden` (and the head) where grad mode is on: each chunk is checkpointed."""
     rows = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1)
-    chunk = tokens_per_chunk(model.config.vocab_size)
-    differentiable = torch.is_grad_enabled() and (rows.requires_grad or model.lm_head.weight.requires_grad)
-    losses = []
-    for start in range(0, len(rows), chunk):
-        piece, piece_targets = rows[start : start + chunk], flat_targets[start : start + chunk]
-        if differentiable:
-            losses.append(checkpoint(_chunk_losses, model, piece, piece_targets, use_reentrant=False))
-        else:
-            losses.append(_chunk_losses(model, piece, piece_targets))
+    losses = of_chunks(model, rows, _cross_entropies, targets.reshape(-1))
     return torch.cat(losses).view(targets.shape)
 
 
-def _chunk_losses(model: PreTrainedModel, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head_logits(model, rows), targets, reduction="none")
+def of_chunks(
+    model: PreTrainedModel,
+    rows: torch.Tensor,
+    of_logits: Callable[..., torch.Tensor],
+    *aligned: torch.Tensor,
+) -> list[torch.Tensor]:
+    """`of_logits(logits, *pieces)` for each chunk of `tokens_per_chunk` rows of `rows` (final hidden states,
+    rows x hidden), `pieces` the same rows of each of `aligned` (targets, a teacher's rows). Where grad mode needs
+    it each chunk is checkpointed: its logits are recomputed in the backward pass instead of kept."""
+    chunk = tokens_per_chunk(model.config.vocab_size)
+    differentiable = torch.is_grad_enabled() and (rows.requires_grad or model.lm_head.weight.requires_grad)
+
+    def of_chunk(piece: torch.Tensor, *pieces: torch.Tensor) -> torch.Tensor:
+        return of_logits(head_logits(model, piece), *pieces)
+
+    values = []
+    for start in range(0, len(rows), chunk):
+        pieces = [tensor[start : start + chunk] for tensor in (rows, *aligned)]
+        values.append(checkpoint(of_chunk, *pieces, use_reentrant=False) if differentiable else of_chunk(*pieces))
+    return values
+
+
+def _cross_entropies(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets, reduction="none")

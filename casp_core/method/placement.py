@@ -34,8 +34,9 @@ shrunk by the ratio; float32 unless bf16 autocast runs the matmuls); what trains
 moments in float32 (LoRA's adapters, at the dense widths as a bound, a mixture's on every expert, or with `full`
 every decoder weight); one batch's activations (with gradient checkpointing each layer's input plus one layer's
 activations recomputed, without it every layer's; a mixture's token through its top-k experts), and the float32
-logits of the batch several times over (logits, log-softmax and gradient; distillation adds the tempered
-log-softmax and the top-k's rest).
+logits of one chunk of the batch's positions several times over (logits, log-softmax and gradient; distillation adds
+the tempered log-softmax and the top-k's rest): the loss takes the logits a chunk at a time, recomputed in the
+backward pass (casp_core.method.next_token).
 """
 
 from dataclasses import asdict, dataclass
@@ -63,7 +64,7 @@ FLOAT32, FLOAT64 = 4, 8
 GIB = 2**30
 # Bytes per trained parameter beyond its float32 weight: its gradient and AdamW's two moments.
 OPTIMIZER_STATE = 3 * FLOAT32
-# Float32 copies of a batch's logits alive at once: logits, log-softmax, gradient; distillation's tempered
+# Float32 copies of a chunk's logits alive at once: logits, log-softmax, gradient; distillation's tempered
 # log-softmax, the copy with the top k masked for the rest bucket and its gradient.
 CROSS_ENTROPY_LOGITS, DISTILLATION_LOGITS = 3, 6
 LORA_PROJECTIONS = 7  # the most adapters a decoder layer gets (q, k, v, o, gate, up, down)
@@ -329,7 +330,7 @@ def estimate_recovery_memory(
     else:
         activations = shape.layers * per_layer + per_layer
     copies = CROSS_ENTROPY_LOGITS if recovery.loss == CROSS_ENTROPY_LOSS else DISTILLATION_LOGITS
-    logits = tokens * shape.vocab * FLOAT32 * copies
+    logits = min(tokens, tokens_per_chunk(shape.vocab)) * shape.vocab * FLOAT32 * copies
     return RecoveryMemoryEstimate(weights, optimizer_state, activations, logits)
 
 

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
 from casp_core.errors import InvalidConfig
 from casp_core.families import family_of
+from casp_core.method.next_token import final_hidden_states, of_chunks
 from casp_core.method.placement import bf16_autocast
 from casp_core.model import decoder_layers, resolve_device
 from casp_core.recovery.data import TrainingData, collate
@@ -150,6 +151,8 @@ def recover(
         model.activation_checkpointing_enable({"use_reentrant": False})
     torch.manual_seed(config.seed)
     trained, lora = _trainable_model(model, config, run)
+    # The model with its adapters in place, as the loss takes it (casp_core.method.next_token)
+    student = trained.get_base_model() if isinstance(trained, PeftModel) else trained
     # What trains is in float32 whatever the rest is (adapters; with full, the decoder layers).
     for parameter in trained.parameters():
         if parameter.requires_grad:
@@ -182,16 +185,9 @@ def recover(
         for indices, batch in zip(sequences, passes, strict=True):
             run.check_cancelled()
             batch = {name: tensor.to(target) for name, tensor in batch.items()}
+            taught = None if teacher is None else [tensor.to(target) for tensor in teacher.rows_of(indices)]
             with torch.autocast(target.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = trained(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            # Only the labelled positions, in the order the teacher cache lays out their rows.
-            positions = labelled_positions(batch["labels"])
-            predicted = logits[:, :-1][positions].float()
-            ce = torch.nn.functional.cross_entropy(predicted, batch["labels"][:, 1:][positions], reduction="sum")
-            kl = None
-            if teacher is not None:
-                rows = (tensor.to(target) for tensor in teacher.rows_of(indices))
-                kl = distillation_loss(predicted, *rows, config.temperature)
+                ce, kl = loss_terms(student, batch, taught, config.temperature)
             loss = _combined(config, ce, kl) / max(labelled, 1)
             loss.backward()
             terms["loss"] += loss.item()
@@ -263,6 +259,36 @@ def _trainable_model(
     for layer in decoder_layers(model):
         layer.requires_grad_(True)
     return model, None
+
+
+def loss_terms(
+    student: PreTrainedModel,
+    batch: dict[str, torch.Tensor],
+    taught: list[torch.Tensor] | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pass's cross-entropy and, with the teacher's rows (`taught`: top-k indices, log-probabilities and rest),
+    its distillation term, summed over the labelled positions. The logits are taken a chunk of positions at a time
+    and recomputed in the backward pass: a batch's full logits (8 x 2048 positions of a 128K vocabulary: 8.4 GB
+    in float32, several copies with the loss's) would outweigh a small model's training."""
+    hidden = final_hidden_states(student, batch["input_ids"], batch["attention_mask"])
+    # Only the labelled positions, in the order the teacher cache lays out their rows.
+    positions = labelled_positions(batch["labels"])
+    rows, targets = hidden[:, :-1][positions], batch["labels"][:, 1:][positions]
+    if taught is None:
+        return torch.stack(of_chunks(student, rows, _summed_cross_entropy, targets)).sum(), None
+
+    def both_terms(logits: torch.Tensor, targets: torch.Tensor, *teacher_rows: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [_summed_cross_entropy(logits, targets), distillation_loss(logits, *teacher_rows, temperature)]
+        )
+
+    ce, kl = torch.stack(of_chunks(student, rows, both_terms, targets, *taught)).sum(0)
+    return ce, kl
+
+
+def _summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
 
 
 def _combined(config: RecoveryConfig, ce: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:

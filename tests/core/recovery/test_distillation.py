@@ -8,14 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from casp_core.artifacts.snapshot import SNAPSHOT_FILE
 from casp_core.errors import DiskSpaceTooSmall, InvalidConfig
 from casp_core.eval.perplexity import evaluation_text
 from casp_core.job.run import TEACHER_WORK, run_job
+from casp_core.method import next_token
 from casp_core.method.prune import prune
 from casp_core.model import load_model
-from casp_core.recovery.data import load_training_data
+from casp_core.recovery.data import IGNORED, load_training_data
 from casp_core.recovery.teacher import (
     TEACHER_FILE,
     check_free_disk,
@@ -24,8 +26,9 @@ from casp_core.recovery.teacher import (
     labelled_positions,
     load_teacher,
     teacher_fingerprint,
+    top_k_logprobs,
 )
-from casp_core.recovery.train import recover
+from casp_core.recovery.train import loss_terms, recover
 from casp_core.run import Run
 from casp_core.settings import RecoveryConfig
 from tests.conftest import DATASETS_DIR, STORIES, small_config
@@ -170,6 +173,50 @@ def test_the_bucketed_kl_is_exact_with_the_whole_vocabulary_and_zero_for_the_tea
         assert 0 < float(distillation_loss(student_logits, top.indices, top.values, rest, temperature)) <= exact
         itself = distillation_loss(teacher_logits, top.indices, top.values, rest, temperature)
         assert abs(float(itself)) < 1e-5
+
+
+def test_the_loss_taken_a_chunk_of_positions_at_a_time_is_the_whole_batch_s(monkeypatch: pytest.MonkeyPatch):
+    """Recovery never holds a batch's logits: the loss puts 7 positions at a time through the head (stories260K's
+    vocabulary is 512) and recomputes them in the backward pass, and the terms and gradients are the full logits'."""
+    model, _ = load_model(str(STORIES))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "down_proj"], lora_dropout=0.0, init_lora_weights=False)
+    student = get_peft_model(model, lora).get_base_model()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 512, (3, 40), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2, 30:] = 0  # padding: no attention and no label
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORED)
+    labels[0, :12] = IGNORED  # a prompt: no label
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    positions = labelled_positions(labels)
+    with torch.no_grad():
+        dense_rows = student(input_ids, attention_mask=attention_mask).logits[:, :-1][positions] * 1.5
+    top, rest = top_k_logprobs(dense_rows, 8, 2.0)
+    taught = [top.indices, top.values, rest]
+    trained = [parameter for parameter in student.parameters() if parameter.requires_grad]
+
+    head_passes = []
+    student.lm_head.register_forward_hook(lambda _, inputs, __: head_passes.append(len(inputs[0].flatten(0, -2))))
+    monkeypatch.setattr(next_token, "LOGITS_CHUNK_BYTES", 7 * 4 * 512)
+    ce, kl = loss_terms(student, batch, taught, 2.0)
+    (ce + kl).backward()
+    chunked = [parameter.grad.clone() for parameter in trained]
+    rows = int(positions.sum())
+    chunks = [7] * (rows // 7) + ([rows % 7] if rows % 7 else [])
+    # The forward's last position of each sequence, then every chunk forward and again in the backward pass.
+    assert head_passes[0] == 3 and sorted(head_passes[1:]) == sorted(2 * chunks) and len(chunks) > 10
+
+    student.zero_grad()
+    logits = student(input_ids, attention_mask=attention_mask).logits[:, :-1][positions].float()
+    whole_ce = torch.nn.functional.cross_entropy(logits, labels[:, 1:][positions], reduction="sum")
+    whole_kl = distillation_loss(logits, *taught, 2.0)
+    (whole_ce + whole_kl).backward()
+    assert ce.item() == pytest.approx(whole_ce.item(), rel=1e-5)
+    assert kl.item() == pytest.approx(whole_kl.item(), rel=1e-5) and kl.item() > 0
+    for parameter, gradient in zip(trained, chunked, strict=True):
+        scale = gradient.abs().max().item()  # float32 sums in another order: equal to its 1e-4
+        assert scale > 0
+        torch.testing.assert_close(gradient, parameter.grad, rtol=1e-4, atol=1e-4 * scale)
 
 
 @pytest.mark.slow
