@@ -15,7 +15,14 @@ calibration tokens. Bound: `JOB_FACTOR` x the model's bytes at its dtype + `JOB_
 slow test holds it at 32 x 512. Each job gets a cache folder of its own, so nothing is reused from an earlier run
 (the dequantized file, the dense evaluation).
 
-Writes bench/results/memory.json and memory.md; a run of one part (`--parts`) keeps the other's last figures.
+Recovery on the real model (`--parts recovery`): the same job at ratio 0.3 with the 32 x 512 calibration and one
+perplexity window a text, then LoRA recovery at its default batch (8 x 256 tokens) for `RECOVERY_STEPS` steps on
+the head of PTB train, once with each loss (`RECOVERY_LOSSES`): the recovery stage's peak beside
+casp_core.method.placement's estimate, and beside the float32 logits of the whole batch (8 x 256 x 49,152), which
+recovery held before its loss took them a chunk at a time. A row is keyed by its loss and commit, so the same
+command from an older checkout adds that commit's rows.
+
+Writes bench/results/memory.json and memory.md; a run of some parts (`--parts`) keeps the others' last figures.
 """
 
 import argparse
@@ -82,6 +89,17 @@ def job_bound_mib(model_mib: float) -> float:
 REAL_MODEL_CALIBRATIONS = ((32, 512), (128, 2048))
 
 
+# Recovery: what it trains on (PTB train's head: a few dozen 256-token sequences, so the distillation's teacher pass
+# takes seconds), its steps, and the losses measured (distillation holds the most: the tempered log-softmax and the
+# rest bucket beside the cross-entropy's).
+RECOVERY_TRAIN_LINES = 600
+RECOVERY_STEPS = 3
+RECOVERY_LOSSES = ("cross_entropy", "distill")
+# Float32 copies of a batch's logits the loss held at once before it took them a chunk at a time
+# (casp_core.method.placement's CROSS_ENTROPY_LOGITS and DISTILLATION_LOGITS).
+LOGITS_COPIES = {"cross_entropy": 3, "distill": 6}
+
+
 # About 1B parameters (0.94 B): Llama-3.2-1B's layer (hidden 2048, 32 heads over 8 key/value heads), a
 # 5632-wide FFN, 18 layers and a 32000-token vocabulary (the tokenizer uses the first 4096).
 ONE_B = {"hidden": 2048, "layers": 18, "ffn": 5632, "heads": 32, "kv_heads": 8, "vocab": 32000}
@@ -126,6 +144,15 @@ def real_model_settings(
     if evaluation_limit is not None:
         settings["evaluation"] = {"limit": evaluation_limit}
     return settings
+
+
+def recovery_settings(datasets_dir: str, train_file: str, loss: str) -> dict[str, Any]:
+    """`real_model_settings` at ratio 0.3, 32 x 512 calibration tokens and one perplexity window a text, no export,
+    then LoRA recovery with `loss` at its default batch and sequence length, `RECOVERY_STEPS` steps of one pass."""
+    settings = real_model_settings(datasets_dir, 32, 512, evaluation_limit=1)
+    del settings["export"], settings["gguf_type"]
+    recovery = {"method": "lora", "loss": loss, "dataset": train_file, "max_steps": RECOVERY_STEPS, "grad_accum": 1}
+    return {**settings, "ratio": 0.3, "recovery": recovery}
 
 
 def model_bytes(model: str) -> int:
@@ -223,7 +250,11 @@ def run_job_here(model_dir: str, settings: str, out: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job", nargs=3, metavar=("MODEL", "SETTINGS", "OUT"), help=argparse.SUPPRESS)
-    parser.add_argument("--parts", default="random,real", help="random (the random shape), real (SmolLM2), or both")
+    parser.add_argument(
+        "--parts",
+        default="random,real,recovery",
+        help="comma-separated: random (the random shape), real (SmolLM2's prune), recovery (SmolLM2's recovery)",
+    )
     parser.add_argument("--shape", choices=("1b", "0.5b"), default="1b")
     parser.add_argument(
         "--calibrations",
@@ -248,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     if "real" in parts:
         calibrations = [tuple(int(n) for n in item.split("x")) for item in args.calibrations.split(",")]
         real_model = measure_real_model(calibrations, args)
+    recovery = measure_recovery(args) if "recovery" in parts else None
     # Read only now: another run of the bench may have written its part meanwhile (a 128 x 2048 job takes hours).
     path = RESULTS_DIR / "memory.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
@@ -256,12 +288,16 @@ def main(argv: list[str] | None = None) -> None:
     if real_model is not None:
         earlier_runs = result.get("real_model", {}).get("runs", {})
         result["real_model"] = {**real_model, "runs": {**earlier_runs, **real_model["runs"]}}
+    if recovery is not None:
+        earlier_runs = result.get("recovery", {}).get("runs", {})
+        result["recovery"] = {**recovery, "runs": {**earlier_runs, **recovery["runs"]}}
     write_json(path, result)
     lines = [
         "# Peak host memory of a pruning job",
         "",
         *(random_shape_lines(result["random_shape"]) if "random_shape" in result else []),
         *(real_model_lines(result["real_model"]) if "real_model" in result else []),
+        *(recovery_lines(result["recovery"]) if "recovery" in result else []),
     ]
     (RESULTS_DIR / "memory.md").write_text("\n".join(lines))
     print("\n".join(lines))
@@ -316,6 +352,38 @@ def measure_real_model(calibrations: list[tuple[int, ...]], args: argparse.Names
     }
 
 
+def measure_recovery(args: argparse.Namespace) -> dict[str, Any]:
+    """Each loss's job, with the recovery's estimate and the whole batch's logits beside its peak."""
+    from casp_core.artifacts.gguf.source import gguf_config
+    from casp_core.method.placement import ModelShape, estimate_recovery_memory
+    from casp_core.settings import RecoveryConfig
+
+    model = Path(args.models_dir) / SMOLLM2_GGUF
+    lines = (Path(args.datasets_dir) / "ptb" / "ptb.train.txt").read_text(encoding="utf-8").splitlines()
+    # float32 on the CPU (a GGUF file is dequantized), sdpa attention (no score matrix kept)
+    shape = ModelShape.from_config(gguf_config(model), dtype_bytes=4, eager_attention=False)
+    runs = {}
+    with tempfile.TemporaryDirectory() as directory:
+        train_file = Path(directory) / "ptb-train-head.txt"
+        train_file.write_text("\n".join(lines[:RECOVERY_TRAIN_LINES]), encoding="utf-8")
+        for loss in RECOVERY_LOSSES:
+            machine = machine_info()
+            settings = recovery_settings(args.datasets_dir, str(train_file), loss)
+            recovery = RecoveryConfig(**settings["recovery"])
+            figures = measure(model, settings)
+            machine = finish_machine_info(machine)
+            recorded = {**settings["recovery"], "dataset": f"ptb.train.txt, first {RECOVERY_TRAIN_LINES} lines"}
+            batch_logits = recovery.batch_size * recovery.max_seq_len * shape.vocab * 4 * LOGITS_COPIES[loss]
+            runs[f"{loss}, {(machine['git_commit'] or 'unknown')[:7]}"] = {
+                "machine": machine,
+                "settings": {k: v for k, v in settings.items() if k != "datasets_dir"} | {"recovery": recorded},
+                "estimate_mib": estimate_recovery_memory(shape, recovery, 0.3, autocast=False).peak / 2**20,
+                "batch_logits_mib": batch_logits / 2**20,
+                **figures,
+            }
+    return {"model": str(SMOLLM2_GGUF), "model_mib": model_bytes(str(model)) / 2**20, "runs": runs}
+
+
 def random_shape_lines(part: dict[str, Any]) -> list[str]:
     runs, size_mib = part["runs"], part["weights_mib"]
     return [
@@ -359,6 +427,35 @@ def real_model_lines(part: dict[str, Any]) -> list[str]:
         ),
         "",
         *stage_table(runs, "calibration"),
+    ]
+
+
+def recovery_lines(part: dict[str, Any]) -> list[str]:
+    runs = part["runs"]
+    return [
+        "## SmolLM2-135M, recovery",
+        "",
+        f"`{part['model']}` (float32: {part['model_mib']:.0f} MiB) pruned by 0.3 (32 x 512 calibration tokens of the "
+        "WikiText-2 validation file, one perplexity window a text), then LoRA recovery at its defaults (rank 8 on "
+        f"every projection, batch 8 x 256 tokens, no gradient checkpointing) for {RECOVERY_STEPS} steps of one "
+        f"pass on PTB train's first {RECOVERY_TRAIN_LINES} lines, with each loss; the whole job in a fresh process "
+        "with an empty cache. Estimate: casp_core.method.placement's for the recovery at these settings in float32. "
+        "Batch logits: the float32 logits of one batch as many times as the loss held them when it took the whole "
+        "batch's at once (three copies, six with distillation); since 3f50cee the loss takes them a chunk of "
+        "positions at a time (64 MiB), recomputed in the backward pass. A row's commit is the casp_core it ran.",
+        "",
+        "| loss, commit | recovery stage peak RSS (MiB) | estimate (MiB) | batch logits (MiB) | job peak RSS (MiB) | "
+        "minutes | load before / after | machine |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {name} | **{figures['stage_peak_rss_mib'].get('recovery', float('nan')):.0f}** | "
+            f"{figures['estimate_mib']:.0f} | {figures['batch_logits_mib']:.0f} | {figures['peak_rss_mib']:.0f} | "
+            f"{figures['seconds'] / 60:.1f} | {figures['loadavg_before'][0]:.1f} / {figures['loadavg_after'][0]:.1f} "
+            f"| {machine_line(figures['machine'])} |"
+            for name, figures in runs.items()
+        ),
+        "",
+        *stage_table(runs, "loss"),
     ]
 
 
