@@ -182,11 +182,12 @@ def render(payload: dict[str, Any]) -> str:
         f"## Recovery after pruning by {RECOVERY_RATIO:.0%}",
         "",
         "Recovery holds the whole pruned model on the device (bf16 autocast: weights in bf16, what trains in "
-        "float32 with its gradient and AdamW's two moments), one batch's activations (default 8 x 256 tokens; with "
-        "gradient checkpointing each layer's input and one layer's activations) and the float32 logits of one chunk "
-        "of the batch's positions (64 MiB, or the batch's where it is smaller; three copies, six with distillation: "
-        "the loss recomputes each chunk's logits in the backward pass). From the model, not a measurement; a job whose estimate exceeds "
-        "`max_device_memory` is refused before pruning with what would fit.",
+        "float32 with its gradient and AdamW's two moments), one batch's activations (default 8 x 256 tokens: what "
+        "autograd keeps of each layer for the backward pass; with gradient checkpointing each layer's input and one "
+        "layer's activations) and the float32 logits of one chunk of the batch's positions (64 MiB, or the batch's "
+        "where it is smaller; three copies, six with distillation: the loss recomputes each chunk's logits in the "
+        "backward pass). From the model, not a measurement; a job whose estimate exceeds `max_device_memory` is "
+        "refused before pruning with what would fit.",
         "",
         "| model | recovery | weights | optimizer state | activations | logits | peak (GiB) | on an 80 GiB GPU |",
         "|---|---|---|---|---|---|---|---|",

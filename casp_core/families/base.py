@@ -192,6 +192,11 @@ class Family:
     # GGUF export is refused, `gguf_refusal` saying why.
     gguf: ClassVar[str | None] = "deci"
     gguf_refusal: ClassVar[str] = ""
+    # The norms a decoder layer puts the hidden states through (LLaMA's before attention and before the MLP), and
+    # whether q and k have norms of their own: each keeps its input and output for recovery's backward pass
+    # (casp_core.method.placement.kept_per_token).
+    hidden_norms: ClassVar[int] = 2
+    qk_norms: ClassVar[bool] = False
     # Recovery's `target_modules` (LORA_TARGETS, LLaMA's names) -> the module names peft adapts in this family.
     lora_targets: ClassVar[dict[str, str]] = {name: name for name in LORA_TARGETS}
     # ... and the weights that are no nn.Linear's, which peft adapts as parameters (`target_parameters`) by name.

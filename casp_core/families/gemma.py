@@ -41,6 +41,7 @@ class Gemma2(Family):
     pruned_model_class = CaspGemma2ForCausalLM
     plain_bias_switches = False
     plain_heads_divide_hidden = True
+    hidden_norms = 4  # before and after attention, before and after the MLP
     gguf = None
     gguf_refusal = _GGUF_REFUSAL.format(arch="gemma2", cls="Gemma2ForCausalLM")
 
@@ -62,6 +63,7 @@ class Gemma3Text(Gemma2):
     model_types = ("gemma3_text",)
     pruned_model_type = CaspGemma3TextConfig.model_type
     pruned_model_class = CaspGemma3ForCausalLM
+    qk_norms = True
     gguf_refusal = _GGUF_REFUSAL.format(arch="gemma3", cls="Gemma3ForCausalLM")
 
     def check_config(self, model_config: PretrainedConfig) -> None:

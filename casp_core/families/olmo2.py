@@ -30,6 +30,7 @@ class Olmo2(Family):
     pruned_model_type = CaspOlmo2Config.model_type
     pruned_model_class = CaspOlmo2ForCausalLM
     prunes_heads = False
+    qk_norms = True  # and its two hidden-state norms come after attention and after the MLP
     # Olmo2Config has one bias switch for q/k/v/o and none for the MLP: mean-bias compensation's down_proj bias
     # has no place in the family's own class.
     plain_bias_switches = False

@@ -11,6 +11,7 @@ class Olmoe(MixtureOfExperts):
 
     name = "OLMoE"
     model_types = ("olmoe",)
+    qk_norms = True
     pruned_model_type = CaspOlmoeConfig.model_type
     pruned_model_class = CaspOlmoeForCausalLM
 

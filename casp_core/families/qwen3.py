@@ -13,6 +13,7 @@ class Qwen3(Qwen2):
 
     name = "Qwen3"
     model_types = ("qwen3",)
+    qk_norms = True
     gguf = None
     gguf_refusal = (
         "its per-head q/k norms have no place in llama.cpp's deci architecture, the one that takes per-layer head "

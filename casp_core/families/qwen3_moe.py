@@ -15,6 +15,7 @@ class Qwen3Moe(MixtureOfExperts):
 
     name = "Qwen3-MoE"
     model_types = ("qwen3_moe",)
+    qk_norms = True
     pruned_model_type = CaspQwen3MoeConfig.model_type
     pruned_model_class = CaspQwen3MoeForCausalLM
 

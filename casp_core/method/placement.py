@@ -32,8 +32,9 @@ alive at once), not yet checked against a GPU measurement.
 Recovery (`estimate_recovery_memory`) holds the whole pruned model on the device: its weights (the decoder layers
 shrunk by the ratio; float32 unless bf16 autocast runs the matmuls); what trains with its gradient and AdamW's two
 moments in float32 (LoRA's adapters, at the dense widths as a bound, a mixture's on every expert, or with `full`
-every decoder weight); one batch's activations (with gradient checkpointing each layer's input plus one layer's
-activations recomputed, without it every layer's; a mixture's token through its top-k experts), and the float32
+every decoder weight); one batch's activations (what autograd keeps of a layer for the backward pass,
+`kept_per_token`, checked against each family's layer by tests/core/recovery/test_recovery_memory.py; with gradient
+checkpointing each layer's input plus one layer's recomputed, without it every layer's), and the float32
 logits of one chunk of the batch's positions several times over (logits, log-softmax and gradient; distillation adds
 the tempered log-softmax and the top-k's rest): the loss takes the logits a chunk at a time, recomputed in the
 backward pass (casp_core.method.next_token).
@@ -67,7 +68,6 @@ OPTIMIZER_STATE = 3 * FLOAT32
 # Float32 copies of a chunk's logits alive at once: logits, log-softmax, gradient; distillation's tempered
 # log-softmax, the copy with the top k masked for the rest bucket and its gradient.
 CROSS_ENTROPY_LOGITS, DISTILLATION_LOGITS = 3, 6
-LORA_PROJECTIONS = 7  # the most adapters a decoder layer gets (q, k, v, o, gate, up, down)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class ModelShape:
     experts: int = 0  # a mixture of experts: its experts per layer (`intermediate` is then one expert's width)
     shared_expert: int = 0  # the width of a mixture of experts' shared expert (Qwen2-MoE), 0 where there is none
     experts_per_token: int = 0  # a mixture of experts: the routed experts each token goes through (top-k)
+    hidden_norms: int = 2  # the norms of the hidden states in a layer (Gemma's four)
+    qk_norms: bool = False  # q and k normed (Qwen3, OLMo 2)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> "ModelShape":
@@ -113,6 +115,8 @@ class ModelShape:
             experts=experts,
             shared_expert=family.shared_expert_width(model_config) if family.has_experts else 0,
             experts_per_token=model_config.num_experts_per_tok if family.has_experts else 0,
+            hidden_norms=family.hidden_norms,
+            qk_norms=family.qk_norms,
         )
 
     def layer_parameters(self) -> int:
@@ -307,7 +311,7 @@ def estimate_recovery_memory(
     decoder = int(shape.layers * shape.layer_parameters() * (1 - ratio))
     rest = shape.model_parameters() - shape.layers * shape.layer_parameters()
     tokens = recovery.batch_size * recovery.max_seq_len
-    attn_width, qkv = shape.heads * shape.head_dim, (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    attn_width = shape.heads * shape.head_dim
     if recovery.method == FULL_RECOVERY:
         weights = decoder * FLOAT32 + rest * weight_bytes  # the decoder layers train in float32
         optimizer_state = decoder * OPTIMIZER_STATE
@@ -317,11 +321,7 @@ def estimate_recovery_memory(
         widths += [attn_width + shape.hidden, shape.ffn_adapter_width()]
         adapters = shape.layers * recovery.rank * sum(widths)
         optimizer_state = adapters * (FLOAT32 + OPTIMIZER_STATE)
-    # One layer's forward and backward: hidden states, q/k/v, attention output, the MLP's gate, up and product
-    # (their gradients as many again), LoRA's dropout copy of each adapted input.
-    per_layer = tokens * (3 * shape.hidden + qkv + attn_width + 3 * shape.ffn_width_per_token()) * activation_bytes
-    if recovery.method != FULL_RECOVERY:
-        per_layer += tokens * LORA_PROJECTIONS * shape.hidden * activation_bytes
+    per_layer = tokens * kept_per_token(shape, recovery, activation_bytes)
     if shape.eager_attention:
         per_layer += recovery.batch_size * shape.heads * recovery.max_seq_len**2 * (FLOAT32 + activation_bytes)
     checkpointing = recovery.gradient_checkpointing or recovery.method == FULL_RECOVERY
@@ -332,6 +332,33 @@ def estimate_recovery_memory(
     copies = CROSS_ENTROPY_LOGITS if recovery.loss == CROSS_ENTROPY_LOSS else DISTILLATION_LOGITS
     logits = min(tokens, tokens_per_chunk(shape.vocab)) * shape.vocab * FLOAT32 * copies
     return RecoveryMemoryEstimate(weights, optimizer_state, activations, logits)
+
+
+def kept_per_token(shape: ModelShape, recovery: RecoveryConfig, activation_bytes: int) -> int:
+    """The bytes of one token that one decoder layer's forward keeps for the backward pass, as autograd saves them
+    (tests/core/recovery/test_recovery_memory.py counts them in each family's layer): each norm's input and output;
+    q, and k and v repeated to every query head (sdpa takes them so), attention's output, its contiguous copy for
+    o_proj, and its log-sum-exp; the MLP's gate, activation, up and product (a mixture's: of each routed expert,
+    with the router's logits and each expert's gathered input and weighted output); LoRA's adapter outputs and,
+    with dropout, each adapted projection's dropped-out input and mask."""
+    attn_width, ffn = shape.heads * shape.head_dim, shape.ffn_width_per_token()
+    values = 2 * shape.hidden_norms * shape.hidden + 5 * attn_width + shape.heads + 4 * ffn
+    if shape.qk_norms:
+        values += 2 * (attn_width + shape.kv_heads * shape.head_dim)
+    if shape.experts:
+        values += shape.experts + 2 * shape.experts_per_token * shape.hidden
+    values += values // 10  # what some families keep beyond these: fused projections' outputs, the routing's
+    if recovery.method == FULL_RECOVERY:
+        return values * activation_bytes
+    targets = set(recovery.target_modules)
+    values += recovery.rank * len(targets)
+    # peft cannot drop out the experts' adapters, which are on their weights, and then drops out none.
+    ffn_adapted = bool(targets & {"gate_proj", "up_proj", "down_proj"})
+    if not recovery.dropout or (shape.experts and ffn_adapted):
+        return values * activation_bytes
+    inputs = {"o_proj": attn_width, "down_proj": ffn}
+    dropped = sum(inputs.get(target, shape.hidden) for target in targets)
+    return values * activation_bytes + dropped * (activation_bytes + 1)  # the copy, and its mask of one byte
 
 
 def check_recovery_fits(

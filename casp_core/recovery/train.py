@@ -150,7 +150,7 @@ def recover(
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     torch.manual_seed(config.seed)
-    trained, lora = _trainable_model(model, config, run)
+    trained, lora = trainable_model(model, config, run)
     # The model with its adapters in place, as the loss takes it (casp_core.method.next_token)
     student = trained.get_base_model() if isinstance(trained, PeftModel) else trained
     # What trains is in float32 whatever the rest is (adapters; with full, the decoder layers).
@@ -228,7 +228,7 @@ def recover(
     return recovered.to(device="cpu", dtype=dtype).eval(), result
 
 
-def _trainable_model(
+def trainable_model(
     model: PreTrainedModel, config: RecoveryConfig, run: Run
 ) -> tuple[torch.nn.Module, dict[str, Any] | None]:
     """`model` with only what `config.method` trains requiring a gradient: LoRA adapters (a peft model around
