@@ -45,13 +45,17 @@ from bench.common import (
     default_datasets_dir,
     default_models_dir,
     finish_machine_info,
+    git_commit,
     machine_info,
     machine_line,
     run_child,
     write_json,
 )
 from bench.shapes import llama_config
+from casp_core.artifacts.gguf.source import gguf_config
+from casp_core.method.placement import ModelShape, estimate_recovery_memory
 from casp_core.run import Run
+from casp_core.settings import RecoveryConfig
 
 # The bound. 1.3 x: the weights once, resident from the memory-mapped file, and 30 % over them. The margin and
 # those 30 % (540 MiB at 1B) hold what does not scale with the weights: Python, torch and transformers with
@@ -160,7 +164,7 @@ def model_bytes(model: str) -> int:
     counted on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from casp_core.artifacts.gguf.source import gguf_config, is_gguf_reference
+    from casp_core.artifacts.gguf.source import is_gguf_reference
 
     config = gguf_config(Path(model)) if is_gguf_reference(model) else AutoConfig.from_pretrained(model)
     dtype = torch.float32 if is_gguf_reference(model) else config.dtype
@@ -291,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     if recovery is not None:
         earlier_runs = result.get("recovery", {}).get("runs", {})
         result["recovery"] = {**recovery, "runs": {**earlier_runs, **recovery["runs"]}}
+    if "recovery" in result:  # the estimate changes with casp_core even where the rows are not measured again
+        result["recovery"]["estimates_now"] = recovery_estimates_now(args.models_dir)
     write_json(path, result)
     lines = [
         "# Peak host memory of a pruning job",
@@ -354,14 +360,9 @@ def measure_real_model(calibrations: list[tuple[int, ...]], args: argparse.Names
 
 def measure_recovery(args: argparse.Namespace) -> dict[str, Any]:
     """Each loss's job, with the recovery's estimate and the whole batch's logits beside its peak."""
-    from casp_core.artifacts.gguf.source import gguf_config
-    from casp_core.method.placement import ModelShape, estimate_recovery_memory
-    from casp_core.settings import RecoveryConfig
-
     model = Path(args.models_dir) / SMOLLM2_GGUF
     lines = (Path(args.datasets_dir) / "ptb" / "ptb.train.txt").read_text(encoding="utf-8").splitlines()
-    # float32 on the CPU (a GGUF file is dequantized), sdpa attention (no score matrix kept)
-    shape = ModelShape.from_config(gguf_config(model), dtype_bytes=4, eager_attention=False)
+    shape = smollm2_shape(args.models_dir)
     runs = {}
     with tempfile.TemporaryDirectory() as directory:
         train_file = Path(directory) / "ptb-train-head.txt"
@@ -382,6 +383,22 @@ def measure_recovery(args: argparse.Namespace) -> dict[str, Any]:
                 **figures,
             }
     return {"model": str(SMOLLM2_GGUF), "model_mib": model_bytes(str(model)) / 2**20, "runs": runs}
+
+
+def smollm2_shape(models_dir: str) -> ModelShape:
+    """float32 on the CPU (a GGUF file is dequantized), sdpa attention (no score matrix kept)."""
+    return ModelShape.from_config(gguf_config(Path(models_dir) / SMOLLM2_GGUF), dtype_bytes=4, eager_attention=False)
+
+
+def recovery_estimates_now(models_dir: str) -> dict[str, Any]:
+    """Each loss's estimate by the casp_core that renders the table (a row's own is its commit's)."""
+    shape = smollm2_shape(models_dir)
+    settings = {"method": "lora", "max_steps": RECOVERY_STEPS, "grad_accum": 1}
+    estimates = {
+        loss: estimate_recovery_memory(shape, RecoveryConfig(**settings, loss=loss), 0.3, autocast=False).peak
+        for loss in RECOVERY_LOSSES
+    }
+    return {"commit": git_commit(), "mib": {loss: peak / 2**20 for loss, peak in estimates.items()}}
 
 
 def random_shape_lines(part: dict[str, Any]) -> list[str]:
@@ -431,7 +448,7 @@ def real_model_lines(part: dict[str, Any]) -> list[str]:
 
 
 def recovery_lines(part: dict[str, Any]) -> list[str]:
-    runs = part["runs"]
+    runs, now = part["runs"], part["estimates_now"]
     return [
         "## SmolLM2-135M, recovery",
         "",
@@ -442,7 +459,12 @@ def recovery_lines(part: dict[str, Any]) -> list[str]:
         "with an empty cache. Estimate: casp_core.method.placement's for the recovery at these settings in float32. "
         "Batch logits: the float32 logits of one batch as many times as the loss held them when it took the whole "
         "batch's at once (three copies, six with distillation); since 3f50cee the loss takes them a chunk of "
-        "positions at a time (64 MiB), recomputed in the backward pass. A row's commit is the casp_core it ran.",
+        "positions at a time (64 MiB), recomputed in the backward pass. A row's commit is the casp_core it ran, "
+        "and its estimate that casp_core's.",
+        "",
+        f"The estimate of casp_core at {str(now['commit'])[:10]}, for these settings: "
+        + ", ".join(f"**{mib:.0f} MiB** with {loss}" for loss, mib in now["mib"].items())
+        + ".",
         "",
         "| loss, commit | recovery stage peak RSS (MiB) | estimate (MiB) | batch logits (MiB) | job peak RSS (MiB) | "
         "minutes | load before / after | machine |",
