@@ -697,7 +697,9 @@ def test_the_recovery_memory_model_counts_the_adapters_lora_trains(
     estimate = estimate_recovery_memory(shape, config, 0.0, autocast=False)
     assert estimate.optimizer_state == result.trainable_parameters * (FLOAT32 + OPTIMIZER_STATE)
     assert shape.ffn_width_per_token() == TOP_K * EXPERT_WIDTH + (SHARED_WIDTH if family == "qwen2_moe" else 0)
-    # Each layer's (and the recomputed one's) gate, up and product per token and expert, in float32.
+    # Each layer's (and the recomputed one's) gate, activation, up and product per token and expert, with the
+    # expert's gathered input and weighted output, in float32, and a tenth more (kept_per_token's margin).
     one_expert = estimate_recovery_memory(replace(shape, experts_per_token=1), config, 0.0, autocast=False)
-    extra = (shape.layers + 1) * config.max_seq_len * 3 * (TOP_K - 1) * EXPERT_WIDTH * FLOAT32
-    assert estimate.activations - one_expert.activations == extra
+    per_expert = 4 * EXPERT_WIDTH + 2 * shape.hidden
+    extra = (shape.layers + 1) * config.max_seq_len * 1.1 * (TOP_K - 1) * per_expert * FLOAT32
+    assert estimate.activations - one_expert.activations == pytest.approx(extra, rel=0.01)
