@@ -53,9 +53,14 @@ from bench.common import (
 )
 from bench.shapes import llama_config
 from casp_core.artifacts.gguf.source import gguf_config
-from casp_core.method.placement import ModelShape, estimate_recovery_memory
+from casp_core.method.placement import (
+    CROSS_ENTROPY_LOGITS,
+    DISTILLATION_LOGITS,
+    ModelShape,
+    estimate_recovery_memory,
+)
 from casp_core.run import Run
-from casp_core.settings import RecoveryConfig
+from casp_core.settings import CROSS_ENTROPY_LOSS, RecoveryConfig
 
 # The bound. 1.3 x: the weights once, resident from the memory-mapped file, and 30 % over them. The margin and
 # those 30 % (540 MiB at 1B) hold what does not scale with the weights: Python, torch and transformers with
@@ -99,9 +104,6 @@ REAL_MODEL_CALIBRATIONS = ((32, 512), (128, 2048))
 RECOVERY_TRAIN_LINES = 600
 RECOVERY_STEPS = 3
 RECOVERY_LOSSES = ("cross_entropy", "distill")
-# Float32 copies of a batch's logits the loss held at once before it took them a chunk at a time
-# (casp_core.method.placement's CROSS_ENTROPY_LOGITS and DISTILLATION_LOGITS).
-LOGITS_COPIES = {"cross_entropy": 3, "distill": 6}
 
 
 # About 1B parameters (0.94 B): Llama-3.2-1B's layer (hidden 2048, 32 heads over 8 key/value heads), a
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         earlier_runs = result.get("recovery", {}).get("runs", {})
         result["recovery"] = {**recovery, "runs": {**earlier_runs, **recovery["runs"]}}
     if "recovery" in result:  # the estimate changes with casp_core even where the rows are not measured again
-        result["recovery"]["estimates_now"] = recovery_estimates_now(args.models_dir)
+        result["recovery"]["estimates_now"] = recovery_estimates_now(args.models_dir, args.datasets_dir)
     write_json(path, result)
     lines = [
         "# Peak host memory of a pruning job",
@@ -374,7 +376,9 @@ def measure_recovery(args: argparse.Namespace) -> dict[str, Any]:
             figures = measure(model, settings)
             machine = finish_machine_info(machine)
             recorded = {**settings["recovery"], "dataset": f"ptb.train.txt, first {RECOVERY_TRAIN_LINES} lines"}
-            batch_logits = recovery.batch_size * recovery.max_seq_len * shape.vocab * 4 * LOGITS_COPIES[loss]
+            # The float32 copies of the whole batch's logits the loss held before it took them a chunk at a time.
+            copies = CROSS_ENTROPY_LOGITS if loss == CROSS_ENTROPY_LOSS else DISTILLATION_LOGITS
+            batch_logits = recovery.batch_size * recovery.max_seq_len * shape.vocab * 4 * copies
             runs[f"{loss}, {(machine['git_commit'] or 'unknown')[:7]}"] = {
                 "machine": machine,
                 "settings": {k: v for k, v in settings.items() if k != "datasets_dir"} | {"recovery": recorded},
@@ -390,14 +394,13 @@ def smollm2_shape(models_dir: str) -> ModelShape:
     return ModelShape.from_config(gguf_config(Path(models_dir) / SMOLLM2_GGUF), dtype_bytes=4, eager_attention=False)
 
 
-def recovery_estimates_now(models_dir: str) -> dict[str, Any]:
+def recovery_estimates_now(models_dir: str, datasets_dir: str) -> dict[str, Any]:
     """Each loss's estimate by the casp_core that renders the table (a row's own is its commit's)."""
     shape = smollm2_shape(models_dir)
-    settings = {"method": "lora", "max_steps": RECOVERY_STEPS, "grad_accum": 1}
-    estimates = {
-        loss: estimate_recovery_memory(shape, RecoveryConfig(**settings, loss=loss), 0.3, autocast=False).peak
-        for loss in RECOVERY_LOSSES
-    }
+    estimates = {}
+    for loss in RECOVERY_LOSSES:
+        recovery = RecoveryConfig(**recovery_settings(datasets_dir, "ptb:train", loss)["recovery"])
+        estimates[loss] = estimate_recovery_memory(shape, recovery, 0.3, autocast=False).peak
     return {"commit": git_commit(), "mib": {loss: peak / 2**20 for loss, peak in estimates.items()}}
 
 
