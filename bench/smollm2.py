@@ -46,6 +46,7 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -118,6 +119,9 @@ FRONT_AXIS = ("wikitext2", 2048)  # the plot's perplexity and the equal-bytes ta
 RECOVERY_RATIO = 0.3
 # The zero-shot rows' pruned model, under casp's cache folder (casp_core.artifacts.caches.default_cache_dir).
 PRUNED_CACHE = "bench-smollm2-pruned"
+# A zero-shot row's log-likelihoods as they are scored, by its model's weights_digest and its task, beside PRUNED_CACHE:
+# a row cut short (hellaswag on every document is about two hours) resumes where it stopped when run again here.
+SCORES_CACHE = "bench-smollm2-scores"
 PRUNE_FIGURES = "prune-figures.json"
 RECIPES = {"distill_ce+lora": ("lora", "distill_ce"), "distill+full": ("full", "distill")}
 RECOVERY_SEQ_LEN = 256
@@ -253,9 +257,15 @@ def pruned(
 
 
 def zero_shot(
-    model: Any, tokenizer: Any, settings: dict[str, Any], limit: int | None, tasks: tuple[str, ...] = ZERO_SHOT_TASKS
+    model: Any,
+    tokenizer: Any,
+    settings: dict[str, Any],
+    limit: int | None,
+    tasks: tuple[str, ...] = ZERO_SHOT_TASKS,
+    scores_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """The tasks' accuracies and their mean, on the first `limit` documents of each (None: all of them)."""
+    """The tasks' accuracies and their mean, on the first `limit` documents of each (None: all of them); the
+    log-likelihoods kept in `scores_dir` as they come, where one is given (evaluate_zero_shot)."""
     from casp_core.eval.zeroshot import evaluate_zero_shot
 
     result = evaluate_zero_shot(
@@ -265,6 +275,7 @@ def zero_shot(
         limit=limit,
         datasets_dir=settings["datasets_dir"],
         device="cpu",
+        scores_dir=scores_dir,
     )
     tasks_figures = result["tasks"].items()
     return {
@@ -350,18 +361,23 @@ def zero_shot_row(
 ) -> dict[str, Any]:
     """Every document of one task, on the model the quality row of the same settings measures; not measured again
     where `measured_models` (the task's rows measured, by their model's `weights_digest`) holds the same model:
-    `same_weights_as` names that row, and the parent copies its accuracy."""
+    `same_weights_as` names that row, and the parent copies its accuracy. A row cut short resumes from the scores
+    it kept (SCORES_CACHE); `evaluation_seconds` are then this run's alone."""
+    from casp_core.artifacts.caches import default_cache_dir
+
     model, tokenizer, figures = pruned_once(settings, ratio, overrides, sensitivities)
     digest = weights_digest(model)
     if digest in measured_models:
         return {**figures, "weights_digest": digest, "same_weights_as": measured_models[digest]}
+    scores_dir = default_cache_dir() / SCORES_CACHE / f"{digest[:24]}-{task}"
     start = time.perf_counter()
-    return {
-        **figures,
+    figures |= {
         "weights_digest": digest,
-        "zero_shot": zero_shot(model, tokenizer, settings, None, (task,)),
+        "zero_shot": zero_shot(model, tokenizer, settings, None, (task,), scores_dir),
         "evaluation_seconds": time.perf_counter() - start,
     }
+    shutil.rmtree(scores_dir)  # the row holds its accuracy now
+    return figures
 
 
 def gguf_rows(

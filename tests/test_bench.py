@@ -572,7 +572,7 @@ def test_smollm2_prunes_a_configuration_once_for_its_zero_shot_rows(
 
 
 def test_smollm2_measures_a_pruned_model_once_on_a_task_whatever_configuration_pruned_it(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A zero-shot row whose model (its weights and config but casp's provenance: `weights_digest`) a row of the same
     task measured is not evaluated again, and the parent copies that row's accuracy: alpha "auto" choosing the
@@ -589,13 +589,17 @@ def test_smollm2_measures_a_pruned_model_once_on_a_task_whatever_configuration_p
         return model, tokenizer, {"pruned_model_reused": False, "prune_seconds": 90.0}
 
     evaluated: list[dict] = []
+    scores_dirs: list[Path] = []
 
-    def zero_shot(model, tokenizer, settings, limit, tasks) -> dict:
+    def zero_shot(model, tokenizer, settings, limit, tasks, scores_dir) -> dict:
         evaluated.append(model.config.casp["settings"])
+        scores_dirs.append(scores_dir)
+        scores_dir.mkdir(parents=True)  # where evaluate_zero_shot keeps the scores of a row cut short
         return {"acc": {task: 0.25 + len(evaluated) / 100 for task in tasks}}
 
     monkeypatch.setattr(smollm2, "pruned_once", pruned_once)
     monkeypatch.setattr(smollm2, "zero_shot", zero_shot)
+    monkeypatch.setenv("CASP_CACHE_DIR", str(tmp_path))
     settings = {"datasets_dir": default_datasets_dir()}
     key = "zero-shot/defaults/0.2/openbookqa"
     defaults = {"key": key} | smollm2.zero_shot_row(settings, 0.2, {}, "openbookqa", None, {})
@@ -609,6 +613,10 @@ def test_smollm2_measures_a_pruned_model_once_on_a_task_whatever_configuration_p
     other = smollm2.zero_shot_row(settings, 0.2, {"solver": "wanda_sp"}, "openbookqa", None, measured)
     assert other["weights_digest"] != defaults["weights_digest"] and "same_weights_as" not in other
     assert evaluated == [{}, {"solver": "wanda_sp"}]
+    # Each measured model's scores kept under its digest and task while it was scored, and dropped once it was.
+    folders = [f"{row['weights_digest'][:24]}-openbookqa" for row in (defaults, other)]
+    assert scores_dirs == [tmp_path / smollm2.SCORES_CACHE / folder for folder in folders]
+    assert not any(folder.exists() for folder in scores_dirs)
 
     monkeypatch.setattr(smollm2, "run_child", lambda *arguments: auto)
     copied = smollm2.measure_in_child("zero-shot/alpha auto/0.2/openbookqa", settings, None, [defaults])

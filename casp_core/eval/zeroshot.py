@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 DATASETS_DIR_ENV = "CASP_DATASETS_DIR"
 METRICS = ("acc", "acc_norm")
+SCORES_FILE = "loglikelihoods"
 
 
 @dataclass(frozen=True)
@@ -175,12 +176,17 @@ def evaluate_zero_shot(
     batch_size: int = 16,
     device: str,
     run: Run | None = None,
+    scores_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Zero-shot acc / acc_norm of `model` on `tasks` (any of ZERO_SHOT_TASKS), as the harness computes them.
 
     `limit` caps the documents per task (the first ones of the split), for quick runs. The model is moved
     to `device` ("auto": cuda when available) in place, and put in eval mode. `run` hears the start and the
     fraction scored after each batch, and its cancellation stops the scoring there.
+
+    `scores_dir` keeps each log-likelihood as it is scored (the harness's own cache, a SQLite file committed
+    request by request): an evaluation cut short, then run again with the same folder, scores only the requests
+    it had not. The requests key the scores, not the model: one folder per model.
     """
     run = run or Run()
 
@@ -207,6 +213,8 @@ def evaluate_zero_shot(
             limit=limit,
             task_manager=manager,
             log_samples=False,
+            # The harness appends its process rank and ".db" to this path.
+            use_cache=None if scores_dir is None else str(Path(scores_dir) / SCORES_FILE),
         )
     assert results is not None  # None only on non-zero ranks of a distributed run
     per_task = {task: task_figures(results, task) for task in tasks}

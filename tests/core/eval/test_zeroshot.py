@@ -153,3 +153,45 @@ def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progre
             model, tokenizer, ["arc_easy"], limit=40, datasets_dir=str(datasets_dir), device="cpu", run=run
         )
     assert len(reports) == 2 and reports[0] == 0.0 < reports[1] < 0.5  # the start, the first batch
+
+
+def test_an_evaluation_cut_short_resumes_from_its_kept_scores_and_scores_only_the_rest(stories_model, tmp_path):
+    """hellaswag on every document is two hours of a CPU: with a folder to keep its scores in, an evaluation
+    cancelled part-way and run again scores only the requests it had not, and gives the uncut run's accuracy."""
+    datasets_dir = str(datasets_dir_or_skip())
+    model, tokenizer = stories_model
+    rows_read: list[int] = []
+
+    def count_rows(module, args, kwargs, output):
+        rows_read.append(len(args[0] if args else kwargs["input_ids"]))
+
+    def evaluate(run: Run | None = None) -> dict:
+        rows_read.clear()
+        return evaluate_zero_shot(
+            model, tokenizer, ["arc_easy"], limit=40, datasets_dir=datasets_dir, device="cpu", run=run,
+            scores_dir=tmp_path / "scores",
+        )  # fmt: skip
+
+    hook = model.register_forward_hook(count_rows, with_kwargs=True)
+    try:
+        uncut = evaluate_zero_shot(model, tokenizer, ["arc_easy"], limit=40, datasets_dir=datasets_dir, device="cpu")
+        uncut_rows = sum(rows_read)
+        reports: list[float] = []
+        run = Run(
+            progress=lambda stage, fraction, message="": reports.append(fraction),
+            should_cancel=lambda: len(reports) > 2,  # the start, the first batch, then cancelled after the second
+        )
+        with pytest.raises(Cancelled):
+            evaluate(run)
+        assert (tmp_path / "scores").is_dir()
+        resumed = evaluate()
+        resumed_rows = sum(rows_read)
+        again = evaluate()
+    finally:
+        hook.remove()
+    assert resumed["tasks"]["arc_easy"]["acc"] == uncut["tasks"]["arc_easy"]["acc"]
+    assert resumed["tasks"]["arc_easy"]["acc_norm"] == uncut["tasks"]["arc_easy"]["acc_norm"]
+    assert resumed["tasks"]["arc_easy"]["n_samples"] == 40
+    # The resumed run read fewer rows than the whole evaluation, and a run with every score kept reads none.
+    assert 0 < resumed_rows < uncut_rows
+    assert again["tasks"]["arc_easy"] == resumed["tasks"]["arc_easy"] and rows_read == []
