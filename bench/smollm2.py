@@ -13,14 +13,15 @@ parts:
 - `zero-shot`: the seven tasks on every document of each, for the dense model and each configuration of
   `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. One row per task (`zero-shot/<configuration>/
   <ratio>/<task>`, the cheapest tasks first; the first of a configuration's rows prunes and writes the model,
-  the others load it, `pruned_once`), so that the part lands piece by piece: the dense model's seven cost about
-  two hours of 2 cores (hellaswag about an hour, boolq 37 minutes, openbookqa a minute), where the quality row's
-  perplexities take minutes. A model a row of the task has measured, bit for bit (`weights_digest`: alpha "auto"
-  where it chooses the default's temperature), is not evaluated again: its row copies that accuracy and names
-  the row (`same_weights_as`). The table gathers a configuration's tasks, the mean of its first five
-  (`FIRST_FIVE_TASKS`) once they are in, and the mean of all seven once all are; below it, the accuracies that
-  differ from the defaults' by over twice the standard error of the difference, and the rows measured and left,
-  with the hours left at the minutes each task's rows took.
+  the others load it, `pruned_once`), so that the part lands piece by piece: a model's seven cost about three and a
+  half hours of 2 cores (hellaswag nearly three, boolq 10 minutes, openbookqa one), where the quality row's
+  perplexities take minutes. hellaswag, longer than a sitting, is measured in parts of its documents, a row each
+  (`ZERO_SHOT_PARTS`), and a row cut short resumes from the scores it kept (`SCORES_CACHE`). A model a row of the
+  task has measured, bit for bit (`weights_digest`: alpha "auto" where it chooses the default's temperature), is
+  not evaluated again: its row copies that accuracy and names the row (`same_weights_as`). The table gathers a
+  configuration's tasks, the mean of its first five (`FIRST_FIVE_TASKS`) once they are in, and the mean of all
+  seven once all are; below it, the accuracies that differ from the defaults' by over twice the standard error of
+  the difference, and the rows measured and left, with the hours left at the minutes each task's rows took.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
@@ -46,6 +47,7 @@ import argparse
 import hashlib
 import json
 import math
+import re
 import shutil
 import tempfile
 import time
@@ -89,7 +91,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 ZERO_SHOT_RATIOS = (0.2, 0.3)
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 # The dense model's minutes a task on every document, on 2 cores, extrapolated from its first 100 documents: what
-# the progress table expects of a task no row has measured on every document yet.
+# the progress table expects of a task no row has measured on every document yet. hellaswag's first 100 took 196 s
+# beside another bench (load 4 on 2 cores), about 100 s alone: 165 minutes for its 10,042 (the dense row, stopped
+# after 130 minutes, had not ended).
 EXTRAPOLATED_MINUTES = {
     "openbookqa": 1,
     "winogrande": 2,
@@ -97,13 +101,18 @@ EXTRAPOLATED_MINUTES = {
     "arc_challenge": 7,
     "arc_easy": 10,
     "boolq": 37,
-    "hellaswag": 66,
+    "hellaswag": 165,
 }
 # The order the zero-shot part measures a model's tasks in, the cheapest on every document first.
 ZERO_SHOT_TASKS_BY_COST = tuple(sorted(EXTRAPOLATED_MINUTES, key=EXTRAPOLATED_MINUTES.__getitem__))
 # The five a configuration has first, a tenth of the part's hours: their mean ranks the configurations while boolq
 # and hellaswag are still to come.
 FIRST_FIVE_TASKS = ZERO_SHOT_TASKS_BY_COST[:5]
+# A task longer than a sitting on every document, measured in this many parts of consecutive documents, a row each
+# (`zero-shot/<configuration>/<ratio>/hellaswag (part 1 of 8)`, about 20 minutes): a stop loses one part's work at
+# most, and the task's accuracy is its parts', weighted by their documents, once all are in (`whole_tasks`).
+ZERO_SHOT_PARTS = {"hellaswag": 8}
+PART = re.compile(r"(?P<task>\w+) \(part (?P<part>\d+) of (?P<parts>\d+)\)")
 # Label -> the evaluation source: both test splits, held out from calibration and recovery text.
 EVAL_SETS = {"wikitext2": "wikitext2", "ptb:test": "ptb:test"}
 EVAL_SEQ_LENS = (128, 2048)
@@ -137,6 +146,31 @@ SENSITIVITIES_ROW = "allocation/sensitivities"
 
 def eval_key(dataset: str, seq_len: int) -> str:
     return f"{dataset}@{seq_len}"
+
+
+def measured_tasks(task: str) -> list[str]:
+    """What a model's zero-shot rows of `task` measure: the task, or each of its `ZERO_SHOT_PARTS` parts."""
+    parts = ZERO_SHOT_PARTS.get(task)
+    return [task] if parts is None else [f"{task} (part {part} of {parts})" for part in range(1, parts + 1)]
+
+
+def task_of(key: str) -> str:
+    """The task a zero-shot row measures, whole or a part of it."""
+    measured = key.rsplit("/", 1)[1]
+    part = PART.fullmatch(measured)
+    return part["task"] if part else measured
+
+
+def part_documents(measured: str, datasets_dir: str) -> tuple[str, range | None]:
+    """A zero-shot row's task and, for a part of it, the indices of the part's documents."""
+    from casp_core.eval.zeroshot import documents_scored
+
+    part = PART.fullmatch(measured)
+    if part is None:
+        return measured, None
+    task, number, parts = part["task"], int(part["part"]), int(part["parts"])
+    documents = documents_scored(task, datasets_dir)
+    return task, range((number - 1) * documents // parts, number * documents // parts)
 
 
 # ---------------------------------------------------------------- what a child process measures
@@ -263,9 +297,10 @@ def zero_shot(
     limit: int | None,
     tasks: tuple[str, ...] = ZERO_SHOT_TASKS,
     scores_dir: Path | None = None,
+    documents: range | None = None,
 ) -> dict[str, Any]:
-    """The tasks' accuracies and their mean, on the first `limit` documents of each (None: all of them); the
-    log-likelihoods kept in `scores_dir` as they come, where one is given (evaluate_zero_shot)."""
+    """The tasks' accuracies and their mean, on the first `limit` documents of each (None: all of them, or those of
+    `documents`); the log-likelihoods kept in `scores_dir` as they come, where one is given (evaluate_zero_shot)."""
     from casp_core.eval.zeroshot import evaluate_zero_shot
 
     result = evaluate_zero_shot(
@@ -276,6 +311,7 @@ def zero_shot(
         datasets_dir=settings["datasets_dir"],
         device="cpu",
         scores_dir=scores_dir,
+        documents=documents,
     )
     tasks_figures = result["tasks"].items()
     return {
@@ -355,25 +391,28 @@ def zero_shot_row(
     settings: dict[str, Any],
     ratio: float,
     overrides: dict[str, Any],
-    task: str,
+    measured: str,
     sensitivities: list[float] | None,
     measured_models: dict[str, str],
 ) -> dict[str, Any]:
-    """Every document of one task, on the model the quality row of the same settings measures; not measured again
-    where `measured_models` (the task's rows measured, by their model's `weights_digest`) holds the same model:
-    `same_weights_as` names that row, and the parent copies its accuracy. A row cut short resumes from the scores
-    it kept (SCORES_CACHE); `evaluation_seconds` are then this run's alone."""
+    """Every document of one task, or of a part of it (`measured`, `ZERO_SHOT_PARTS`), on the model the quality row
+    of the same settings measures; not measured again where `measured_models` (the rows of the same task or part
+    measured, by their model's `weights_digest`) holds the same model: `same_weights_as` names that row, and the
+    parent copies its accuracy. A row cut short resumes from the scores it kept (SCORES_CACHE); its
+    `evaluation_seconds` are then this run's alone."""
     from casp_core.artifacts.caches import default_cache_dir
 
     model, tokenizer, figures = pruned_once(settings, ratio, overrides, sensitivities)
     digest = weights_digest(model)
     if digest in measured_models:
         return {**figures, "weights_digest": digest, "same_weights_as": measured_models[digest]}
-    scores_dir = default_cache_dir() / SCORES_CACHE / f"{digest[:24]}-{task}"
+    task, documents = part_documents(measured, settings["datasets_dir"])
+    folder = re.sub(r"\W+", "-", measured).strip("-")  # "hellaswag-part-1-of-8"
+    scores_dir = default_cache_dir() / SCORES_CACHE / f"{digest[:24]}-{folder}"
     start = time.perf_counter()
     figures |= {
         "weights_digest": digest,
-        "zero_shot": zero_shot(model, tokenizer, settings, None, (task,), scores_dir),
+        "zero_shot": zero_shot(model, tokenizer, settings, None, (task,), scores_dir, documents),
         "evaluation_seconds": time.perf_counter() - start,
     }
     shutil.rmtree(scores_dir)  # the row holds its accuracy now
@@ -560,11 +599,13 @@ def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
         models += [f"{config}/{ratio:g}" for ratio in ratios if ratio in ZERO_SHOT_RATIOS for config in CONFIGS]
         for model in models:
             for task in ZERO_SHOT_TASKS_BY_COST:
-                yield f"zero-shot/{model}/{task}"
+                for measured in measured_tasks(task):
+                    yield f"zero-shot/{model}/{measured}"
 
 
 def measured_models(rows: list[dict[str, Any]], key: str) -> dict[str, str]:
-    """For a zero-shot row, the rows of its task that measured it, by their model's `weights_digest`."""
+    """For a zero-shot row, the rows of its task (or of its part of the task) that measured their model, by the
+    model's `weights_digest`."""
     if not key.startswith("zero-shot/"):
         return {}
     task = key.rsplit("/", 1)[1]
@@ -926,11 +967,12 @@ def quality_tables(rows: dict[str, dict[str, Any]], reruns: list[dict[str, Any]]
         f"Zero-shot accuracy, the first {dense['settings']['zero_shot_limit']} documents of each task",
         {key: row for key, row in rows.items() if key.startswith("quality/")},
     )
-    every_document = {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
+    zero_shot_rows = {key: row for key, row in rows.items() if key.startswith("zero-shot/")}
+    every_document = whole_tasks(zero_shot_rows)
     lines += zero_shot_table("Zero-shot accuracy, every document", every_document)
     lines += same_weights_lines(every_document)
     lines += zero_shot_against_defaults(every_document)
-    lines += zero_shot_progress(every_document)
+    lines += zero_shot_progress(zero_shot_rows)
     return lines
 
 
@@ -991,6 +1033,36 @@ def defaults_verdict(quality: dict[str, dict[str, Any]], columns: list[str]) -> 
     if not losses:
         return ["", f"The defaults win every column against the {compared} alternative rows measured."]
     return ["", "Where the defaults lose:", "", *losses]
+
+
+def whole_tasks(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The zero-shot rows by the task they measure: a task measured in parts (`ZERO_SHOT_PARTS`) has a row once all
+    its parts are in, its accuracy theirs weighted by their documents, its standard error lm-eval's over them all,
+    and `same_weights_as` where every part copied one model's."""
+    whole = {key: row for key, row in rows.items() if not PART.fullmatch(key.rsplit("/", 1)[1])}
+    parts_of: dict[str, list[dict[str, Any]]] = {}
+    for key, row in rows.items():
+        if PART.fullmatch(key.rsplit("/", 1)[1]):
+            parts_of.setdefault(f"{key.rsplit('/', 1)[0]}/{task_of(key)}", []).append(row)
+    for key, parts in parts_of.items():
+        task = task_of(key)
+        if len(parts) < ZERO_SHOT_PARTS[task]:
+            continue
+        documents = sum(part["zero_shot"]["n_samples"][task] for part in parts)
+        accuracy = sum(part["zero_shot"]["acc"][task] * part["zero_shot"]["n_samples"][task] for part in parts)
+        accuracy /= documents
+        copied = {part.get("same_weights_as", "").rsplit("/", 1)[0] for part in parts}
+        whole[key] = {
+            "zero_shot": {
+                "acc": {task: accuracy},
+                "acc_stderr": {task: accuracy_standard_error(accuracy, documents)},
+                "n_samples": {task: documents},
+                "mean": accuracy,
+            },
+            "evaluation_seconds": sum(part.get("evaluation_seconds", 0.0) for part in parts),
+            **({"same_weights_as": f"{copied.pop()}/{task}"} if len(copied) == 1 and "" not in copied else {}),
+        }
+    return whole
 
 
 def zero_shot_accuracies(rows: dict[str, dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
@@ -1121,13 +1193,15 @@ def zero_shot_progress(rows: dict[str, dict[str, Any]]) -> list[str]:
     ]
     hours_left = 0.0
     for task in ZERO_SHOT_TASKS_BY_COST:
-        done = [row for key, row in rows.items() if key.endswith(f"/{task}")]
+        parts = ZERO_SHOT_PARTS.get(task, 1)
+        done = [row for key, row in rows.items() if task_of(key) == task]
         measured = [row["evaluation_seconds"] / 60 for row in done if "same_weights_as" not in row]
-        minutes = median(measured) if measured else EXTRAPOLATED_MINUTES[task]
-        task_left = sum(key.endswith(f"/{task}") for key in left)
+        minutes = median(measured) if measured else EXTRAPOLATED_MINUTES[task] / parts
+        task_left = sum(task_of(key) == task for key in left)
         hours_left += task_left * minutes / 60
-        shown = f"{minutes:.1f}" if measured else f"{minutes} (extrapolated)"
-        lines.append(f"| {task} | {len(done)} | {task_left} | {shown} | {task_left * minutes / 60:.1f} |")
+        shown = f"{minutes:.1f}" if measured else f"{minutes:.1f} (extrapolated)"
+        name = task if parts == 1 else f"{task} ({parts} parts a model, a row each)"
+        lines.append(f"| {name} | {len(done)} | {task_left} | {shown} | {task_left * minutes / 60:.1f} |")
     models_left = {key.rsplit("/", 1)[0] for key in left} - {"zero-shot/dense/0"}
     prunes = [row["prune_seconds"] for row in rows.values() if row.get("pruned_model_reused") is False]
     prune_minutes = median(prunes) / 60 if prunes else 0.0

@@ -412,11 +412,19 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
             | {"evaluation_seconds": 60.0, "zero_shot": {"acc": {task: accuracy}, "mean": accuracy}}
             for model, tasks in (
                 ("defaults/0.2", ("piqa", "boolq")),
-                ("dense/0", smollm2.ZERO_SHOT_TASKS),
+                ("dense/0", tuple(task for task in smollm2.ZERO_SHOT_TASKS if task != "hellaswag")),
                 ("solver diagonal/0.2", ("openbookqa", "winogrande", "piqa", "arc_challenge", "arc_easy")),
             )
             for task in tasks
             for accuracy in [{"boolq": 0.5, "openbookqa": 0.25}.get(task, 0.625) if model == "dense/0" else 0.625]
+        ),
+        *(  # hellaswag in its eight parts: the dense model's all (half at 0.5, half at 0.75), the defaults' three
+            {"key": f"zero-shot/{model}/{part}", "settings": settings, "machine": machine, "prune_seconds": 0.0}
+            | {"evaluation_seconds": 1200.0}
+            | {"zero_shot": {"acc": {"hellaswag": accuracy}, "n_samples": {"hellaswag": 1255}}}
+            for model, parts in (("dense/0", 8), ("defaults/0.2", 3))
+            for number, part in enumerate(smollm2.measured_tasks("hellaswag")[:parts])
+            for accuracy in [0.5 if number < 4 else 0.75]
         ),
         *(  # rows that record their documents, as the part's rows do since stop 58
             {"key": f"zero-shot/solver wanda_sp/0.2/{task}", "settings": settings, "machine": machine}
@@ -488,14 +496,15 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert "Of the 3 (configuration, ratio, task) accuracies measured on every document" in differences
     assert "- at 0.2, solver wanda_sp on piqa: 0.580 against 0.625 (-4.5 points, 2.8 standard errors)" in differences
     assert differences.count("\n- ") == 1
-    assert "16 of 147 rows measured; 131 left" in markdown
+    assert "26 of 294 rows measured; 268 left" in markdown
     assert "Zero-shot accuracy, the first" not in markdown
     assert next(smollm2.planned_rows(["ladder"], [0.2])) == smollm2.SENSITIVITIES_ROW
     planned = list(smollm2.planned_rows(["zero-shot"], [0.1, 0.2]))
     assert planned[:3] == [smollm2.SENSITIVITIES_ROW, "zero-shot/dense/0/openbookqa", "zero-shot/dense/0/winogrande"]
-    assert planned[8] == "zero-shot/defaults/0.2/openbookqa"
-    # 0.1 is not among the ratios the tasks are measured at.
-    assert len(planned) == 1 + (1 + len(smollm2.CONFIGS)) * len(smollm2.ZERO_SHOT_TASKS)
+    assert planned[7:10] == [f"zero-shot/dense/0/hellaswag (part {part} of 8)" for part in (1, 2, 3)]
+    assert planned[15] == "zero-shot/defaults/0.2/openbookqa"
+    # 0.1 is not among the ratios the tasks are measured at; hellaswag's eight parts are a row each.
+    assert len(planned) == 1 + (1 + len(smollm2.CONFIGS)) * (len(smollm2.ZERO_SHOT_TASKS) - 1 + 8)
 
 
 def test_smollm2_standard_error_of_an_accuracy_is_lm_evals() -> None:
@@ -504,6 +513,39 @@ def test_smollm2_standard_error_of_an_accuracy_is_lm_evals() -> None:
 
     scores = [1] * 290 + [0] * 210
     assert smollm2.accuracy_standard_error(0.58, 500) == pytest.approx(mean_stderr(scores), rel=1e-12)
+
+
+def test_smollm2_a_task_measured_in_parts_is_whole_once_every_part_is_in() -> None:
+    """hellaswag's eight parts make one row of the task: its accuracy over all their documents, lm-eval's standard
+    error over them, the seconds of all; a model with a part left has none; a model whose every part copied one
+    model's accuracy (the same weights) names that model."""
+    parts = smollm2.measured_tasks("hellaswag")
+
+    def part(number: int, accuracy: float, documents: int, **copied: str) -> dict:
+        figures = {"acc": {"hellaswag": accuracy}, "n_samples": {"hellaswag": documents}}
+        return {"zero_shot": figures, "evaluation_seconds": 1200.0 + number} | copied
+
+    rows = {f"zero-shot/dense/0/{name}": part(number, 0.25 + number / 20, 1255 + number % 2) for number, name in
+            enumerate(parts)}  # fmt: skip
+    rows |= {f"zero-shot/defaults/0.2/{name}": part(0, 0.3, 1255) for name in parts[:7]}
+    same = {"same_weights_as": "zero-shot/defaults/0.3/hellaswag (part 1 of 8)"}
+    rows |= {f"zero-shot/alpha auto/0.3/{name}": part(0, 0.3, 1255, **same) for name in parts}
+    rows["zero-shot/dense/0/piqa"] = part(0, 0.6, 1838)
+    whole = smollm2.whole_tasks(rows)
+    assert set(whole) == {"zero-shot/dense/0/hellaswag", "zero-shot/alpha auto/0.3/hellaswag", "zero-shot/dense/0/piqa"}
+    dense = whole["zero-shot/dense/0/hellaswag"]
+    documents = [1255 + number % 2 for number in range(8)]
+    accuracy = sum((0.25 + number / 20) * count for number, count in enumerate(documents)) / sum(documents)
+    assert dense["zero_shot"]["acc"]["hellaswag"] == pytest.approx(accuracy) and dense["zero_shot"][
+        "mean"
+    ] == pytest.approx(accuracy)
+    assert dense["zero_shot"]["n_samples"]["hellaswag"] == 10044
+    assert dense["zero_shot"]["acc_stderr"]["hellaswag"] == pytest.approx(
+        smollm2.accuracy_standard_error(accuracy, 10044)
+    )
+    assert dense["evaluation_seconds"] == 8 * 1200 + 28 and "same_weights_as" not in dense
+    assert whole["zero-shot/alpha auto/0.3/hellaswag"]["same_weights_as"] == "zero-shot/defaults/0.3/hellaswag"
+    assert whole["zero-shot/dense/0/piqa"] is rows["zero-shot/dense/0/piqa"]
 
 
 def test_smollm2_zero_shot_progress_counts_the_rows_left_and_their_hours() -> None:
@@ -518,15 +560,17 @@ def test_smollm2_zero_shot_progress_counts_the_rows_left_and_their_hours() -> No
         "zero-shot/dense/0/winogrande": row(120.0),
         "zero-shot/defaults/0.2/openbookqa": row(30.0, prune_seconds=90.0, pruned_model_reused=False),
         "zero-shot/defaults/0.2/winogrande": row(150.0, pruned_model_reused=True),
+        "zero-shot/dense/0/hellaswag (part 1 of 8)": row(1500.0),
     }
     progress = smollm2.zero_shot_progress(rows)
     assert "| openbookqa | 2 | 19 | 0.8 | 0.2 |" in progress  # 1 and 0.5 minutes: 19 x 0.75
     assert "| winogrande | 2 | 19 | 2.2 | 0.7 |" in progress  # 2 and 2.5: 19 x 2.25
-    assert "| piqa | 0 | 21 | 6 (extrapolated) | 2.1 |" in progress
-    assert "| hellaswag | 0 | 21 | 66 (extrapolated) | 23.1 |" in progress
-    # 0.24 + 0.71 + 2.1 + 2.45 + 3.5 + 12.95 + 23.1 hours of tasks, and 20 prunes of 1.5 minutes
+    assert "| piqa | 0 | 21 | 6.0 (extrapolated) | 2.1 |" in progress
+    assert "| boolq | 0 | 21 | 37.0 (extrapolated) | 12.9 |" in progress
+    assert "| hellaswag (8 parts a model, a row each) | 1 | 167 | 25.0 | 69.6 |" in progress  # 21 models' 8 parts
+    # 0.24 + 0.71 + 2.1 + 2.45 + 3.5 + 12.95 + 69.58 hours of tasks, and 20 prunes of 1.5 minutes
     assert progress[-1].startswith(
-        "4 of 147 rows measured; 143 left, about 46 hours of this machine, with a prune of 1.5 minutes (the median) "
+        "5 of 294 rows measured; 289 left, about 92 hours of this machine, with a prune of 1.5 minutes (the median) "
         "for each of the 20 pruned models with rows left."
     )
     assert smollm2.zero_shot_progress({}) == []
@@ -591,9 +635,12 @@ def test_smollm2_measures_a_pruned_model_once_on_a_task_whatever_configuration_p
     evaluated: list[dict] = []
     scores_dirs: list[Path] = []
 
-    def zero_shot(model, tokenizer, settings, limit, tasks, scores_dir) -> dict:
+    documents_given: list[range | None] = []
+
+    def zero_shot(model, tokenizer, settings, limit, tasks, scores_dir, documents) -> dict:
         evaluated.append(model.config.casp["settings"])
         scores_dirs.append(scores_dir)
+        documents_given.append(documents)
         scores_dir.mkdir(parents=True)  # where evaluate_zero_shot keeps the scores of a row cut short
         return {"acc": {task: 0.25 + len(evaluated) / 100 for task in tasks}}
 
@@ -616,7 +663,11 @@ def test_smollm2_measures_a_pruned_model_once_on_a_task_whatever_configuration_p
     # Each measured model's scores kept under its digest and task while it was scored, and dropped once it was.
     folders = [f"{row['weights_digest'][:24]}-openbookqa" for row in (defaults, other)]
     assert scores_dirs == [tmp_path / smollm2.SCORES_CACHE / folder for folder in folders]
-    assert not any(folder.exists() for folder in scores_dirs)
+    assert not any(folder.exists() for folder in scores_dirs) and documents_given == [None, None]
+    # A part of hellaswag: the task, its second eighth of the 10,042 documents, its own scores.
+    part = smollm2.zero_shot_row(settings, 0.2, {"alpha": 1.0}, "hellaswag (part 2 of 8)", None, {})
+    assert list(part["zero_shot"]["acc"]) == ["hellaswag"] and documents_given[-1] == range(1255, 2510)
+    assert scores_dirs[-1].name == f"{part['weights_digest'][:24]}-hellaswag-part-2-of-8"
 
     monkeypatch.setattr(smollm2, "run_child", lambda *arguments: auto)
     copied = smollm2.measure_in_child("zero-shot/alpha auto/0.2/openbookqa", settings, None, [defaults])

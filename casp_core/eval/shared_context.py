@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 from transformers import Cache
@@ -57,6 +58,10 @@ class SharedContextLM(HFLM):
         self.on_progress = on_progress
         self._reads_done = self._reads_planned = 0
 
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[Answer]:
+        # Where `on_progress` hears the scoring, no bar of the harness's (tokenizing, scoring) runs beside it.
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.on_progress is not None)
+
     def _loglikelihood_tokens(
         self, requests: list[Request], disable_tqdm: bool = False, override_bs: int | None = None
     ) -> list[Answer]:
@@ -90,7 +95,7 @@ class SharedContextLM(HFLM):
             answers.update(zip(handed_back, harness_answers, strict=True))
         progress = tqdm(
             total=len(requests) - len(handed_back),
-            disable=disable_tqdm or self.rank != 0 or self.on_progress is not None,  # casp reports it instead
+            disable=disable_tqdm or self.rank != 0,
             desc="Running loglikelihood requests (contexts shared)",
         )
         for batch in batches:

@@ -12,7 +12,7 @@ Output of `evaluate_zero_shot`:
 
     {
       "harness": "lm-evaluation-harness", "harness_version": "0.4.13",
-      "num_fewshot": 0, "limit": int | None, "batch_size": int, "device": str,
+      "num_fewshot": 0, "limit": int | None, "documents": [start, stop] | None, "batch_size": int, "device": str,
       "source": "local" | "hub", "datasets_dir": str | None,
       "tasks": {task: {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr" (those the harness gives),
                        "n_samples": documents scored, "n_documents": documents in the split,
@@ -89,15 +89,25 @@ def resolve_datasets_dir(datasets_dir: str | None) -> str | None:
     return datasets_dir or os.environ.get(DATASETS_DIR_ENV) or None
 
 
+def split_file(task: str, split: str, datasets_dir: str | Path) -> Path:
+    """The local copy of a split of `task` under `datasets_dir`, one document a line."""
+    path = (Path(datasets_dir) / "zeroshot" / task / f"{split}.jsonl").resolve()
+    if not path.is_file():
+        raise DatasetNotFound(f"zero-shot task {task}: {path} does not exist; {POINT_ELSEWHERE}")
+    return path
+
+
+def documents_scored(task: str, datasets_dir: str | Path) -> int:
+    """How many documents `task` scores: those of its test split where it has one, else of its validation split."""
+    scored = "test" if "test" in LOCAL_TASKS[task].splits else "validation"
+    with split_file(task, scored, datasets_dir).open() as documents:
+        return sum(1 for _ in documents)
+
+
 def local_task_config(task: str, datasets_dir: str | Path) -> dict[str, Any]:
     """The YAML content that runs harness task `task` on the local copies under `datasets_dir`."""
     spec = LOCAL_TASKS[task]
-    data_files = {}
-    for split in spec.splits:
-        path = (Path(datasets_dir) / "zeroshot" / task / f"{split}.jsonl").resolve()
-        if not path.is_file():
-            raise DatasetNotFound(f"zero-shot task {task}: {path} does not exist; {POINT_ELSEWHERE}")
-        data_files[split] = str(path)
+    data_files = {split: str(split_file(task, split, datasets_dir)) for split in spec.splits}
     harness_tasks = Path(harness().__file__).parent / "tasks"
     return {
         # Absolute paths: the harness resolves relative ones against the working directory.
@@ -177,10 +187,12 @@ def evaluate_zero_shot(
     device: str,
     run: Run | None = None,
     scores_dir: Path | None = None,
+    documents: range | None = None,
 ) -> dict[str, Any]:
     """Zero-shot acc / acc_norm of `model` on `tasks` (any of ZERO_SHOT_TASKS), as the harness computes them.
 
-    `limit` caps the documents per task (the first ones of the split), for quick runs. The model is moved
+    `limit` caps the documents per task (the first ones of the split), for quick runs; `documents` takes these
+    of each task's split instead (an evaluation too long for one sitting, in parts). The model is moved
     to `device` ("auto": cuda when available) in place, and put in eval mode. `run` hears the start and the
     fraction scored after each batch, and its cancellation stops the scoring there.
 
@@ -195,6 +207,8 @@ def evaluate_zero_shot(
         run.report("evaluation", fraction, f"zero-shot {', '.join(tasks)}")
 
     _check_tasks(tasks)
+    if limit is not None and documents is not None:
+        raise InvalidConfig("zero-shot: a limit or a range of documents, not both")
     scored(0.0)  # the tasks' documents load and become requests before the first batch: minutes for hellaswag
     lm_eval = harness()
     from casp_core.eval.shared_context import SharedContextLM
@@ -211,6 +225,7 @@ def evaluate_zero_shot(
             tasks=list(tasks),
             num_fewshot=0,
             limit=limit,
+            samples=None if documents is None else {task: list(documents) for task in tasks},
             task_manager=manager,
             log_samples=False,
             # The harness appends its process rank and ".db" to this path.
@@ -223,6 +238,7 @@ def evaluate_zero_shot(
         "harness_version": results["lm_eval_version"],
         "num_fewshot": 0,
         "limit": limit,
+        "documents": None if documents is None else [documents.start, documents.stop],
         "batch_size": batch_size,
         "device": str(target),
         "source": "hub" if datasets_dir is None else "local",

@@ -12,7 +12,7 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from casp_core.errors import Cancelled, DatasetNotFound, InvalidConfig
-from casp_core.eval.zeroshot import LOCAL_TASKS, evaluate_zero_shot
+from casp_core.eval.zeroshot import LOCAL_TASKS, documents_scored, evaluate_zero_shot
 from casp_core.run import Run
 from casp_core.settings import ZERO_SHOT_TASKS
 from tests.conftest import STORIES
@@ -131,9 +131,10 @@ def test_unknown_task_is_refused(stories_model):
         evaluate_zero_shot(model, tokenizer, ["piqa", "mmlu"], limit=1, datasets_dir=None, device="cpu")
 
 
-def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progress(stories_model):
+def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progress(stories_model, capfd):
     """Every document of the seven tasks is hours of a CPU: the evaluation reports its start (before the documents
-    load), then the fraction scored after each batch, and a cancelled job stops at the next one."""
+    load), then the fraction scored after each batch (the harness's own bars of the scoring not drawn beside it),
+    and a cancelled job stops at the next one."""
     datasets_dir = datasets_dir_or_skip()
     model, tokenizer = stories_model
     reports: list[tuple[str, float, str]] = []
@@ -143,6 +144,8 @@ def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progre
     assert {message for _, _, message in reports} == {"zero-shot arc_easy"}
     fractions = [fraction for _, fraction, _ in reports]
     assert fractions[0] == 0.0 and fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+    drawn = capfd.readouterr().err
+    assert "Tokenizing inputs" not in drawn and "Running loglikelihood requests" not in drawn
 
     reports.clear()
     run = Run(
@@ -195,3 +198,25 @@ def test_an_evaluation_cut_short_resumes_from_its_kept_scores_and_scores_only_th
     # The resumed run read fewer rows than the whole evaluation, and a run with every score kept reads none.
     assert 0 < resumed_rows < uncut_rows
     assert again["tasks"]["arc_easy"] == resumed["tasks"]["arc_easy"] and rows_read == []
+
+
+def test_an_evaluation_in_parts_of_the_documents_adds_up_to_the_whole(stories_model):
+    """Two ranges of documents, scored apart, give the accuracy of their union scored at once (the bench scores
+    hellaswag in parts, each short enough for one sitting, `documents_scored` telling where the split ends); a limit
+    and a range together are refused."""
+    datasets_dir = str(datasets_dir_or_skip())
+    model, tokenizer = stories_model
+
+    def evaluate(**which) -> dict:
+        out = evaluate_zero_shot(model, tokenizer, ["arc_easy"], datasets_dir=datasets_dir, device="cpu", **which)
+        return out["tasks"]["arc_easy"] | {"documents": out["documents"]}
+
+    whole = evaluate(limit=40)
+    first, second = evaluate(limit=None, documents=range(0, 16)), evaluate(limit=None, documents=range(16, 40))
+    assert (first["n_samples"], second["n_samples"], second["documents"]) == (16, 24, [16, 40])
+    assert documents_scored("arc_easy", datasets_dir) == whole["n_documents"]  # the split the harness scores: test
+    for metric in ("acc", "acc_norm"):
+        assert 16 * first[metric] + 24 * second[metric] == pytest.approx(40 * whole[metric])
+    assert first["acc"] != second["acc"]  # two parts that score alike would not tell the ranges apart
+    with pytest.raises(InvalidConfig, match="not both"):
+        evaluate(limit=10, documents=range(0, 10))
