@@ -128,8 +128,9 @@ FRONT_AXIS = ("wikitext2", 2048)  # the plot's perplexity and the equal-bytes ta
 RECOVERY_RATIO = 0.3
 # The zero-shot rows' pruned model, under casp's cache folder (casp_core.artifacts.caches.default_cache_dir).
 PRUNED_CACHE = "bench-smollm2-pruned"
-# A zero-shot row's log-likelihoods as they are scored, by its model's weights_digest and its task, beside PRUNED_CACHE:
-# a row cut short (hellaswag on every document is about two hours) resumes where it stopped when run again here.
+# A zero-shot row's log-likelihoods as they are scored, by its model's weights_digest and its task (or part), beside
+# PRUNED_CACHE: a row cut short (boolq's are 10 minutes, a part of hellaswag's 20) resumes where it stopped when run
+# again on this machine.
 SCORES_CACHE = "bench-smollm2-scores"
 PRUNE_FIGURES = "prune-figures.json"
 RECIPES = {"distill_ce+lora": ("lora", "distill_ce"), "distill+full": ("full", "distill")}
