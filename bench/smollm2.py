@@ -44,6 +44,7 @@ smollm2.png are rendered from the JSON after every row (`--render` alone renders
 """
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import math
@@ -604,6 +605,12 @@ def planned_rows(parts: list[str], ratios: list[float]) -> Iterator[str]:
                     yield f"zero-shot/{model}/{measured}"
 
 
+def chosen(key: str, only: list[str] | None) -> bool:
+    """Whether `--only`'s keys or shell-style patterns take the row (`zero-shot/*/hellaswag (part 1 of 8)`); the S_l
+    row is always taken, since every prune is given them."""
+    return not only or key == SENSITIVITIES_ROW or any(fnmatch.fnmatchcase(key, pattern) for pattern in only)
+
+
 def measured_models(rows: list[dict[str, Any]], key: str) -> dict[str, str]:
     """For a zero-shot row, the rows of its task (or of its part of the task) that measured their model, by the
     model's `weights_digest`."""
@@ -694,7 +701,12 @@ def main(argv: list[str] | None = None) -> None:
         help="optimizer steps per recovery recipe, each 8 x 16 sequences of 256 tokens of PTB train (10: about an "
         "hour a recipe on 2 cores)",
     )
-    parser.add_argument("--only", nargs="+", metavar="KEY", help="measure only these rows of the plan (their keys)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="KEY",
+        help="measure only these rows of the plan: their keys, or patterns of them ('zero-shot/*/0.3/boolq')",
+    )
     parser.add_argument("--rerun", help="measure this row again (its key), beside the one held")
     parser.add_argument("--render", action="store_true", help="only render smollm2.md and smollm2.png from the JSON")
     parser.add_argument("--models-dir", default=default_models_dir())
@@ -712,7 +724,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = recorded_settings(args)
         keys = [args.rerun] if args.rerun else planned_rows(args.parts.split(","), args.ratios)
         for key in keys:
-            if args.only and key not in (*args.only, SENSITIVITIES_ROW):  # every prune is given the S_l
+            if not chosen(key, args.only):
                 continue
             held = [row for row in payload["rows"] if row["key"] == key]
             if held and same_settings(held[0], settings) and not args.rerun:

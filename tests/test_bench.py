@@ -507,6 +507,24 @@ def test_smollm2_renders_where_the_defaults_lose_and_which_files_are_on_the_fron
     assert len(planned) == 1 + (1 + len(smollm2.CONFIGS)) * (len(smollm2.ZERO_SHOT_TASKS) - 1 + 8)
 
 
+def test_smollm2_only_takes_rows_by_key_or_pattern() -> None:
+    """`--only` takes keys as they are, or shell-style patterns of them; the S_l row, which every prune is given,
+    always."""
+    planned = list(smollm2.planned_rows(["quality", "zero-shot"], [0.2, 0.3]))
+
+    def taken(*only: str) -> list[str]:
+        return [key for key in planned if smollm2.chosen(key, list(only))]
+
+    assert taken() == planned
+    assert taken("quality/defaults/0.3") == [smollm2.SENSITIVITIES_ROW, "quality/defaults/0.3"]
+    boolq = taken("zero-shot/*/0.3/boolq")[1:]
+    assert boolq == [f"zero-shot/{config}/0.3/boolq" for config in smollm2.CONFIGS]
+    assert taken("zero-shot/dense/0/hellaswag*")[1:] == [
+        f"zero-shot/dense/0/{part}" for part in smollm2.measured_tasks("hellaswag")
+    ]
+    assert len(taken("zero-shot/*/hellaswag (part 1 of 8)")) == 1 + 1 + 2 * len(smollm2.CONFIGS)
+
+
 def test_smollm2_standard_error_of_an_accuracy_is_lm_evals() -> None:
     """The standard error the zero-shot comparison uses is the one lm-eval reports for a mean of 0/1 scores."""
     from lm_eval.api.metrics import mean_stderr
