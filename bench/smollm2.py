@@ -13,15 +13,15 @@ parts:
 - `zero-shot`: the seven tasks on every document of each, for the dense model and each configuration of
   `CONFIGS` at `ZERO_SHOT_RATIOS`, each pruned as its quality row is. One row per task (`zero-shot/<configuration>/
   <ratio>/<task>`, the cheapest tasks first; the first of a configuration's rows prunes and writes the model,
-  the others load it, `pruned_once`), so that the part lands piece by piece: a model's seven cost about three and a
-  half hours of 2 cores (hellaswag nearly three, boolq 10 minutes, openbookqa one), where the quality row's
-  perplexities take minutes. hellaswag, longer than a sitting, is measured in parts of its documents, a row each
-  (`ZERO_SHOT_PARTS`), and a row cut short resumes from the scores it kept (`SCORES_CACHE`). A model a row of the
-  task has measured, bit for bit (`weights_digest`: alpha "auto" where it chooses the default's temperature), is
-  not evaluated again: its row copies that accuracy and names the row (`same_weights_as`). The table gathers a
-  configuration's tasks, the mean of its first five (`FIRST_FIVE_TASKS`) once they are in, and the mean of all
-  seven once all are; below it, the accuracies that differ from the defaults' by over twice the standard error of
-  the difference, and the rows measured and left, with the hours left at the minutes each task's rows took.
+  the others load it, `pruned_once`), so that the part lands piece by piece: a model's seven cost about an hour and
+  a half of 2 cores (hellaswag about an hour, boolq 10 minutes, openbookqa one), where the quality row's
+  perplexities take minutes. hellaswag is measured in eighths of its documents, a row each (`ZERO_SHOT_PARTS`), and
+  a row cut short resumes from the scores it kept (`SCORES_CACHE`). A model a row of the task has measured, bit for
+  bit (`weights_digest`: alpha "auto" where it chooses the default's temperature), is not evaluated again: its row
+  copies that accuracy and names the row (`same_weights_as`). The table gathers a configuration's tasks, the mean
+  of its first five (`FIRST_FIVE_TASKS`) once they are in, and the mean of all seven once all are; below it, the
+  accuracies that differ from the defaults' by over twice the standard error of the difference, and the rows
+  measured and left, with the hours left at the minutes each task's rows took.
 - `ladder`: every GGUF file, made by llama.cpp's quantizer (its fallbacks included), measured in llama.cpp on the
   same windows: the dense model down `DENSE_LADDER`, the source Q4_1 file itself, and the defaults' prune at each
   ratio in `PRUNED_TYPES` (`round_to: auto`, so pruned once per block family). Beside each, its bytes, bits per
@@ -92,9 +92,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 ZERO_SHOT_RATIOS = (0.2, 0.3)
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 # The dense model's minutes a task on every document, on 2 cores, extrapolated from its first 100 documents: what
-# the progress table expects of a task no row has measured on every document yet. hellaswag's first 100 took 196 s
-# beside another bench (load 4 on 2 cores), about 100 s alone: 165 minutes for its 10,042 (the dense row, stopped
-# after 130 minutes, had not ended).
+# the progress table expects of a task no row has measured on every document yet. hellaswag's is measured: the
+# dense model's first four eighths took 4.3 to 8.9 minutes, longer as the documents grow longer down the split.
 EXTRAPOLATED_MINUTES = {
     "openbookqa": 1,
     "winogrande": 2,
@@ -102,16 +101,17 @@ EXTRAPOLATED_MINUTES = {
     "arc_challenge": 7,
     "arc_easy": 10,
     "boolq": 37,
-    "hellaswag": 165,
+    "hellaswag": 60,
 }
 # The order the zero-shot part measures a model's tasks in, the cheapest on every document first.
 ZERO_SHOT_TASKS_BY_COST = tuple(sorted(EXTRAPOLATED_MINUTES, key=EXTRAPOLATED_MINUTES.__getitem__))
 # The five a configuration has first, a tenth of the part's hours: their mean ranks the configurations while boolq
 # and hellaswag are still to come.
 FIRST_FIVE_TASKS = ZERO_SHOT_TASKS_BY_COST[:5]
-# A task longer than a sitting on every document, measured in this many parts of consecutive documents, a row each
-# (`zero-shot/<configuration>/<ratio>/hellaswag (part 1 of 8)`, about 20 minutes): a stop loses one part's work at
-# most, and the task's accuracy is its parts', weighted by their documents, once all are in (`whole_tasks`).
+# The longest task, measured in this many parts of consecutive documents, a row each (`zero-shot/<configuration>/
+# <ratio>/hellaswag (part 1 of 8)`, 4 to 9 minutes): a stop loses a part's work at most, a session's end none of
+# the parts written, and the task's accuracy is its parts', weighted by their documents, once all are in
+# (`whole_tasks`).
 ZERO_SHOT_PARTS = {"hellaswag": 8}
 PART = re.compile(r"(?P<task>\w+) \(part (?P<part>\d+) of (?P<parts>\d+)\)")
 # Label -> the evaluation source: both test splits, held out from calibration and recovery text.
@@ -130,7 +130,7 @@ RECOVERY_RATIO = 0.3
 # The zero-shot rows' pruned model, under casp's cache folder (casp_core.artifacts.caches.default_cache_dir).
 PRUNED_CACHE = "bench-smollm2-pruned"
 # A zero-shot row's log-likelihoods as they are scored, by its model's weights_digest and its task (or part), beside
-# PRUNED_CACHE: a row cut short (boolq's are 10 minutes, a part of hellaswag's 20) resumes where it stopped when run
+# PRUNED_CACHE: a row cut short (boolq's are 10 minutes, a part of hellaswag's 4 to 9) resumes where it stopped when run
 # again on this machine.
 SCORES_CACHE = "bench-smollm2-scores"
 PRUNE_FIGURES = "prune-figures.json"
