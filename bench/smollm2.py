@@ -1053,11 +1053,14 @@ def whole_tasks(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The zero-shot rows by the task they measure: a task measured in parts (`ZERO_SHOT_PARTS`) has a row once all
     its parts are in, its accuracy theirs weighted by their documents, its standard error lm-eval's over them all,
     and `same_weights_as` where every part copied one model's."""
-    whole = {key: row for key, row in rows.items() if not PART.fullmatch(key.rsplit("/", 1)[1])}
+    whole: dict[str, dict[str, Any]] = {}
     parts_of: dict[str, list[dict[str, Any]]] = {}
     for key, row in rows.items():
-        if PART.fullmatch(key.rsplit("/", 1)[1]):
-            parts_of.setdefault(f"{key.rsplit('/', 1)[0]}/{task_of(key)}", []).append(row)
+        model, measured = key.rsplit("/", 1)
+        if PART.fullmatch(measured):
+            parts_of.setdefault(f"{model}/{task_of(key)}", []).append(row)
+        else:
+            whole[key] = row
     for key, parts in parts_of.items():
         task = task_of(key)
         if len(parts) < ZERO_SHOT_PARTS[task]:
