@@ -1121,7 +1121,12 @@ def zero_shot_table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
             for tasks in (ZERO_SHOT_TASKS, FIRST_FIVE_TASKS)
         )
         lines.append(f"| {ratio} | {config} | {cells} | {means} |")
-    lines += ["", f"Mean of five: {', '.join(FIRST_FIVE_TASKS)}, the tasks each configuration has first."]
+    lines += [
+        "",
+        f"Mean of five: {', '.join(FIRST_FIVE_TASKS)}, the tasks each configuration has first. Every accuracy is"
+        " lm-eval's `acc`, the choice of highest log-likelihood, on every task: not `acc_norm` (per character of the"
+        " choice), which some papers quote for hellaswag, arc and openbookqa.",
+    ]
     return lines
 
 
