@@ -93,8 +93,8 @@ ZERO_SHOT_RATIOS = (0.2, 0.3)
 ZERO_SHOT_TASKS = ("boolq", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 # The dense model's minutes a task on every document, on 2 cores, extrapolated from its first 100 documents: what
 # the progress table expects of a task no row has measured on every document yet. hellaswag's is measured: the
-# dense model's first four eighths took 4.3 to 8.9 minutes (the split's ActivityNet documents, then from the third
-# on its WikiHow ones, 2.5 times as long).
+# dense model's eight eighths took 59 minutes, 4.3 to 9.1 each (the split's ActivityNet documents, then from the
+# third on its WikiHow ones, 2.5 times as long).
 EXTRAPOLATED_MINUTES = {
     "openbookqa": 1,
     "winogrande": 2,
@@ -1057,8 +1057,8 @@ def whole_tasks(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     parts_of: dict[str, list[dict[str, Any]]] = {}
     for key, row in rows.items():
         model, measured = key.rsplit("/", 1)
-        if PART.fullmatch(measured):
-            parts_of.setdefault(f"{model}/{task_of(key)}", []).append(row)
+        if part := PART.fullmatch(measured):
+            parts_of.setdefault(f"{model}/{part['task']}", []).append(row)
         else:
             whole[key] = row
     for key, parts in parts_of.items():
