@@ -7,6 +7,7 @@ with `unsupported_model` before any work, from the config alone.
 """
 
 import ctypes
+import hashlib
 import mmap
 import sys
 from collections.abc import Iterator
@@ -323,6 +324,21 @@ def sublayer_parameters(layer: nn.Module) -> tuple[int, int]:
 
 def prunable_parameters(model: nn.Module) -> int:
     return sum(sum(sublayer_parameters(layer)) for layer in decoder_layers(model))
+
+
+DIGEST_SLICE = 1 << 24  # elements: 128 MiB in float64
+
+
+@torch.no_grad()
+def weights_digest(model: nn.Module) -> str:
+    """A digest of the weights (names, shapes, float64 sums): what a retry that prunes again must find the same
+    (recovery's saved state, the zero-shot scores kept). Summed a slice at a time: Llama-3-8B's embedding in
+    float64 at once would be 4 GiB more."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        total = sum(float(part.double().sum()) for part in tensor.reshape(-1).split(DIGEST_SLICE))
+        digest.update(f"{name}{tuple(tensor.shape)}{total:.17g}".encode())
+    return digest.hexdigest()
 
 
 _MADV_DONTNEED = 4  # Linux: the pages leave the process; a file mapping reads them again from the file if touched

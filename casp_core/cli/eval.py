@@ -101,6 +101,7 @@ def evaluate_checkpoint(
     # torch, transformers and the harness load only when a command needs them.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from casp_core.artifacts.caches import default_cache_dir
     from casp_core.artifacts.gguf.source import is_gguf_reference
     from casp_core.artifacts.gguf.types import require_llama_cpp
     from casp_core.eval.evaluate import EvaluationPlan, evaluate
@@ -137,6 +138,8 @@ def evaluate_checkpoint(
         zero_shot_batch_size=batch_size,
         efficiency=efficiency,
     ).with_texts(tokenizer)
+    # Run again after a cut (Ctrl-C, a crash), it scores only the zero-shot requests it had not.
+    plan = plan.keeping_scores(cache_dir or default_cache_dir())
     texts = plan.texts
     figures = evaluate(model, tokenizer, plan, run)
     out: dict[str, Any] = {"model": model_path}

@@ -5,7 +5,16 @@ figures of the same model) and then on the pruned model (`EvaluationPlan.of`), `
 checkpoint; `side_by_side` lays the job's two sets of figures out for the report.
 """
 
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -13,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from casp_core.eval.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.eval.perplexity import EvaluationText, default_seq_len, evaluation_text, windows_perplexity
 from casp_core.eval.zeroshot import evaluate_zero_shot, harness
+from casp_core.model import resolve_device, weights_digest
 from casp_core.run import Run
 from casp_core.settings import PruneSettings
 
@@ -21,6 +31,7 @@ from casp_core.settings import PruneSettings
 # tokens, the perplexity's arithmetic, the zero-shot tasks' settings. 2: the zero-shot log-likelihoods read each
 # context once (casp_core.eval.shared_context; the same to float rounding, which could still break a tie).
 EVALUATION_VERSION = 2
+SCORES_FOLDER = "zero-shot-scores"  # under the cache directory casp_core is given (casp_core.artifacts.caches)
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class EvaluationPlan:
     zero_shot_batch_size: int = 16
     efficiency: dict[str, int] | None = None  # measure_efficiency's settings; None skips it
     texts: dict[str, EvaluationText] = field(default_factory=dict)  # by name, once read
+    # Where the zero-shot log-likelihoods are kept as they are scored (`kept_scores`); None keeps none.
+    scores_cache: Path | None = None
 
     @classmethod
     def of(cls, settings: PruneSettings, model_config: PretrainedConfig) -> "EvaluationPlan":
@@ -69,6 +82,10 @@ class EvaluationPlan:
         }
         return replace(self, texts=texts)
 
+    def keeping_scores(self, cache_dir: Path) -> "EvaluationPlan":
+        """The plan with its zero-shot scores kept in `cache_dir` (casp_core.artifacts.caches) as they come."""
+        return replace(self, scores_cache=cache_dir / SCORES_FOLDER)
+
 
 @dataclass
 class Figures:
@@ -91,22 +108,75 @@ def evaluate(
             model, text, device=plan.device, batch_size=plan.perplexity_batch_size, run=run
         )
     if plan.zero_shot:
-        figures.zero_shot = evaluate_zero_shot(
-            model,
-            tokenizer,
-            list(plan.zero_shot),
-            limit=plan.limit,
-            datasets_dir=plan.datasets_dir,
-            batch_size=plan.zero_shot_batch_size,
-            device=plan.device,
-            run=run,
-        )
+        with kept_scores(model, plan) as scores_dir:
+            if scores_dir is not None and any(scores_dir.iterdir()):
+                run.report("evaluation", 0.0, "zero-shot: resuming from the log-likelihoods an earlier run kept")
+            figures.zero_shot = evaluate_zero_shot(
+                model,
+                tokenizer,
+                list(plan.zero_shot),
+                limit=plan.limit,
+                datasets_dir=plan.datasets_dir,
+                batch_size=plan.zero_shot_batch_size,
+                device=plan.device,
+                run=run,
+                scores_dir=scores_dir,
+            )
     if plan.efficiency is not None:
         run.check_cancelled()
         run.report("evaluation", 0.0, "parameters, MACs and latency")
         figures.efficiency = measure_efficiency(model, device=plan.device, **plan.efficiency)
     model.to("cpu")
     return figures
+
+
+@contextmanager
+def kept_scores(model: PreTrainedModel, plan: EvaluationPlan) -> Iterator[Path | None]:
+    """The folder under the plan's `scores_cache` for `model`'s zero-shot log-likelihoods, kept as they are scored
+    (evaluate_zero_shot's `scores_dir`): an evaluation cut short (a crash, a cancel, a lost worker) and run again
+    on the same machine scores only the requests it had not. hellaswag on every document is an hour of a CPU.
+
+    The harness keys its scores by request, so the folder is named by what else they depend on: the weights
+    (`weights_digest`: a retry prunes again, and must find the same model), dtype, device kind, batch size and
+    versions. It is removed once the evaluation has ended; None when the plan keeps no scores, the folder cannot
+    be made, or another process holds it (the same model scored at once: the first to end would remove it)."""
+    if plan.scores_cache is None:
+        yield None
+        return
+    key = {
+        "weights": weights_digest(model),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": resolve_device(plan.device).type,
+        "batch_size": plan.zero_shot_batch_size,
+        "evaluation_version": EVALUATION_VERSION,
+        "lm_eval": version("lm_eval"),
+    }
+    folder = plan.scores_cache / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    handle = _locked(folder)
+    if handle is None:
+        yield None
+        return
+    try:
+        yield folder
+        shutil.rmtree(folder, ignore_errors=True)  # the figures hold what the scores gave
+    finally:
+        os.close(handle)
+
+
+def _locked(folder: Path) -> int | None:
+    """A descriptor of `folder`, made if need be, holding its exclusive lock; None when the folder cannot be made
+    (a cache that cannot be written costs a rerun the scores, not this evaluation) or another process holds it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(handle)
+        return None
+    return handle
 
 
 def side_by_side(dense: Figures, pruned: Figures, texts: dict[str, EvaluationText]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import json
 import shutil
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,8 @@ def run_job(
     # The settings checked against the model's config before any weight loads, as the API and the command line
     # check them; a retry plans again, so that one resuming after pruning has its plan too.
     plan = plan_job(config, load_config(model, revision=revision, token=token))
+    # A retry, or the same job again, on this machine scores only the zero-shot requests an earlier attempt had not.
+    plan = replace(plan, evaluation=plan.evaluation.keeping_scores(cache_dir))
     if quantizer_block(config):
         require_llama_cpp()
     run = run or Run()

@@ -18,7 +18,6 @@ there every `save_every` steps; a later call with the same directory, settings, 
 the last save and ends with the same weights as an uninterrupted run.
 """
 
-import hashlib
 import math
 import os
 import time
@@ -35,7 +34,7 @@ from casp_core.errors import InvalidConfig
 from casp_core.families import family_of
 from casp_core.method.next_token import final_hidden_states, of_chunks
 from casp_core.method.placement import bf16_autocast
-from casp_core.model import decoder_layers, resolve_device
+from casp_core.model import decoder_layers, resolve_device, weights_digest
 from casp_core.recovery.data import TrainingData, collate
 from casp_core.recovery.teacher import TeacherCache, distillation_loss, labelled_positions
 from casp_core.run import Run
@@ -98,15 +97,6 @@ def batch_indices(config: RecoveryConfig, n_sequences: int, step: int) -> list[l
             indices.append(int(orders[epoch][offset]))
         passes.append(indices)
     return passes
-
-
-@torch.no_grad()
-def weights_digest(model: PreTrainedModel) -> str:
-    """A digest of the weights (names, shapes, float64 sums): a retry re-prunes, and must find the same model."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        digest.update(f"{name}{tuple(tensor.shape)}{float(tensor.double().sum()):.17g}".encode())
-    return digest.hexdigest()
 
 
 def _state_fingerprint(config: RecoveryConfig, data: TrainingData, weights: str) -> dict[str, Any]:

@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from casp_core.cli.eval import add_eval_parser, evaluate_checkpoint
 from casp_core.errors import InvalidConfig, ModelNotFound
 from casp_core.eval.efficiency import count_parameters, prefill_macs
+from casp_core.eval.evaluate import SCORES_FOLDER
 from casp_core.eval.perplexity import perplexity
+from casp_core.eval.shared_context import SharedContextLM
 from tests.conftest import STORIES
 from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
@@ -113,6 +115,39 @@ def test_progress_goes_to_stderr_batch_by_batch(capsys: pytest.CaptureFixture[st
     assert lines[0] == "casp: evaluation: zero-shot arc_easy"
     assert len(lines) > 3 and all(line.startswith("casp: evaluation: zero-shot arc_easy (") for line in lines[1:])
     assert "(100%, " in lines[-1]
+
+
+def test_an_evaluation_cut_short_and_run_again_resumes_from_the_scores_it_kept(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """`casp eval` interrupted part-way (Ctrl-C; here its second batch raises), run again, says it resumes from the
+    log-likelihoods the first run kept in the cache folder, and removes them once it has its figures."""
+    monkeypatch.setenv("CASP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CASP_PROGRESS_INTERVAL", "0")
+    datasets_dir = datasets_dir_or_skip()
+    argv = ["--model", str(STORIES), "--tasks", "arc_easy", "--limit", "24", "--perplexity", "", "--no-efficiency"]
+    argv += ["--datasets-dir", str(datasets_dir), "--batch-size", "4"]
+    advance = SharedContextLM._advance
+    batches: list[int] = []
+
+    def interrupted_at_the_second(lm: SharedContextLM, reads: int) -> None:
+        batches.append(reads)
+        if len(batches) == 2:
+            raise KeyboardInterrupt
+        advance(lm, reads)
+
+    monkeypatch.setattr(SharedContextLM, "_advance", interrupted_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        _casp_eval(argv)
+    (kept,) = (tmp_path / SCORES_FOLDER).iterdir()
+    assert any(kept.iterdir())
+    monkeypatch.setattr(SharedContextLM, "_advance", advance)
+    capsys.readouterr()
+    assert _casp_eval(argv) == 0
+    captured = capsys.readouterr()
+    assert "casp: evaluation: zero-shot: resuming from the log-likelihoods an earlier run kept" in captured.err
+    assert json.loads(captured.out)["zero_shot"]["arc_easy"]["n_samples"] == 24
+    assert not any((tmp_path / SCORES_FOLDER).iterdir())
 
 
 def test_bad_input_is_refused(tmp_path: Path):

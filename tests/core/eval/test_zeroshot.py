@@ -1,17 +1,21 @@
 """Zero-shot accuracy through lm-evaluation-harness, offline, on the real stories260K model and data."""
 
+import copy
 import socket
+from dataclasses import replace
 from statistics import fmean
 
 import datasets
 import huggingface_hub.constants
 import lm_eval
 import pytest
+import torch
 import yaml
 from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from casp_core.errors import Cancelled, DatasetNotFound, InvalidConfig
+from casp_core.eval.evaluate import SCORES_FOLDER, EvaluationPlan, evaluate, kept_scores
 from casp_core.eval.zeroshot import LOCAL_TASKS, documents_scored, evaluate_zero_shot
 from casp_core.run import Run
 from casp_core.settings import ZERO_SHOT_TASKS
@@ -158,6 +162,8 @@ def test_a_cancelled_evaluation_stops_between_batches_after_reporting_its_progre
     assert len(reports) == 2 and reports[0] == 0.0 < reports[1] < 0.5  # the start, the first batch
 
 
+# make test-slow: the next test holds the same through `evaluate`'s kept scores, which jobs and `casp eval` use.
+@pytest.mark.slow
 def test_an_evaluation_cut_short_resumes_from_its_kept_scores_and_scores_only_the_rest(stories_model, tmp_path):
     """hellaswag on every document is two hours of a CPU: with a folder to keep its scores in, an evaluation
     cancelled part-way and run again scores only the requests it had not, and gives the uncut run's accuracy."""
@@ -198,6 +204,61 @@ def test_an_evaluation_cut_short_resumes_from_its_kept_scores_and_scores_only_th
     # The resumed run read fewer rows than the whole evaluation, and a run with every score kept reads none.
     assert 0 < resumed_rows < uncut_rows
     assert again["tasks"]["arc_easy"] == resumed["tasks"]["arc_easy"] and rows_read == []
+
+
+def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them(stories_model, tmp_path):
+    """`evaluate` with a scores cache (a job's, `casp eval`'s): cut short, its log-likelihoods stay in a folder
+    named by the model's weights and settings; run again, it says it resumes, reads fewer rows than the whole
+    evaluation and gives the uncut run's figures, then removes the folder. Another model's weights get another
+    folder, and a folder another evaluation holds is not shared with it."""
+    datasets_dir = str(datasets_dir_or_skip())
+    model, tokenizer = stories_model
+    plan = EvaluationPlan(
+        perplexity=(), seq_len=128, max_windows=None, zero_shot=("arc_easy",), limit=40, datasets_dir=datasets_dir,
+        device="cpu", perplexity_batch_size=8,
+    ).keeping_scores(tmp_path)  # fmt: skip
+    scores = tmp_path / SCORES_FOLDER
+    rows_read: list[int] = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, output: rows_read.append(len(args[0] if args else kwargs["input_ids"])),
+        with_kwargs=True,
+    )
+    messages: list[str] = []
+    try:
+        uncut = evaluate(model, tokenizer, replace(plan, scores_cache=None)).zero_shot
+        uncut_rows = sum(rows_read)
+        cut = Run(
+            progress=lambda stage, fraction, message="": messages.append(message),
+            should_cancel=lambda: len(messages) > 2,
+        )
+        with pytest.raises(Cancelled):
+            evaluate(model, tokenizer, plan, cut)
+        (kept,) = scores.iterdir()
+        assert any(kept.iterdir())
+        rows_read.clear()
+        messages.clear()
+        resumed = evaluate(
+            model, tokenizer, plan, Run(progress=lambda stage, fraction, message="": messages.append(message))
+        ).zero_shot
+    finally:
+        hook.remove()
+    assert messages[0] == "zero-shot: resuming from the log-likelihoods an earlier run kept"
+    assert resumed is not None and uncut is not None and resumed["tasks"] == uncut["tasks"]
+    assert 0 < sum(rows_read) < uncut_rows
+    assert not any(scores.iterdir())
+
+    with kept_scores(model, plan) as held:
+        assert held is not None and held.name == kept.name
+        with kept_scores(model, plan) as second:
+            assert second is None  # held by the first: scored without kept scores
+        retrained = copy.deepcopy(model)
+        with torch.no_grad():
+            next(retrained.parameters())[0, 0] += 1.0
+        with kept_scores(retrained, plan) as other:
+            assert other is not None and other.name != kept.name
+    assert not any(scores.iterdir())  # each removed as its evaluation ended
+    with kept_scores(model, replace(plan, scores_cache=None)) as none:
+        assert none is None
 
 
 def test_an_evaluation_in_parts_of_the_documents_adds_up_to_the_whole(stories_model):

@@ -10,12 +10,14 @@ from transformers import AutoModelForCausalLM
 
 from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.errors import Cancelled, InvalidConfig
+from casp_core.eval.evaluate import SCORES_FOLDER
+from casp_core.eval.zeroshot import evaluate_zero_shot
 from casp_core.job.run import run_job
 from casp_core.method.prune import prune
 from casp_core.model import load_model
 from casp_core.run import Run
-from casp_core.settings import EfficiencyConfig
-from tests.conftest import REPO, STORIES, small_config
+from casp_core.settings import EfficiencyConfig, EvaluationConfig
+from tests.conftest import REPO, STORIES, small_config, tiny_config
 
 
 # 0.2 (greedy no worse than diagonal) and 0.3 (strictly below) in make test; 0.1 and 0.5, the same two claims at
@@ -227,3 +229,43 @@ def test_run_job_refuses_a_used_directory_and_leaves_nothing_on_failure(tmp_path
         run_job(str(REPO / "demo" / "stories260K"), broken, out)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == [used]
+
+
+def test_a_job_cut_short_in_its_zero_shot_evaluation_resumes_from_the_scores_it_kept(tmp_path):
+    """A job cancelled (or crashed) part-way through the pruned model's zero-shot tasks, run again on the machine,
+    prunes the same model again and scores only what the first attempt had not (hellaswag alone is an hour of a
+    CPU): it says so, and its accuracies are those of the published checkpoint scored afresh."""
+    cache = tmp_path / "cache"
+    config = tiny_config(0.3, evaluation=EvaluationConfig(perplexity=[], zero_shot=["arc_easy"], limit=40))
+    messages: list[tuple[str, str]] = []
+
+    def heard(stage: str, fraction: float, message: str = "") -> None:
+        messages.append((stage, message))
+
+    def in_the_pruned_models_zero_shot() -> bool:
+        """After its start and first batch: the dense model's zero-shot reports come before pruning's."""
+        stages = [stage for stage, _ in messages]
+        later = messages[stages.index("pruning") :] if "pruning" in stages else []
+        return sum(message.startswith("zero-shot") for _, message in later) > 2
+
+    with pytest.raises(Cancelled):
+        run_job(
+            str(STORIES),
+            config,
+            tmp_path / "cut",
+            Run(heard, should_cancel=in_the_pruned_models_zero_shot),
+            cache_dir=cache,
+        )
+    (kept,) = (cache / SCORES_FOLDER).iterdir()
+    assert any(kept.iterdir())
+
+    messages.clear()
+    out = tmp_path / "pruned"
+    report = run_job(str(STORIES), config, out, Run(heard), cache_dir=cache)
+    assert ("evaluation", "zero-shot: resuming from the log-likelihoods an earlier run kept") in messages
+    assert not any((cache / SCORES_FOLDER).iterdir())
+    published, tokenizer = load_pruned(out)
+    afresh = evaluate_zero_shot(
+        published, tokenizer, ["arc_easy"], limit=40, datasets_dir=config.datasets_dir, device="cpu"
+    )
+    assert report["evaluation"]["zero_shot"]["pruned"]["tasks"] == afresh["tasks"]
