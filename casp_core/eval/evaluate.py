@@ -108,6 +108,9 @@ def evaluate(
             model, text, device=plan.device, batch_size=plan.perplexity_batch_size, run=run
         )
     if plan.zero_shot:
+        # Where it is scored, before its weights are summed for its scores' folder: a GPU sums a 7B model's at once,
+        # a CPU in about a minute.
+        model.to(resolve_device(plan.device))
         with kept_scores(model, plan) as scores_dir:
             if scores_dir is not None and any(scores_dir.iterdir()):
                 run.report("evaluation", 0.0, "zero-shot: resuming from the log-likelihoods an earlier run kept")
