@@ -354,12 +354,13 @@ def pruned_once(
     model (ratio 0) is `pruned`'s: loading it is all there is."""
     from casp_core.artifacts.caches import BoundedCache, default_cache_dir
     from casp_core.artifacts.checkpoint import load_pruned
+    from casp_core.model import key_digest
 
     if not ratio:
         return pruned(settings, ratio, overrides, sensitivities)
     cache = BoundedCache(default_cache_dir() / PRUNED_CACHE, max_bytes=0)
     described = [prune_config(settings, ratio, overrides).to_dict(), sensitivities, git_commit()]
-    entry = hashlib.sha256(json.dumps(described).encode()).hexdigest()[:24]
+    entry = key_digest(described)[:24]
     reused = cache.has(entry)
     if not reused:
         model, tokenizer, figures = pruned(settings, ratio, overrides, sensitivities)

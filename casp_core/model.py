@@ -3,16 +3,19 @@
 A decoder layer has attention (q/k/v/o_proj; units are query heads, blocks of `head_dim` input columns of
 o_proj) and a gated MLP (gate/up/down_proj; units are intermediate channels, input columns of down_proj).
 What each family's units are and what it accepts is its module's (casp_core.families). Anything else is refused
-with `unsupported_model` before any work, from the config alone.
+with `unsupported_model` before any work, from the config alone. The digests that name what casp keeps between
+runs (a cache entry's key, a model's weights) are here too, below every room that keeps something.
 """
 
 import ctypes
 import hashlib
+import json
 import mmap
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import snapshot_download
@@ -324,6 +327,11 @@ def sublayer_parameters(layer: nn.Module) -> tuple[int, int]:
 
 def prunable_parameters(model: nn.Module) -> int:
     return sum(sum(sublayer_parameters(layer)) for layer in decoder_layers(model))
+
+
+def key_digest(key: Any) -> str:
+    """The sha256 of `key` as JSON with sorted keys: equal for equal keys whatever order their dicts were built in."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 DIGEST_SLICE = 1 << 24  # elements: 128 MiB in float64

@@ -14,8 +14,6 @@ died mid-download, and goes the next time the cache adds or finds an entry.
 """
 
 import contextlib
-import hashlib
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from sqlalchemy.orm import Session
 from casp_core.artifacts.caches import BoundedCache
 from casp_core.artifacts.gguf.source import GGUF_MAGIC, check_gguf_file
 from casp_core.errors import Cancelled, InvalidModelFile, ModelNotFound
+from casp_core.model import key_digest
 from service.paths import S3_SCHEME, bucket_and_prefix, upload_id_of
 from service.settings import Settings
 from service.storage import S3Location, Storage, s3_client
@@ -128,7 +127,7 @@ def check_gguf_object(location: S3Location) -> None:
 
 def entry_name(location: S3Location, objects: list[StoredObject]) -> str:
     described = [str(location), *(f"{o.relative}\n{o.size}\n{o.etag}" for o in objects)]
-    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:32]
+    return key_digest(described)[:32]
 
 
 def megabytes(size: int) -> str:

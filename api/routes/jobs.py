@@ -1,7 +1,5 @@
 """/v1/jobs: submit, inspect, page, cancel, list and delete artifacts."""
 
-import hashlib
-import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -34,7 +32,7 @@ from casp_core.artifacts.gguf.source import is_gguf_reference
 from casp_core.data import TextSource, calibration_source, evaluation_source
 from casp_core.errors import CaspError, InvalidConfig, InvalidDataset, UnsupportedExport
 from casp_core.job.plan import plan_job
-from casp_core.model import is_local_reference, load_config
+from casp_core.model import is_local_reference, key_digest, load_config
 from casp_core.settings import SERVER_SIDE, PruneConfig
 from service import api_keys, jobs, uploaded_models, webhook_deliveries
 from service.db import session_scope
@@ -237,7 +235,7 @@ def create_job(
     webhook_url = check_webhook(body, settings)
     if webhook_url:
         fields |= {"webhook_url": webhook_url, "webhook_events": body.webhook_events, "webhook_state": "pending"}
-    request_hash = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    request_hash = key_digest(body.model_dump(mode="json"))
     limits = api_keys.limits_of(session, caller, settings)
     try:
         job, created = jobs.create_job(session, caller, fields, idempotency_key, request_hash, limits)

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from casp_core.artifacts.gguf.source import file_sha256, source_of
 from casp_core.eval.evaluate import EVALUATION_VERSION, EvaluationPlan, Figures, evaluate
-from casp_core.model import resolve_device
+from casp_core.model import key_digest, resolve_device
 from casp_core.report.build import library_versions
 from casp_core.run import Run
 
@@ -54,7 +54,7 @@ def evaluate_dense(
     were measured, and an event says they were reused), else measured now, timed as `DENSE_STAGE`, and kept."""
     folder = cache_dir / CACHE_FOLDER
     key = evaluation_key(model, plan, folder)
-    entry = folder / f"{_digest(key)}.json"
+    entry = folder / f"{key_digest(key)}.json"
     kept = read_entry(entry, key)
     if kept is not None:
         measured_at = kept["measured_at"]
@@ -126,7 +126,7 @@ def source_identity(source: Path, folder: Path) -> dict[str, str]:
 def remembered_sha256(path: Path, digests: Path) -> str:
     """The file's sha256, read once per (path, size, modification time) and remembered in `digests`."""
     stat = path.stat()
-    memo = digests / _digest([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    memo = digests / key_digest([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     try:
         known = memo.read_text().strip()
         if len(known) == 64:
@@ -177,7 +177,3 @@ def _write_whole(path: Path, text: str) -> None:
 def _as_json(value: Any) -> Any:
     """`value` as it reads back from JSON (tuples as lists), to compare with an entry's."""
     return json.loads(json.dumps(value))
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()

@@ -6,8 +6,6 @@ checkpoint; `side_by_side` lays the job's two sets of figures out for the report
 """
 
 import fcntl
-import hashlib
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -21,8 +19,8 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from casp_core.eval.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.eval.perplexity import EvaluationText, default_seq_len, evaluation_text, windows_perplexity
-from casp_core.eval.zeroshot import evaluate_zero_shot, harness
-from casp_core.model import resolve_device, weights_digest
+from casp_core.eval.zeroshot import evaluate_zero_shot, harness, kept_loglikelihoods
+from casp_core.model import key_digest, resolve_device, weights_digest
 from casp_core.run import Run
 from casp_core.settings import PruneSettings
 
@@ -112,8 +110,10 @@ def evaluate(
         # a CPU in about a minute.
         model.to(resolve_device(plan.device))
         with kept_scores(model, plan) as scores_dir:
-            if scores_dir is not None and any(scores_dir.iterdir()):
-                run.report("evaluation", 0.0, "zero-shot: resuming from the log-likelihoods an earlier run kept")
+            kept = 0 if scores_dir is None else kept_loglikelihoods(scores_dir)
+            if kept:
+                resuming = f"zero-shot: resuming from the {kept:,} log-likelihoods an earlier run kept"
+                run.report("evaluation", 0.0, resuming)
             figures.zero_shot = evaluate_zero_shot(
                 model,
                 tokenizer,
@@ -154,7 +154,7 @@ def kept_scores(model: PreTrainedModel, plan: EvaluationPlan) -> Iterator[Path |
         "evaluation_version": EVALUATION_VERSION,
         "lm_eval": version("lm_eval"),
     }
-    folder = plan.scores_cache / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    folder = plan.scores_cache / key_digest(key)[:32]
     handle = _locked(folder)
     if handle is None:
         yield None

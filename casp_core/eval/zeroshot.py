@@ -248,3 +248,15 @@ def evaluate_zero_shot(
         "average_acc": fmean(per_task[t]["acc"] for t in tasks),
         "average_over": list(tasks),
     }
+
+
+def kept_loglikelihoods(scores_dir: Path) -> int:
+    """How many log-likelihoods `scores_dir` (evaluate_zero_shot's) holds: none after a run cut short before its
+    first batch, which leaves the harness's SQLite file made and empty."""
+    from sqlitedict import SqliteDict  # lm_eval's, imported with it
+
+    kept = 0
+    for file in Path(scores_dir).glob(f"{SCORES_FILE}_rank*.db"):
+        with SqliteDict(str(file), flag="r") as scores:
+            kept += len(scores)
+    return kept

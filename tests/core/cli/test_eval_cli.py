@@ -14,6 +14,7 @@ from casp_core.eval.efficiency import count_parameters, prefill_macs
 from casp_core.eval.evaluate import SCORES_FOLDER
 from casp_core.eval.perplexity import perplexity
 from casp_core.eval.shared_context import SharedContextLM
+from casp_core.eval.zeroshot import kept_loglikelihoods
 from tests.conftest import STORIES
 from tests.core.eval.eval_helpers import (
     datasets_dir_or_skip,
@@ -140,12 +141,14 @@ def test_an_evaluation_cut_short_and_run_again_resumes_from_the_scores_it_kept(
     with pytest.raises(KeyboardInterrupt):
         _casp_eval(argv)
     (kept,) = (tmp_path / SCORES_FOLDER).iterdir()
-    assert any(kept.iterdir())
+    kept_before = kept_loglikelihoods(kept)
+    assert kept_before > 0
     monkeypatch.setattr(SharedContextLM, "_advance", advance)
     capsys.readouterr()
     assert _casp_eval(argv) == 0
     captured = capsys.readouterr()
-    assert "casp: evaluation: zero-shot: resuming from the log-likelihoods an earlier run kept" in captured.err
+    resuming = f"zero-shot: resuming from the {kept_before:,} log-likelihoods an earlier run kept"
+    assert f"casp: evaluation: {resuming}" in captured.err
     assert json.loads(captured.out)["zero_shot"]["arc_easy"]["n_samples"] == 24
     assert not any((tmp_path / SCORES_FOLDER).iterdir())
 

@@ -12,11 +12,18 @@ import pytest
 import torch
 import yaml
 from lm_eval.tasks import TaskManager
+from sqlitedict import SqliteDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from casp_core.errors import Cancelled, DatasetNotFound, InvalidConfig
 from casp_core.eval.evaluate import SCORES_FOLDER, EvaluationPlan, evaluate, kept_scores
-from casp_core.eval.zeroshot import LOCAL_TASKS, documents_scored, evaluate_zero_shot
+from casp_core.eval.zeroshot import (
+    LOCAL_TASKS,
+    SCORES_FILE,
+    documents_scored,
+    evaluate_zero_shot,
+    kept_loglikelihoods,
+)
 from casp_core.run import Run
 from casp_core.settings import ZERO_SHOT_TASKS
 from tests.conftest import STORIES
@@ -208,8 +215,9 @@ def test_an_evaluation_cut_short_resumes_from_its_kept_scores_and_scores_only_th
 
 def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them(stories_model, tmp_path):
     """`evaluate` with a scores cache (a job's, `casp eval`'s): cut short, its log-likelihoods stay in a folder
-    named by the model's weights and settings; run again, it says it resumes, reads fewer rows than the whole
-    evaluation and gives the uncut run's figures, then removes the folder. Another model's weights get another
+    named by the model's weights and settings; run again, it says from how many it resumes, reads fewer rows than the
+    whole evaluation and gives the uncut run's figures, then removes the folder. A run cancelled before its first
+    batch leaves an empty SQLite file: the next does not say it resumes. Another model's weights get another
     folder, and a folder another evaluation holds is not shared with it."""
     datasets_dir = str(datasets_dir_or_skip())
     model, tokenizer = stories_model
@@ -225,8 +233,17 @@ def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them
     )
     messages: list[str] = []
     try:
-        uncut = evaluate(model, tokenizer, replace(plan, scores_cache=None)).zero_shot
+        with pytest.raises(Cancelled), kept_scores(model, plan) as before_the_first_batch:
+            assert before_the_first_batch is not None
+            SqliteDict(str(before_the_first_batch / f"{SCORES_FILE}_rank0.db"), autocommit=True).close()
+            raise Cancelled("cancelled before the first batch")
+        uncut = evaluate(
+            model, tokenizer, plan, Run(progress=lambda stage, fraction, message="": messages.append(message))
+        ).zero_shot
         uncut_rows = sum(rows_read)
+        assert not any("resuming" in message for message in messages)
+        assert not any(scores.iterdir())
+        messages.clear()
         cut = Run(
             progress=lambda stage, fraction, message="": messages.append(message),
             should_cancel=lambda: len(messages) > 2,
@@ -234,7 +251,8 @@ def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them
         with pytest.raises(Cancelled):
             evaluate(model, tokenizer, plan, cut)
         (kept,) = scores.iterdir()
-        assert any(kept.iterdir())
+        kept_before = kept_loglikelihoods(kept)
+        assert kept_before > 0
         rows_read.clear()
         messages.clear()
         resumed = evaluate(
@@ -242,7 +260,7 @@ def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them
         ).zero_shot
     finally:
         hook.remove()
-    assert messages[0] == "zero-shot: resuming from the log-likelihoods an earlier run kept"
+    assert messages[0] == f"zero-shot: resuming from the {kept_before:,} log-likelihoods an earlier run kept"
     assert resumed is not None and uncut is not None and resumed["tasks"] == uncut["tasks"]
     assert 0 < sum(rows_read) < uncut_rows
     assert not any(scores.iterdir())

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.errors import Cancelled, InvalidConfig
 from casp_core.eval.evaluate import SCORES_FOLDER
-from casp_core.eval.zeroshot import evaluate_zero_shot
+from casp_core.eval.zeroshot import evaluate_zero_shot, kept_loglikelihoods
 from casp_core.job.run import run_job
 from casp_core.method.prune import prune
 from casp_core.model import load_model
@@ -257,12 +257,14 @@ def test_a_job_cut_short_in_its_zero_shot_evaluation_resumes_from_the_scores_it_
             cache_dir=cache,
         )
     (kept,) = (cache / SCORES_FOLDER).iterdir()
-    assert any(kept.iterdir())
+    kept_before = kept_loglikelihoods(kept)
+    assert kept_before > 0
 
     messages.clear()
     out = tmp_path / "pruned"
     report = run_job(str(STORIES), config, out, Run(heard), cache_dir=cache)
-    assert ("evaluation", "zero-shot: resuming from the log-likelihoods an earlier run kept") in messages
+    resuming = f"zero-shot: resuming from the {kept_before:,} log-likelihoods an earlier run kept"
+    assert ("evaluation", resuming) in messages
     assert not any((cache / SCORES_FOLDER).iterdir())
     published, tokenizer = load_pruned(out)
     afresh = evaluate_zero_shot(
