@@ -1,7 +1,8 @@
 """Where casp_core keeps what it computes once per model and reuses: a folder it is given (the service's under
 CASP_HOME), by default `$CASP_CACHE_DIR`, else `~/.cache/casp`. Each purpose has its subfolder: `gguf/` the GGUF
 sources dequantized (casp_core.artifacts.gguf.source), `dense-evaluation/` the dense models' evaluations,
-`zero-shot-scores/` the log-likelihoods of zero-shot evaluations in progress (casp_core.eval.evaluate.kept_scores).
+`zero-shot-scores/` the log-likelihoods of zero-shot evaluations in progress (casp_core.eval.evaluate.kept_scores;
+those untouched for a week go when the next evaluation keeps scores).
 
 A folder of large entries is a `BoundedCache`: the GGUF sources dequantized (bounded by `$CASP_CACHE_MAX_BYTES`), and
 the service's model cache of downloads (service.model_sources). Processes of one machine may share one: an entry is

@@ -8,6 +8,7 @@ checkpoint; `side_by_side` lays the job's two sets of figures out for the report
 import fcntl
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,9 @@ from casp_core.settings import PruneSettings
 # context once (casp_core.eval.shared_context; the same to float rounding, which could still break a tie).
 EVALUATION_VERSION = 2
 SCORES_FOLDER = "zero-shot-scores"  # under the cache directory casp_core is given (casp_core.artifacts.caches)
+# A model's scores untouched this long were left by an evaluation nobody ran again (a job cancelled and not
+# resubmitted, a checkpoint deleted): the next evaluation that keeps scores removes them.
+ABANDONED_AFTER_SECONDS = 7 * 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -142,10 +146,12 @@ def kept_scores(model: PreTrainedModel, plan: EvaluationPlan) -> Iterator[Path |
     The harness keys its scores by request, so the folder is named by what else they depend on: the weights
     (`weights_digest`: a retry prunes again, and must find the same model), dtype, device kind, batch size and
     versions. It is removed once the evaluation has ended; None when the plan keeps no scores, the folder cannot
-    be made, or another process holds it (the same model scored at once: the first to end would remove it)."""
+    be made, or another process holds it (the same model scored at once: the first to end would remove it).
+    Other models' folders untouched for `ABANDONED_AFTER_SECONDS` and held by no process are removed first."""
     if plan.scores_cache is None:
         yield None
         return
+    remove_abandoned_scores(plan.scores_cache)
     key = {
         "weights": weights_digest(model),
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -164,6 +170,27 @@ def kept_scores(model: PreTrainedModel, plan: EvaluationPlan) -> Iterator[Path |
         shutil.rmtree(folder, ignore_errors=True)  # the figures hold what the scores gave
     finally:
         os.close(handle)
+
+
+def remove_abandoned_scores(scores_cache: Path) -> None:
+    """Remove the folders of `scores_cache` whose newest file is older than `ABANDONED_AFTER_SECONDS`, unless a
+    process holds one (an evaluation scoring it now)."""
+    cutoff = time.time() - ABANDONED_AFTER_SECONDS
+    folders = [folder for folder in scores_cache.iterdir() if folder.is_dir()] if scores_cache.is_dir() else []
+    for folder in folders:
+        try:
+            touched = max([folder.stat().st_mtime, *(file.stat().st_mtime for file in folder.iterdir())])
+        except FileNotFoundError:  # removed meanwhile by another process's evaluation
+            continue
+        if touched >= cutoff:
+            continue
+        handle = _locked(folder)
+        if handle is None:
+            continue
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(handle)
 
 
 def _locked(folder: Path) -> int | None:

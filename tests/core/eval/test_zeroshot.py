@@ -1,8 +1,12 @@
 """Zero-shot accuracy through lm-evaluation-harness, offline, on the real stories260K model and data."""
 
 import copy
+import fcntl
+import os
 import socket
+import time
 from dataclasses import replace
+from pathlib import Path
 from statistics import fmean
 
 import datasets
@@ -16,7 +20,7 @@ from sqlitedict import SqliteDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from casp_core.errors import Cancelled, DatasetNotFound, InvalidConfig
-from casp_core.eval.evaluate import SCORES_FOLDER, EvaluationPlan, evaluate, kept_scores
+from casp_core.eval.evaluate import ABANDONED_AFTER_SECONDS, SCORES_FOLDER, EvaluationPlan, evaluate, kept_scores
 from casp_core.eval.zeroshot import (
     LOCAL_TASKS,
     SCORES_FILE,
@@ -277,6 +281,37 @@ def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them
     assert not any(scores.iterdir())  # each removed as its evaluation ended
     with kept_scores(model, replace(plan, scores_cache=None)) as none:
         assert none is None
+
+
+def test_an_evaluation_removes_the_scores_that_evaluations_abandoned(stories_model, tmp_path):
+    """The folders of scores untouched for `ABANDONED_AFTER_SECONDS` and held by no process go when an evaluation
+    next keeps scores; one with a file written since, and an old one another evaluation holds, stay."""
+    model, _ = stories_model
+    plan = EvaluationPlan(
+        perplexity=(), seq_len=128, max_windows=None, zero_shot=("arc_easy",), limit=40, datasets_dir=None,
+        device="cpu", perplexity_batch_size=8,
+    ).keeping_scores(tmp_path)  # fmt: skip
+    scores = tmp_path / SCORES_FOLDER
+    long_ago = time.time() - ABANDONED_AFTER_SECONDS - 60
+
+    def left_long_ago(name: str) -> Path:
+        folder = scores / name
+        folder.mkdir(parents=True)
+        (folder / f"{SCORES_FILE}_rank0.db").write_bytes(b"scores")
+        for path in (folder / f"{SCORES_FILE}_rank0.db", folder):
+            os.utime(path, (long_ago, long_ago))
+        return folder
+
+    left_long_ago("abandoned")
+    os.utime(left_long_ago("written-since") / f"{SCORES_FILE}_rank0.db")
+    holder = os.open(left_long_ago("held"), os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with kept_scores(model, plan) as own:
+            assert own is not None
+            assert sorted(folder.name for folder in scores.iterdir()) == sorted([own.name, "written-since", "held"])
+    finally:
+        os.close(holder)
 
 
 def test_an_evaluation_in_parts_of_the_documents_adds_up_to_the_whole(stories_model):
