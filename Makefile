@@ -48,7 +48,7 @@ $(DEV_STAMP): $(RUNTIME_STAMP) requirements-dev.txt requirements-gguf.txt requir
 demo: $(RUNTIME_STAMP)
 	$(OFFLINE) $(BIN)/casp demo
 
-test: $(DEV_STAMP)
+test: $(DEV_STAMP) lint
 	bash scripts/services.sh
 	bash scripts/chromium.sh
 	$(OFFLINE) $(BIN)/python -m pytest -q -m "not slow" --durations=15
