@@ -596,6 +596,8 @@ def test_smollm2_zero_shot_progress_counts_the_rows_left_and_their_hours() -> No
     assert smollm2.zero_shot_progress({key: row(60.0) for key in every_row}) == []
 
 
+# slow (6 s, three prunes): the bench's own runs use it for hours; make test keeps the bench's bookkeeping of rows
+@pytest.mark.slow
 def test_smollm2_prunes_a_configuration_once_for_its_zero_shot_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -71,6 +71,10 @@ def run(api: TestClient, headers: dict[str, str], model: str) -> tuple[dict[str,
     return job, events_of(api, job["id"], headers)
 
 
+# slow (12 s, two jobs): make test keeps a GGUF file in a bucket pruned by a job through the worker
+# (test_a_gguf_file_in_a_bucket_is_pruned_and_one_that_is_no_model_refused) and the model cache's reuse and its
+# check of changed objects in the library (tests/service/test_model_cache.py)
+@pytest.mark.slow
 def test_a_model_in_a_bucket_is_pruned_and_read_from_s3_once(
     api: TestClient,
     worker: WorkerProcess,

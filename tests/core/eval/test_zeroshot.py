@@ -217,6 +217,14 @@ def test_an_evaluation_cut_short_resumes_from_its_kept_scores_and_scores_only_th
     assert again["tasks"]["arc_easy"] == resumed["tasks"]["arc_easy"] and rows_read == []
 
 
+def arc_easy_keeping_scores(home: Path, datasets_dir: str | None) -> EvaluationPlan:
+    """40 documents of arc_easy, their scores kept under `home` as a job's are."""
+    return EvaluationPlan(
+        perplexity=(), seq_len=128, max_windows=None, zero_shot=("arc_easy",), limit=40, datasets_dir=datasets_dir,
+        device="cpu", perplexity_batch_size=8,
+    ).keeping_scores(home)  # fmt: skip
+
+
 def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them(stories_model, tmp_path):
     """`evaluate` with a scores cache (a job's, `casp eval`'s): cut short, its log-likelihoods stay in a folder
     named by the model's weights and settings; run again, it says from how many it resumes, reads fewer rows than the
@@ -225,10 +233,7 @@ def test_an_evaluation_keeps_its_scores_by_model_and_run_again_resumes_from_them
     folder, and a folder another evaluation holds is not shared with it."""
     datasets_dir = str(datasets_dir_or_skip())
     model, tokenizer = stories_model
-    plan = EvaluationPlan(
-        perplexity=(), seq_len=128, max_windows=None, zero_shot=("arc_easy",), limit=40, datasets_dir=datasets_dir,
-        device="cpu", perplexity_batch_size=8,
-    ).keeping_scores(tmp_path)  # fmt: skip
+    plan = arc_easy_keeping_scores(tmp_path, datasets_dir)
     scores = tmp_path / SCORES_FOLDER
     rows_read: list[int] = []
     hook = model.register_forward_hook(
@@ -287,10 +292,7 @@ def test_an_evaluation_removes_the_scores_that_evaluations_abandoned(stories_mod
     """The folders of scores untouched for `ABANDONED_AFTER_SECONDS` and held by no process go when an evaluation
     next keeps scores; one with a file written since, and an old one another evaluation holds, stay."""
     model, _ = stories_model
-    plan = EvaluationPlan(
-        perplexity=(), seq_len=128, max_windows=None, zero_shot=("arc_easy",), limit=40, datasets_dir=None,
-        device="cpu", perplexity_batch_size=8,
-    ).keeping_scores(tmp_path)  # fmt: skip
+    plan = arc_easy_keeping_scores(tmp_path, None)
     scores = tmp_path / SCORES_FOLDER
     long_ago = time.time() - ABANDONED_AFTER_SECONDS - 60
 
