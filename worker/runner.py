@@ -327,7 +327,7 @@ def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         state_dir = out_dir.parent / RETRY_STATE
-        if "recovery" in attempt.segments.stages or config.is_sweep:
+        if "recovery" in attempt.segments.stages or config.is_sweep or config.evaluation.zero_shot:
             _restore_retry_state(storage, attempt.job_id, state_dir)
         with model_folder(attempt, model, storage) as folder:
             report = run_job(
@@ -388,8 +388,8 @@ def _drop_upload(storage: Storage, job_id: str) -> None:
 
 
 def _restore_retry_state(storage: Storage, job_id: str, state_dir: Path) -> None:
-    """Puts the stored pruned model and training state, or a sweep's state, the latest saves of any attempt, in
-    `state_dir` (where an earlier attempt on this machine may have left older ones)."""
+    """Puts the stored pruned model and training state, a sweep's state, the zero-shot scores, the latest saves of
+    any attempt, in `state_dir` (where an earlier attempt on this machine may have left older ones)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     for name in RETRY_FILES:
         try:

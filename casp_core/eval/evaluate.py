@@ -7,10 +7,14 @@ checkpoint; `side_by_side` lays the job's two sets of figures out for the report
 
 import fcntl
 import os
+import re
 import shutil
+import sqlite3
+import tarfile
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
@@ -20,7 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from casp_core.eval.efficiency import efficiency_ratios, measure_efficiency
 from casp_core.eval.perplexity import EvaluationText, default_seq_len, evaluation_text, windows_perplexity
-from casp_core.eval.zeroshot import evaluate_zero_shot, harness, kept_loglikelihoods
+from casp_core.eval.zeroshot import SCORES_FILE, evaluate_zero_shot, harness, kept_loglikelihoods
 from casp_core.model import key_digest, resolve_device, weights_digest
 from casp_core.run import Run
 from casp_core.settings import PruneSettings
@@ -34,6 +38,12 @@ SCORES_FOLDER = "zero-shot-scores"  # under the cache directory casp_core is giv
 # A model's scores untouched this long were left by an evaluation nobody ran again (a job cancelled and not
 # resubmitted, a checkpoint deleted): the next evaluation that keeps scores removes them.
 ABANDONED_AFTER_SECONDS = 7 * 24 * 3600
+# How often scores being kept are also handed to the plan's `copy_scores` (a job's retry state, which the worker
+# uploads): a retry on another machine loses at most this much scoring. A copy of hellaswag's 7 MB takes well under
+# a second.
+SCORES_COPIED_EVERY_SECONDS = 300
+# A scores folder's file in a copy (`copy_scores`): "<the folder's key>/<the harness's SQLite file>".
+COPIED_SCORES = re.compile(rf"(?P<folder>[0-9a-f]{{32}})/{SCORES_FILE}_rank\d+\.db")
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,9 @@ class EvaluationPlan:
     texts: dict[str, EvaluationText] = field(default_factory=dict)  # by name, once read
     # Where the zero-shot log-likelihoods are kept as they are scored (`kept_scores`); None keeps none.
     scores_cache: Path | None = None
+    # Called with the folder of the scores being kept every SCORES_COPIED_EVERY_SECONDS while scoring, and once all
+    # are scored: the job copies it into its retry state (`copy_scores`).
+    copy_scores: Callable[[Path], None] | None = None
 
     @classmethod
     def of(cls, settings: PruneSettings, model_config: PretrainedConfig) -> "EvaluationPlan":
@@ -84,9 +97,10 @@ class EvaluationPlan:
         }
         return replace(self, texts=texts)
 
-    def keeping_scores(self, cache_dir: Path) -> "EvaluationPlan":
-        """The plan with its zero-shot scores kept in `cache_dir` (casp_core.artifacts.caches) as they come."""
-        return replace(self, scores_cache=cache_dir / SCORES_FOLDER)
+    def keeping_scores(self, cache_dir: Path, copy_scores: Callable[[Path], None] | None = None) -> "EvaluationPlan":
+        """The plan with its zero-shot scores kept in `cache_dir` (casp_core.artifacts.caches) as they come, and
+        handed to `copy_scores` now and then."""
+        return replace(self, scores_cache=cache_dir / SCORES_FOLDER, copy_scores=copy_scores)
 
 
 @dataclass
@@ -118,17 +132,24 @@ def evaluate(
             if kept:
                 resuming = f"zero-shot: resuming from the {kept:,} log-likelihoods an earlier run kept"
                 run.report("evaluation", 0.0, resuming)
-            figures.zero_shot = evaluate_zero_shot(
-                model,
-                tokenizer,
-                list(plan.zero_shot),
-                limit=plan.limit,
-                datasets_dir=plan.datasets_dir,
-                batch_size=plan.zero_shot_batch_size,
-                device=plan.device,
-                run=run,
-                scores_dir=scores_dir,
-            )
+            copying = scores_dir is not None and plan.copy_scores is not None
+            try:
+                figures.zero_shot = evaluate_zero_shot(
+                    model,
+                    tokenizer,
+                    list(plan.zero_shot),
+                    limit=plan.limit,
+                    datasets_dir=plan.datasets_dir,
+                    batch_size=plan.zero_shot_batch_size,
+                    device=plan.device,
+                    run=copying_now_and_then(run, scores_dir, plan.copy_scores) if copying else run,
+                    scores_dir=scores_dir,
+                )
+            finally:
+                # Whole, or as far as the scoring came before a cancel or an error (a worker stopping hands the
+                # job back to the queue, and another machine may take it).
+                if copying:
+                    plan.copy_scores(scores_dir)
     if plan.efficiency is not None:
         run.check_cancelled()
         run.report("evaluation", 0.0, "parameters, MACs and latency")
@@ -170,6 +191,77 @@ def kept_scores(model: PreTrainedModel, plan: EvaluationPlan) -> Iterator[Path |
         shutil.rmtree(folder, ignore_errors=True)  # the figures hold what the scores gave
     finally:
         os.close(handle)
+
+
+def copying_now_and_then(run: Run, scores_dir: Path, copy: Callable[[Path], None]) -> Run:
+    """`run`, whose progress reports also hand `scores_dir` to `copy` once SCORES_COPIED_EVERY_SECONDS have passed
+    since the last time (the zero-shot scoring reports after each batch)."""
+    copied_at = time.monotonic()
+
+    def progress(stage: str, fraction: float, message: str = "") -> None:
+        nonlocal copied_at
+        run.report(stage, fraction, message)
+        if time.monotonic() - copied_at >= SCORES_COPIED_EVERY_SECONDS:
+            copy(scores_dir)
+            copied_at = time.monotonic()
+
+    return replace(run, progress=progress)
+
+
+def copy_scores(scores_dir: Path, archive: Path) -> None:
+    """Puts a copy of `scores_dir` (a folder `kept_scores` gave) in the tar file `archive`, in place of an earlier
+    copy of it and beside other folders' copies (a job's dense and pruned models). The copy is SQLite's backup,
+    consistent while the harness goes on writing; the archive is replaced whole."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=archive.parent) as work:
+        partial = Path(work) / archive.name
+        with tarfile.open(partial, "w") as copied:
+            if archive.is_file():
+                with tarfile.open(archive) as earlier:
+                    for member in earlier.getmembers():
+                        if not member.name.startswith(f"{scores_dir.name}/"):
+                            copied.addfile(member, earlier.extractfile(member))
+            for scores in sorted(scores_dir.glob(f"{SCORES_FILE}_rank*.db")):
+                backup = Path(work) / scores.name
+                with (
+                    closing(sqlite3.connect(f"file:{scores}?mode=ro", uri=True)) as source,
+                    closing(sqlite3.connect(backup)) as target,
+                ):
+                    source.backup(target)
+                copied.add(backup, f"{scores_dir.name}/{scores.name}")
+        partial.replace(archive)
+
+
+def restore_scores(archive: Path, scores_cache: Path) -> list[str]:
+    """Puts each folder `archive` holds (`copy_scores`) under `scores_cache`, where this machine's folder of the same
+    name is missing or holds fewer log-likelihoods, unless a process holds it. The folders restored, by name."""
+    if not archive.is_file():
+        return []
+    restored = []
+    scores_cache.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as copied, tempfile.TemporaryDirectory(dir=scores_cache.parent) as work:
+        members: dict[str, list[tarfile.TarInfo]] = {}
+        for member in copied.getmembers():
+            if (name := COPIED_SCORES.fullmatch(member.name)) and member.isfile():
+                members.setdefault(name["folder"], []).append(member)
+        for name, files in members.items():
+            copied.extractall(work, members=files, filter="data")
+            folder = scores_cache / name
+            handle = _locked(folder)
+            if handle is None:
+                continue
+            try:
+                if kept_loglikelihoods(Path(work) / name) <= kept_loglikelihoods(folder):
+                    continue
+                for stale in folder.glob(f"{SCORES_FILE}_rank*.db"):
+                    stale.unlink()
+                for scores in (Path(work) / name).iterdir():
+                    scores.replace(folder / scores.name)
+                    os.utime(folder / scores.name)  # restored now: not abandoned (`remove_abandoned_scores`)
+                restored.append(name)
+            finally:
+                os.close(handle)
+    return restored
 
 
 def remove_abandoned_scores(scores_cache: Path) -> None:

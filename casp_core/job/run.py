@@ -71,7 +71,8 @@ def run_job(
     report.md, or nothing. Nothing written there names a local path other than by its last part, and the
     report returned is the one written. `retry_state` is where a job keeps what a retry resumes from, and where a
     retry finds it: with recovery, its pruned model (a `pruned_snapshot`, after the pruned model's evaluation) and
-    the recovery stage's training state; in a sweep, the candidates measured so far and the best one's model.
+    the recovery stage's training state; in a sweep, the candidates measured so far and the best one's model; with
+    zero-shot tasks, the log-likelihoods scored so far.
     `on_retry_state_saved` is called with the path of each save (see `recover`). `token`: a Hugging Face token for
     a private repository; it reaches the loader alone, nothing written or reported. `cache_dir` keeps what is
     worked out once per model (casp_core.artifacts.caches; default `$CASP_CACHE_DIR`, else ~/.cache/casp): a GGUF
@@ -81,16 +82,19 @@ def run_job(
     # The settings checked against the model's config before any weight loads, as the API and the command line
     # check them; a retry plans again, so that one resuming after pruning has its plan too.
     plan = plan_job(config, load_config(model, revision=revision, token=token))
-    # A retry, or the same job again, on this machine scores only the zero-shot requests an earlier attempt had not.
-    plan = replace(plan, evaluation=plan.evaluation.keeping_scores(cache_dir))
     if quantizer_block(config):
         require_llama_cpp()
     run = run or Run()
     out_dir = Path(out_dir)
+    keeps_state = plan.recovery is not None or plan.sweep is not None or bool(plan.evaluation.zero_shot)
     retry = RetryState(
-        retry_state if plan.recovery is not None or plan.sweep is not None else None,
-        snapshot_fingerprint(model, revision, config),
-        on_retry_state_saved,
+        retry_state if keeps_state else None, snapshot_fingerprint(model, revision, config), on_retry_state_saved
+    )
+    # A retry, or the same job again, on this machine scores only the zero-shot requests an earlier attempt had not;
+    # on another machine, those of the copies the retry state holds.
+    retry.restore_scores(cache_dir)
+    plan = replace(
+        plan, evaluation=plan.evaluation.keeping_scores(cache_dir, retry.keep_scores if retry.directory else None)
     )
     if config.is_sweep:
         return run_sweep(model, plan, out_dir, run, retry, revision=revision, token=token, cache_dir=cache_dir)

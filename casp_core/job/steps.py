@@ -19,7 +19,7 @@ from casp_core.artifacts.gguf.tokenizer import keep_source_vocabulary, vocabular
 from casp_core.artifacts.gguf.writer import GgufExport, export_checkpoint
 from casp_core.artifacts.snapshot import SNAPSHOT_FILE, PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.errors import InvalidConfig
-from casp_core.eval.evaluate import EvaluationPlan, Figures
+from casp_core.eval.evaluate import SCORES_FOLDER, EvaluationPlan, Figures, copy_scores, restore_scores
 from casp_core.families import projections
 from casp_core.job.plan import ArtifactsPlan, JobPlan
 from casp_core.method.budget import AllocationPlan
@@ -75,17 +75,21 @@ class Pruned:
 
 
 SWEEP_STATE_FILE = "sweep-state.json"  # a sweep's candidates measured so far (casp_core.job.sweep.run)
+# The zero-shot log-likelihoods scored so far, a folder per model (casp_core.eval.evaluate.copy_scores).
+ZERO_SHOT_SCORES_FILE = "zero-shot-scores.tar"
 # What a retry resumes from, in the retry state's folder: the pruned model's snapshot, recovery's training state, a
-# sweep's state and the teacher's cache. The worker stores each save and restores them for the next attempt.
-RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE)
+# sweep's state, the teacher's cache and the zero-shot scores. The worker stores each save and restores them for
+# the next attempt.
+RETRY_FILES = (SNAPSHOT_FILE, STATE_FILE, SWEEP_STATE_FILE, TEACHER_FILE, ZERO_SHOT_SCORES_FILE)
 
 
 @dataclass
 class RetryState:
     """Where a job keeps what a retry resumes from, and a retry finds it: with recovery, the pruned model (a
     `pruned_snapshot`, saved after the pruned model's evaluation) and recovery's training state; in a sweep, the
-    candidates already measured and the best one's pruned model (casp_core.job.sweep.run). `on_saved` is called with
-    each saved path (the worker copies it to the job's storage)."""
+    candidates already measured and the best one's pruned model (casp_core.job.sweep.run); with zero-shot tasks,
+    the log-likelihoods scored so far (`keep_scores`). `on_saved` is called with each saved path (the worker copies
+    it to the job's storage)."""
 
     directory: Path | None  # None: the job keeps nothing (nothing to resume, or no place given)
     fingerprint: dict[str, Any]  # what a snapshot must match to be used
@@ -98,6 +102,21 @@ class RetryState:
         if self.directory is None:
             return
         self.saved(save_snapshot(self.directory, self.fingerprint, snapshot))
+
+    def keep_scores(self, scores_dir: Path) -> None:
+        """A copy of `scores_dir`, the zero-shot scores an evaluation keeps: a retry on another machine, pruning
+        the same model again, scores only what no attempt had (hellaswag alone is an hour of a CPU)."""
+        if self.directory is None:
+            return
+        archive = self.directory / ZERO_SHOT_SCORES_FILE
+        copy_scores(scores_dir, archive)
+        self.saved(archive)
+
+    def restore_scores(self, cache_dir: Path) -> None:
+        """The scores an earlier attempt kept, put where evaluations keeping scores in `cache_dir` look for them
+        (`EvaluationPlan.keeping_scores`)."""
+        if self.directory is not None:
+            restore_scores(self.directory / ZERO_SHOT_SCORES_FILE, cache_dir / SCORES_FOLDER)
 
     def saved(self, path: Path) -> None:
         """`path`, in `directory`, was written whole."""

@@ -3,6 +3,9 @@
 import json
 import subprocess
 import sys
+import tarfile
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.errors import Cancelled, InvalidConfig
+from casp_core.eval import evaluate as evaluate_module
 from casp_core.eval.evaluate import SCORES_FOLDER
 from casp_core.eval.zeroshot import evaluate_zero_shot, kept_loglikelihoods
 from casp_core.job.run import run_job
+from casp_core.job.steps import ZERO_SHOT_SCORES_FILE
 from casp_core.method.prune import prune
 from casp_core.model import load_model
 from casp_core.run import Run
@@ -234,12 +239,18 @@ def test_run_job_refuses_a_used_directory_and_leaves_nothing_on_failure(tmp_path
     assert list(tmp_path.iterdir()) == [used]
 
 
-def test_a_job_cut_short_in_its_zero_shot_evaluation_resumes_from_the_scores_it_kept(tmp_path):
-    """A job cancelled (or crashed) part-way through the pruned model's zero-shot tasks, run again on the machine,
-    prunes the same model again and scores only what the first attempt had not (hellaswag alone is an hour of a
-    CPU): it says so, and its accuracies are those of the published checkpoint scored afresh."""
-    cache = tmp_path / "cache"
+def test_a_job_cut_short_in_its_zero_shot_evaluation_resumes_on_another_machine_from_the_scores_it_kept(
+    tmp_path, monkeypatch
+):
+    """A job cancelled (or crashed) part-way through the pruned model's zero-shot tasks, retried on another machine
+    (another cache folder) with the retry state the first attempt saved, prunes the same model again and scores
+    only what the first attempt had not (hellaswag alone is an hour of a CPU): the dense model's scores, copied
+    whole, and the pruned model's, copied as they came. It says so, and its accuracies are those of the published
+    checkpoint scored afresh. A retry on the first machine finds the same scores in its cache, the copies' source."""
+    monkeypatch.setattr(evaluate_module, "SCORES_COPIED_EVERY_SECONDS", 0)  # a copy after each batch
     config = tiny_config(0.3, evaluation=EvaluationConfig(perplexity=[], zero_shot=["arc_easy"], limit=40))
+    retry_state = tmp_path / "retry-state"
+    copied: list[dict[str, int]] = []  # at each save of the retry state, the log-likelihoods copied, by folder
     messages: list[tuple[str, str]] = []
 
     def heard(stage: str, fraction: float, message: str = "") -> None:
@@ -251,24 +262,44 @@ def test_a_job_cut_short_in_its_zero_shot_evaluation_resumes_from_the_scores_it_
         later = messages[stages.index("pruning") :] if "pruning" in stages else []
         return sum(message.startswith("zero-shot") for _, message in later) > 2
 
+    def saved(path: Path) -> None:
+        assert path == retry_state / ZERO_SHOT_SCORES_FILE
+        with tarfile.open(path) as archive, tempfile.TemporaryDirectory() as folders:
+            archive.extractall(folders, filter="data")
+            copied.append({folder.name: kept_loglikelihoods(folder) for folder in Path(folders).iterdir()})
+
+    first_machine = tmp_path / "first-machine-cache"
     with pytest.raises(Cancelled):
         run_job(
             str(STORIES),
             config,
             tmp_path / "cut",
             Run(heard, should_cancel=in_the_pruned_models_zero_shot),
-            cache_dir=cache,
+            retry_state=retry_state,
+            on_retry_state_saved=saved,
+            cache_dir=first_machine,
         )
-    (kept,) = (cache / SCORES_FOLDER).iterdir()
-    kept_before = kept_loglikelihoods(kept)
-    assert kept_before > 0
+    # The dense model's folder went once it was scored; the pruned model's holds what was scored before the cut.
+    (pruned_folder,) = (first_machine / SCORES_FOLDER).iterdir()
+    pruned_kept = kept_loglikelihoods(pruned_folder)
+    dense_kept = 40 * 4  # arc_easy's first 40 documents, four choices each
+    # Copied as they came, batch by batch here, the dense model's whole, the pruned model's up to the cut.
+    (dense_folder,) = set(copied[-1]) - {pruned_folder.name}
+    for folder, whole in ((dense_folder, dense_kept), (pruned_folder.name, pruned_kept)):
+        copies = [copies[folder] for copies in copied if folder in copies]
+        assert len(copies) >= 2 and copies == sorted(copies) and copies[-1] == whole
+    assert 0 < pruned_kept < dense_kept
 
     messages.clear()
     out = tmp_path / "pruned"
-    report = run_job(str(STORIES), config, out, Run(heard), cache_dir=cache)
-    resuming = f"zero-shot: resuming from the {kept_before:,} log-likelihoods an earlier run kept"
-    assert ("evaluation", resuming) in messages
-    assert not any((cache / SCORES_FOLDER).iterdir())
+    second_machine = tmp_path / "second-machine-cache"
+    report = run_job(str(STORIES), config, out, Run(heard), retry_state=retry_state, cache_dir=second_machine)
+    resumed = [message for _, message in messages if message.startswith("zero-shot: resuming from the ")]
+    assert resumed == [
+        f"zero-shot: resuming from the {dense_kept:,} log-likelihoods an earlier run kept",
+        f"zero-shot: resuming from the {pruned_kept:,} log-likelihoods an earlier run kept",
+    ]
+    assert not any((second_machine / SCORES_FOLDER).iterdir())
     published, tokenizer = load_pruned(out)
     afresh = evaluate_zero_shot(
         published, tokenizer, ["arc_easy"], limit=40, datasets_dir=config.datasets_dir, device="cpu"
