@@ -33,6 +33,7 @@ from service import api_keys
 from service.db import session_scope
 from service.migrate import upgrade
 from service.settings import Settings
+from worker import runner
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "demo" / "stories260K"
@@ -362,6 +363,19 @@ def embedded_settings(home: Path, **changes: Any) -> Settings:
     settings = Settings(home=home, **{**defaults, **changes})
     upgrade(settings.database)
     return settings
+
+
+def counted_retry_saves(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the retry-state files the worker stores from now on, in order (each stored as before)."""
+    stored: list[str] = []
+    keep = runner._keep_retry_state
+
+    def keep_and_count(storage: Any, job_id: str, path: Path) -> None:
+        keep(storage, job_id, path)
+        stored.append(path.name)
+
+    monkeypatch.setattr(runner, "_keep_retry_state", keep_and_count)
+    return stored
 
 
 def process_env(variables: dict[str, str]) -> dict[str, str]:

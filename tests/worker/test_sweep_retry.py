@@ -12,9 +12,8 @@ from api.main import create_app
 from casp_core.artifacts.snapshot import SNAPSHOT_FILE
 from casp_core.job.steps import SWEEP_STATE_FILE
 from service.storage import make_storage
-from tests.service_fixtures import TINY_JOB, embedded_settings
+from tests.service_fixtures import TINY_JOB, counted_retry_saves, embedded_settings
 from tests.worker.test_jobs_e2e import events_of
-from worker import runner
 from worker.runner import execute
 
 pytestmark = pytest.mark.service
@@ -38,14 +37,7 @@ def test_a_sweep_stopped_after_its_first_candidate_resumes_from_the_stored_state
 ) -> None:
     settings = embedded_settings(tmp_path)
     storage = make_storage(settings)
-    stored: list[str] = []
-    keep = runner._keep_retry_state
-
-    def keep_and_count(storage: Any, job_id: str, path: Path) -> None:
-        keep(storage, job_id, path)
-        stored.append(path.name)
-
-    monkeypatch.setattr(runner, "_keep_retry_state", keep_and_count)
+    stored = counted_retry_saves(monkeypatch)
     with TestClient(create_app(settings)) as client:
         job_id = client.post("/v1/jobs", json={k: v for k, v in SWEEP_JOB.items() if k != "ratio"}).json()["id"]
         # The server "stops" once the state after the first candidate is stored: the job goes back to the queue.

@@ -11,9 +11,8 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from casp_core.job.steps import ZERO_SHOT_SCORES_FILE
 from service.storage import make_storage
-from tests.service_fixtures import TINY_JOB, embedded_settings
+from tests.service_fixtures import TINY_JOB, counted_retry_saves, embedded_settings
 from tests.worker.test_jobs_e2e import events_of
-from worker import runner
 from worker.runner import execute
 
 pytestmark = pytest.mark.service
@@ -32,14 +31,7 @@ def test_a_job_stopped_after_its_dense_scores_resumes_from_them_on_another_machi
     first_machine = embedded_settings(tmp_path, cache_dir=tmp_path / "first-machine-cache")
     second_machine = embedded_settings(tmp_path, cache_dir=tmp_path / "second-machine-cache")
     storage = make_storage(first_machine)
-    stored: list[str] = []
-    keep = runner._keep_retry_state
-
-    def keep_and_count(storage: Any, job_id: str, path: Path) -> None:
-        keep(storage, job_id, path)
-        stored.append(path.name)
-
-    monkeypatch.setattr(runner, "_keep_retry_state", keep_and_count)
+    stored = counted_retry_saves(monkeypatch)
     with TestClient(create_app(first_machine)) as client:
         job_id = client.post("/v1/jobs", json=ZERO_SHOT_JOB).json()["id"]
         # The server "stops" once the dense model's scores are stored: the job goes back to the queue.
