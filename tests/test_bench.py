@@ -14,6 +14,7 @@ from bench import (
     device_memory,
     engines,
     frontier,
+    kept_scores,
     load,
     quality,
     quantized,
@@ -755,3 +756,14 @@ def test_zero_shot_scorer_compares_the_answers_each_scorer_picks(tmp_path: Path)
     payload = {"machine": machine, "settings": {"model": "m", "limit": 3, "batch_size": 16}, "rows": [row]}
     markdown = zero_shot_scorer.markdown(payload)
     assert "| hellaswag | 3 | 12 | 0.55 | contexts shared | 10.0 | 5.0 | 0.50 | 2.0e-05 | 0 | 1 |" in markdown
+
+
+def test_kept_scores_copies_two_models_scores_and_restores_them_whole(tmp_path: Path) -> None:
+    """bench.kept_scores on a small folder: the archive holds both models' scores, the restore gives back every
+    log-likelihood, and the table says so."""
+    kept_scores.main(["--requests", "300", "--repeats", "1", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "kept_scores.json").read_text())["row"]
+    assert row["requests"] == row["restored_loglikelihoods"] == 300
+    assert row["archive_bytes"] > 2 * row["folder_bytes"] > 0
+    assert all_finite(row) and min(row[key] for key in row if key.endswith("_seconds")) > 0
+    assert "| 300 | " in (tmp_path / "kept_scores.md").read_text()
