@@ -3,7 +3,7 @@
 A job with zero-shot tasks copies each model's kept log-likelihoods (the harness's SQLite file,
 casp_core.eval.evaluate.kept_scores) into its retry state every `SCORES_COPIED_EVERY_SECONDS` while it scores and
 once the model's evaluation ends (`copy_scores`: SQLite's backup, into one tar file per job, which the worker
-uploads), and a retry restores them into its own cache before it starts (`restore_scores`). This bench fills a
+uploads), and a retry restores a model's into its own cache before it scores it (`restore_scores`). This bench fills a
 scores folder as the harness does (its `hash_args` keys, its `SqliteDict`, one entry a request) with as many
 log-likelihoods as hellaswag's whole validation split asks (`--requests`, 40,168: 10,042 documents, four endings
 each), and times the three steps on it, `--repeats` times each, median kept:
@@ -77,8 +77,10 @@ def measure(requests: int, repeats: int) -> dict[str, Any]:
             copy_scores(pruned, archives / f"first-{repeat}" / "zero-shot-scores.tar")
 
         def restore(repeat: int) -> None:
-            restored = restore_scores(archives / f"first-{repeat}" / "zero-shot-scores.tar", root / f"cache-{repeat}")
-            assert sorted(restored) == sorted([dense.name, pruned.name]), restored
+            for folder in (dense, pruned):
+                archive = archives / f"first-{repeat}" / "zero-shot-scores.tar"
+                restored = restore_scores(archive, root / f"cache-{repeat}" / folder.name)
+                assert restored == requests, (folder, restored)
 
         row = {
             "requests": requests,

@@ -13,12 +13,12 @@ import sqlite3
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -38,12 +38,23 @@ SCORES_FOLDER = "zero-shot-scores"  # under the cache directory casp_core is giv
 # A model's scores untouched this long were left by an evaluation nobody ran again (a job cancelled and not
 # resubmitted, a checkpoint deleted): the next evaluation that keeps scores removes them.
 ABANDONED_AFTER_SECONDS = 7 * 24 * 3600
-# How often scores being kept are also handed to the plan's `copy_scores` (a job's retry state, which the worker
-# uploads): a retry on another machine loses at most this much scoring. A copy of hellaswag's 7 MB takes well under
-# a second.
+# How often scores being kept are also copied to the plan's `scores_copy` (a job's retry state, which the worker
+# uploads): a retry on another machine loses at most this much scoring. A copy of hellaswag's 7 MB takes 0.04 s
+# (bench/results/kept_scores.md).
 SCORES_COPIED_EVERY_SECONDS = 300
 # A scores folder's file in a copy (`copy_scores`): "<the folder's key>/<the harness's SQLite file>".
 COPIED_SCORES = re.compile(rf"(?P<folder>[0-9a-f]{{32}})/{SCORES_FILE}_rank\d+\.db")
+
+
+class ScoresCopy(Protocol):
+    """Where an evaluation's kept scores are copied as they come, and found again by an evaluation on another
+    machine (a job's retry state: casp_core.job.steps.RetryState)."""
+
+    def keep_scores(self, scores_dir: Path) -> None:
+        """Copy `scores_dir` (a folder `kept_scores` gave) now."""
+
+    def restore_scores(self, scores_dir: Path) -> None:
+        """Put the copy of `scores_dir`'s scores (the caller holds the folder) there, where it holds more."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +76,9 @@ class EvaluationPlan:
     texts: dict[str, EvaluationText] = field(default_factory=dict)  # by name, once read
     # Where the zero-shot log-likelihoods are kept as they are scored (`kept_scores`); None keeps none.
     scores_cache: Path | None = None
-    # Called with the folder of the scores being kept every SCORES_COPIED_EVERY_SECONDS while scoring, and once all
-    # are scored: the job copies it into its retry state (`copy_scores`).
-    copy_scores: Callable[[Path], None] | None = None
+    # Where the kept scores are copied every SCORES_COPIED_EVERY_SECONDS while they are scored and once they all
+    # are, and restored from before scoring (`kept_scores`); None copies none.
+    scores_copy: ScoresCopy | None = None
 
     @classmethod
     def of(cls, settings: PruneSettings, model_config: PretrainedConfig) -> "EvaluationPlan":
@@ -97,10 +108,10 @@ class EvaluationPlan:
         }
         return replace(self, texts=texts)
 
-    def keeping_scores(self, cache_dir: Path, copy_scores: Callable[[Path], None] | None = None) -> "EvaluationPlan":
+    def keeping_scores(self, cache_dir: Path, scores_copy: ScoresCopy | None = None) -> "EvaluationPlan":
         """The plan with its zero-shot scores kept in `cache_dir` (casp_core.artifacts.caches) as they come, and
-        handed to `copy_scores` now and then."""
-        return replace(self, scores_cache=cache_dir / SCORES_FOLDER, copy_scores=copy_scores)
+        copied to `scores_copy` now and then."""
+        return replace(self, scores_cache=cache_dir / SCORES_FOLDER, scores_copy=scores_copy)
 
 
 @dataclass
@@ -132,7 +143,7 @@ def evaluate(
             if kept:
                 resuming = f"zero-shot: resuming from the {kept:,} log-likelihoods an earlier run kept"
                 run.report("evaluation", 0.0, resuming)
-            copying = scores_dir is not None and plan.copy_scores is not None
+            copy = None if scores_dir is None else plan.scores_copy
             try:
                 figures.zero_shot = evaluate_zero_shot(
                     model,
@@ -142,14 +153,14 @@ def evaluate(
                     datasets_dir=plan.datasets_dir,
                     batch_size=plan.zero_shot_batch_size,
                     device=plan.device,
-                    run=copying_now_and_then(run, scores_dir, plan.copy_scores) if copying else run,
+                    run=run if copy is None else copying_now_and_then(run, scores_dir, copy),
                     scores_dir=scores_dir,
                 )
             finally:
                 # Whole, or as far as the scoring came before a cancel or an error (a worker stopping hands the
                 # job back to the queue, and another machine may take it).
-                if copying:
-                    plan.copy_scores(scores_dir)
+                if copy is not None:
+                    copy.keep_scores(scores_dir)
     if plan.efficiency is not None:
         run.check_cancelled()
         run.report("evaluation", 0.0, "parameters, MACs and latency")
@@ -187,14 +198,16 @@ def kept_scores(model: PreTrainedModel, plan: EvaluationPlan) -> Iterator[Path |
         yield None
         return
     try:
+        if plan.scores_copy is not None:  # a retry on another machine: the scores an earlier attempt copied
+            plan.scores_copy.restore_scores(folder)
         yield folder
         shutil.rmtree(folder, ignore_errors=True)  # the figures hold what the scores gave
     finally:
         os.close(handle)
 
 
-def copying_now_and_then(run: Run, scores_dir: Path, copy: Callable[[Path], None]) -> Run:
-    """`run`, whose progress reports also hand `scores_dir` to `copy` once SCORES_COPIED_EVERY_SECONDS have passed
+def copying_now_and_then(run: Run, scores_dir: Path, copy: ScoresCopy) -> Run:
+    """`run`, whose progress reports also copy `scores_dir` to `copy` once SCORES_COPIED_EVERY_SECONDS have passed
     since the last time (the zero-shot scoring reports after each batch)."""
     copied_at = time.monotonic()
 
@@ -202,7 +215,7 @@ def copying_now_and_then(run: Run, scores_dir: Path, copy: Callable[[Path], None
         nonlocal copied_at
         run.report(stage, fraction, message)
         if time.monotonic() - copied_at >= SCORES_COPIED_EVERY_SECONDS:
-            copy(scores_dir)
+            copy.keep_scores(scores_dir)
             copied_at = time.monotonic()
 
     return replace(run, progress=progress)
@@ -232,36 +245,31 @@ def copy_scores(scores_dir: Path, archive: Path) -> None:
         partial.replace(archive)
 
 
-def restore_scores(archive: Path, scores_cache: Path) -> list[str]:
-    """Puts each folder `archive` holds (`copy_scores`) under `scores_cache`, where this machine's folder of the same
-    name is missing or holds fewer log-likelihoods, unless a process holds it. The folders restored, by name."""
+def restore_scores(archive: Path, scores_dir: Path) -> int:
+    """Replaces the scores in `scores_dir` (a folder `kept_scores` holds) with their copy in `archive`
+    (`copy_scores`), where the copy holds more. How many log-likelihoods it restored: none where it did not."""
     if not archive.is_file():
-        return []
-    restored = []
-    scores_cache.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive) as copied, tempfile.TemporaryDirectory(dir=scores_cache.parent) as work:
-        members: dict[str, list[tarfile.TarInfo]] = {}
-        for member in copied.getmembers():
-            if (name := COPIED_SCORES.fullmatch(member.name)) and member.isfile():
-                members.setdefault(name["folder"], []).append(member)
-        for name, files in members.items():
-            copied.extractall(work, members=files, filter="data")
-            folder = scores_cache / name
-            handle = _locked(folder)
-            if handle is None:
-                continue
-            try:
-                if kept_loglikelihoods(Path(work) / name) <= kept_loglikelihoods(folder):
-                    continue
-                for stale in folder.glob(f"{SCORES_FILE}_rank*.db"):
-                    stale.unlink()
-                for scores in (Path(work) / name).iterdir():
-                    scores.replace(folder / scores.name)
-                    os.utime(folder / scores.name)  # restored now: not abandoned (`remove_abandoned_scores`)
-                restored.append(name)
-            finally:
-                os.close(handle)
-    return restored
+        return 0
+    scores_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as copied, tempfile.TemporaryDirectory(dir=scores_dir.parent) as work:
+        files = [
+            member
+            for member in copied.getmembers()
+            if member.isfile()
+            and (match := COPIED_SCORES.fullmatch(member.name)) is not None
+            and match["folder"] == scores_dir.name
+        ]
+        copied.extractall(work, members=files, filter="data")
+        copy = Path(work) / scores_dir.name
+        restored = kept_loglikelihoods(copy) if files else 0
+        if restored <= kept_loglikelihoods(scores_dir):
+            return 0
+        for stale in scores_dir.glob(f"{SCORES_FILE}_rank*.db"):
+            stale.unlink()
+        for scores in copy.iterdir():
+            scores.replace(scores_dir / scores.name)
+            os.utime(scores_dir / scores.name)  # restored now: not abandoned (`remove_abandoned_scores`)
+        return restored
 
 
 def remove_abandoned_scores(scores_cache: Path) -> None:

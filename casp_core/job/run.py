@@ -91,11 +91,8 @@ def run_job(
         retry_state if keeps_state else None, snapshot_fingerprint(model, revision, config), on_retry_state_saved
     )
     # A retry, or the same job again, on this machine scores only the zero-shot requests an earlier attempt had not;
-    # on another machine, those of the copies the retry state holds.
-    retry.restore_scores(cache_dir)
-    plan = replace(
-        plan, evaluation=plan.evaluation.keeping_scores(cache_dir, retry.keep_scores if retry.directory else None)
-    )
+    # on another machine, those the retry state's copies do not hold.
+    plan = replace(plan, evaluation=plan.evaluation.keeping_scores(cache_dir, retry if retry.directory else None))
     if config.is_sweep:
         return run_sweep(model, plan, out_dir, run, retry, revision=revision, token=token, cache_dir=cache_dir)
     assert plan.prune is not None, "a single ratio's plan"

@@ -19,7 +19,7 @@ from casp_core.artifacts.gguf.tokenizer import keep_source_vocabulary, vocabular
 from casp_core.artifacts.gguf.writer import GgufExport, export_checkpoint
 from casp_core.artifacts.snapshot import SNAPSHOT_FILE, PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.errors import InvalidConfig
-from casp_core.eval.evaluate import SCORES_FOLDER, EvaluationPlan, Figures, copy_scores, restore_scores
+from casp_core.eval.evaluate import EvaluationPlan, Figures, copy_scores, restore_scores
 from casp_core.families import projections
 from casp_core.job.plan import ArtifactsPlan, JobPlan
 from casp_core.method.budget import AllocationPlan
@@ -112,11 +112,10 @@ class RetryState:
         copy_scores(scores_dir, archive)
         self.saved(archive)
 
-    def restore_scores(self, cache_dir: Path) -> None:
-        """The scores an earlier attempt kept, put where evaluations keeping scores in `cache_dir` look for them
-        (`EvaluationPlan.keeping_scores`)."""
+    def restore_scores(self, scores_dir: Path) -> None:
+        """The scores an earlier attempt copied of the model `scores_dir` is for, put there where they are more."""
         if self.directory is not None:
-            restore_scores(self.directory / ZERO_SHOT_SCORES_FILE, cache_dir / SCORES_FOLDER)
+            restore_scores(self.directory / ZERO_SHOT_SCORES_FILE, scores_dir)
 
     def saved(self, path: Path) -> None:
         """`path`, in `directory`, was written whole."""
