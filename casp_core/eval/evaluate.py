@@ -237,7 +237,7 @@ def copy_scores(scores_dir: Path, archive: Path) -> None:
             for scores in sorted(scores_dir.glob(f"{SCORES_FILE}_rank*.db")):
                 backup = Path(work) / scores.name
                 with (
-                    closing(sqlite3.connect(f"file:{scores}?mode=ro", uri=True)) as source,
+                    closing(sqlite3.connect(scores)) as source,
                     closing(sqlite3.connect(backup)) as target,
                 ):
                     source.backup(target)
