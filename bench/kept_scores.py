@@ -1,7 +1,7 @@
 """What keeping a job's zero-shot scores for a retry on another machine costs.
 
 A job with zero-shot tasks copies each model's kept log-likelihoods (the harness's SQLite file,
-casp_core.eval.evaluate.kept_scores) into its retry state every `SCORES_COPIED_EVERY_SECONDS` while it scores and
+casp_core.eval.kept_scores) into its retry state every `SCORES_COPIED_EVERY_SECONDS` while it scores and
 once the model's evaluation ends (`copy_scores`: SQLite's backup, into one tar file per job, which the worker
 uploads), and a retry restores a model's into its own cache before it scores it (`restore_scores`). This bench fills a
 scores folder as the harness does (its `hash_args` keys, its `SqliteDict`, one entry a request) with as many
@@ -34,7 +34,7 @@ from lm_eval.api.model import hash_args
 from sqlitedict import SqliteDict
 
 from bench.common import RESULTS_DIR, concurrency_note, finish_machine_info, machine_info, machine_line, write_json
-from casp_core.eval.evaluate import SCORES_COPIED_EVERY_SECONDS, copy_scores, restore_scores
+from casp_core.eval.kept_scores import SCORES_COPIED_EVERY_SECONDS, copy_scores, restore_scores
 from casp_core.eval.zeroshot import SCORES_FILE, kept_loglikelihoods
 
 RESULT = "kept_scores"

@@ -19,7 +19,8 @@ from casp_core.artifacts.gguf.tokenizer import keep_source_vocabulary, vocabular
 from casp_core.artifacts.gguf.writer import GgufExport, export_checkpoint
 from casp_core.artifacts.snapshot import SNAPSHOT_FILE, PrunedSnapshot, load_snapshot, save_snapshot
 from casp_core.errors import InvalidConfig
-from casp_core.eval.evaluate import EvaluationPlan, Figures, copy_scores, restore_scores
+from casp_core.eval.evaluate import EvaluationPlan, Figures
+from casp_core.eval.kept_scores import copy_scores, restore_scores
 from casp_core.families import projections
 from casp_core.job.plan import ArtifactsPlan, JobPlan
 from casp_core.method.budget import AllocationPlan
@@ -75,7 +76,7 @@ class Pruned:
 
 
 SWEEP_STATE_FILE = "sweep-state.json"  # a sweep's candidates measured so far (casp_core.job.sweep.run)
-# The zero-shot log-likelihoods scored so far, a folder per model (casp_core.eval.evaluate.copy_scores).
+# The zero-shot log-likelihoods scored so far, a folder per model (casp_core.eval.kept_scores.copy_scores).
 ZERO_SHOT_SCORES_FILE = "zero-shot-scores.tar"
 # What a retry resumes from, in the retry state's folder: the pruned model's snapshot, recovery's training state, a
 # sweep's state, the teacher's cache and the zero-shot scores. The worker stores each save and restores them for

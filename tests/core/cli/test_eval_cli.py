@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from casp_core.cli.eval import add_eval_parser, evaluate_checkpoint
 from casp_core.errors import InvalidConfig, ModelNotFound
 from casp_core.eval.efficiency import count_parameters, prefill_macs
-from casp_core.eval.evaluate import SCORES_FOLDER
+from casp_core.eval.kept_scores import SCORES_FOLDER
 from casp_core.eval.perplexity import perplexity
 from casp_core.eval.shared_context import SharedContextLM
 from casp_core.eval.zeroshot import kept_loglikelihoods

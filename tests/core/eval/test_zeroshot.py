@@ -20,7 +20,8 @@ from sqlitedict import SqliteDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from casp_core.errors import Cancelled, DatasetNotFound, InvalidConfig
-from casp_core.eval.evaluate import ABANDONED_AFTER_SECONDS, SCORES_FOLDER, EvaluationPlan, evaluate, kept_scores
+from casp_core.eval.evaluate import EvaluationPlan, evaluate, kept_scores
+from casp_core.eval.kept_scores import ABANDONED_AFTER_SECONDS, SCORES_FOLDER
 from casp_core.eval.zeroshot import (
     LOCAL_TASKS,
     SCORES_FILE,

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from casp_core.artifacts.checkpoint import load_pruned
 from casp_core.errors import Cancelled, InvalidConfig
-from casp_core.eval import evaluate as evaluate_module
-from casp_core.eval.evaluate import SCORES_FOLDER
+from casp_core.eval import kept_scores
+from casp_core.eval.kept_scores import SCORES_FOLDER
 from casp_core.eval.zeroshot import evaluate_zero_shot, kept_loglikelihoods
 from casp_core.job.run import run_job
 from casp_core.job.steps import ZERO_SHOT_SCORES_FILE
@@ -247,7 +247,7 @@ def test_a_job_cut_short_in_its_zero_shot_evaluation_resumes_on_another_machine_
     only what the first attempt had not (hellaswag alone is an hour of a CPU): the dense model's scores, copied
     whole, and the pruned model's, copied as they came. It says so, and its accuracies are those of the published
     checkpoint scored afresh. A retry on the first machine finds the same scores in its cache, the copies' source."""
-    monkeypatch.setattr(evaluate_module, "SCORES_COPIED_EVERY_SECONDS", 0)  # a copy after each batch
+    monkeypatch.setattr(kept_scores, "SCORES_COPIED_EVERY_SECONDS", 0)  # a copy after each batch
     config = tiny_config(0.3, evaluation=EvaluationConfig(perplexity=[], zero_shot=["arc_easy"], limit=40))
     retry_state = tmp_path / "retry-state"
     copied: list[dict[str, int]] = []  # at each save of the retry state, the log-likelihoods copied, by folder
