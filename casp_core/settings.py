@@ -545,6 +545,12 @@ class PruneConfig(PruneSettings):
         """A budget was given: the job tries several ratios and formats (casp_core.job.sweep.candidates)."""
         return self.target is not None
 
+    @property
+    def keeps_retry_state(self) -> bool:
+        """A retry resumes from what an attempt kept (casp_core.job.steps.RetryState): with recovery, the pruned
+        model and the training state; in a sweep, the candidates measured; with zero-shot tasks, the scores."""
+        return self.recovery.enabled or self.is_sweep or bool(self.evaluation.zero_shot)
+
     def candidate_config(self, ratio: float, fmt: str, variant: str) -> "PruneConfig":
         """The single-ratio job of one candidate of a sweep: `ratio`, written as GGUF type `variant` (fmt
         "gguf": a GGUF export, checkpoint unquantized) or quantized with scheme `variant` (fmt "safetensors")."""

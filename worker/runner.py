@@ -327,7 +327,7 @@ def _run(attempt: Attempt, model: JobModel, config: PruneConfig, out_dir: Path, 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         state_dir = out_dir.parent / RETRY_STATE
-        if "recovery" in attempt.segments.stages or config.is_sweep or config.evaluation.zero_shot:
+        if config.keeps_retry_state:
             _restore_retry_state(storage, attempt.job_id, state_dir)
         with model_folder(attempt, model, storage) as folder:
             report = run_job(

@@ -86,9 +86,10 @@ def run_job(
         require_llama_cpp()
     run = run or Run()
     out_dir = Path(out_dir)
-    keeps_state = plan.recovery is not None or plan.sweep is not None or bool(plan.evaluation.zero_shot)
     retry = RetryState(
-        retry_state if keeps_state else None, snapshot_fingerprint(model, revision, config), on_retry_state_saved
+        retry_state if config.keeps_retry_state else None,
+        snapshot_fingerprint(model, revision, config),
+        on_retry_state_saved,
     )
     # A retry, or the same job again, on this machine scores only the zero-shot requests an earlier attempt had not;
     # on another machine, those the retry state's copies do not hold.
