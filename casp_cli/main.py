@@ -23,7 +23,7 @@ from casp_core.cli.arguments import non_negative_int, positive_int
 from casp_core.cli.main import main as casp_main
 from casp_core.cli.setting_flags import add_setting_flags, settings_from_args
 from casp_core.errors import InvalidConfig
-from service.logs import configure_logging
+from service.logs import configure_logging, without_progress_bars
 from service.settings import AUTO, DEVICES, Settings, load_settings, local_devices, resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,12 +67,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    serve(load_settings(), bind(args.host, args.port), args.log_level)
+    settings = load_settings()
+    without_progress_bars(settings.log_format)
+    serve(settings, bind(args.host, args.port), args.log_level)
     return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = load_settings()
+    without_progress_bars(settings.log_format)
     cache_max_bytes()  # casp_core reads CASP_CACHE_MAX_BYTES at each GGUF job: a wrong one stops the start instead
     device = resolve_device(args.device or settings.default_device)
     if device not in local_devices():

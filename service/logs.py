@@ -7,6 +7,7 @@ running the pipeline shows in the heartbeat thread's records too (that thread ru
 """
 
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,6 +81,14 @@ def json_formatter() -> logging.Formatter:
 def install_record_context() -> None:
     """Makes every record created in this process carry the job context (idempotent)."""
     logging.setLogRecordFactory(_record_with_context)
+
+
+def without_progress_bars(log_format: LogFormat) -> None:
+    """In JSON mode, no tqdm bar: in a log, lm-eval's ("Building contexts") are lines of no format, or, under
+    Celery's redirect of what is printed, a WARNING record a redraw. tqdm reads TQDM_DISABLE once, when first
+    imported, so `casp serve` and `casp worker` call this before importing the libraries that draw them."""
+    if log_format == "json":
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def configure_logging(log_format: LogFormat, level: str | int) -> None:

@@ -9,11 +9,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
-from tqdm import tqdm
-
 from casp_core.errors import InvalidConfig
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from casp_core.run import Run
 
 # How often a log (stderr that is not a terminal) gets a line while one stage goes on; the variable sets another,
@@ -76,6 +76,9 @@ class StageBars:
                 if not self.interactive:
                     self._line(f"casp: {stage}: {message}" if message else f"casp: {stage}")
                     return
+                # Imported when drawn: a process may set TQDM_DISABLE, which tqdm reads at its import, after this one.
+                from tqdm import tqdm
+
                 self.bar = tqdm(total=100, desc=stage, unit="%", file=self.stream)
             if self.bar is not None:
                 self.bar.n = round(100 * fraction)

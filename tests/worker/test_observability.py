@@ -2,6 +2,7 @@
 PostgreSQL (stage-duration histograms, peak GPU memory per job, webhook failures)."""
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -21,6 +22,10 @@ from worker.runner import peak_gpu_memory
 pytestmark = pytest.mark.service
 
 GIB = 1 << 30
+# With zero-shot tasks: lm-eval draws progress bars ("  0%|          | 0/20 [00:00<?, ?it/s]"), which a JSON log
+# does without.
+ZERO_SHOT_JOB = {**TINY_JOB, "evaluation": {"perplexity": [], "zero_shot": ["arc_easy"], "limit": 20}}
+PROGRESS_BAR = re.compile(r"\d+/\d+ \[\d+:\d+")
 
 
 def scrape(api: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -41,7 +46,7 @@ def bucket_label(bound: float) -> str:
 @pytest.fixture(scope="module")
 def finished_job(api: TestClient, keys: dict[str, dict[str, str]], worker: WorkerProcess) -> dict[str, Any]:
     offset = worker.log_path.stat().st_size
-    job = api.post("/v1/jobs", json=TINY_JOB, headers=keys["alice"]).json()
+    job = api.post("/v1/jobs", json=ZERO_SHOT_JOB, headers=keys["alice"]).json()
     done = wait_job(api, job["id"], keys["alice"], finished, "the job to finish")
     assert done["status"] == "succeeded", (done, worker.log_tail())
     return {"job": done, "log": worker.log_path.read_bytes()[offset:].decode()}
@@ -54,6 +59,8 @@ def test_every_record_of_a_job_run_is_a_json_line_with_its_id_key_name_and_stage
     records = [json.loads(line) for line in finished_job["log"].splitlines() if line.strip()]
     ours = [record for record in records if record.get("job_id") == job_id]
     assert ours, finished_job["log"][-3000:]
+    # No progress bar became a record of what was printed.
+    assert not [record["message"] for record in records if PROGRESS_BAR.search(record["message"])]
     assert all(record["key_name"] == "alice" for record in ours)
     assert all({"time", "level", "logger", "message"} <= set(record) for record in ours)
     # Each stage announces itself, in the record's own `stage` field; records in between carry it too.
