@@ -45,6 +45,7 @@ def prepare(settings: Settings) -> None:
 
 def serve(settings: Settings, sock: socket.socket, log_level: str = "info") -> None:
     """Migrates the database, then serves the API (and, without a broker, the in-process workers)."""
+    without_progress_bars(settings.log_format)
     import uvicorn
 
     from casp_cli.app import service_app
@@ -67,9 +68,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = load_settings()
-    without_progress_bars(settings.log_format)
-    serve(settings, bind(args.host, args.port), args.log_level)
+    serve(load_settings(), bind(args.host, args.port), args.log_level)
     return 0
 
 

@@ -68,6 +68,14 @@ TINY_JOB: dict[str, Any] = {
     "evaluation": {"perplexity": []},
 }
 
+# The tiny job with a zero-shot task (arc_easy, its first 20 documents): log-likelihoods kept and copied, and the
+# harness's progress bars drawn.
+ZERO_SHOT_JOB: dict[str, Any] = {
+    **TINY_JOB,
+    "device": "cpu",
+    "evaluation": {"perplexity": [], "zero_shot": ["arc_easy"], "limit": 20},
+}
+
 # A job that runs until it is cancelled, however fast the machine: after the tiny job's stages, LoRA recovery of a
 # million one-sequence steps, each checking for a cancel before its forward pass (a job that merely takes long
 # may end before a test's cancel reaches it on a quick machine).

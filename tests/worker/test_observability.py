@@ -16,15 +16,13 @@ from service.db import session_scope
 from service.metrics import PEAK_GPU_MEMORY_BUCKETS, STAGE_SECONDS_BUCKETS
 from service.settings import Settings
 from service.tables import Job, StageTiming
-from tests.service_fixtures import TINY_JOB, WorkerProcess, finished, wait_job
+from tests.service_fixtures import ZERO_SHOT_JOB, WorkerProcess, finished, wait_job
 from worker.runner import peak_gpu_memory
 
 pytestmark = pytest.mark.service
 
 GIB = 1 << 30
-# With zero-shot tasks: lm-eval draws progress bars ("  0%|          | 0/20 [00:00<?, ?it/s]"), which a JSON log
-# does without.
-ZERO_SHOT_JOB = {**TINY_JOB, "evaluation": {"perplexity": [], "zero_shot": ["arc_easy"], "limit": 20}}
+# What the zero-shot job's harness draws ("  0%|          | 0/20 [00:00<?, ?it/s]"), which a JSON log does without.
 PROGRESS_BAR = re.compile(r"\d+/\d+ \[\d+:\d+")
 
 

@@ -3,7 +3,6 @@ a worker runs it: the worker keeps the scores in the job's storage with the retr
 empty cache of its own, finds them there and scores nothing of the dense model again."""
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,18 +10,13 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from casp_core.job.steps import ZERO_SHOT_SCORES_FILE
 from service.storage import make_storage
-from tests.service_fixtures import TINY_JOB, counted_retry_saves, embedded_settings
+from tests.service_fixtures import ZERO_SHOT_JOB, counted_retry_saves, embedded_settings
 from tests.worker.test_jobs_e2e import events_of
 from worker.runner import execute
 
 pytestmark = pytest.mark.service
 
-DOCUMENTS = 20
-ZERO_SHOT_JOB: dict[str, Any] = {
-    **TINY_JOB,
-    "device": "cpu",
-    "evaluation": {"perplexity": [], "zero_shot": ["arc_easy"], "limit": DOCUMENTS},
-}
+DOCUMENTS = ZERO_SHOT_JOB["evaluation"]["limit"]
 
 
 def test_a_job_stopped_after_its_dense_scores_resumes_from_them_on_another_machine(
