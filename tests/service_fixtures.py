@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -75,6 +76,9 @@ ZERO_SHOT_JOB: dict[str, Any] = {
     "device": "cpu",
     "evaluation": {"perplexity": [], "zero_shot": ["arc_easy"], "limit": 20},
 }
+# What the harness draws for a zero-shot task ("  0%|          | 0/20 [00:00<?, ?it/s]"), which a JSON log does
+# without.
+PROGRESS_BAR = re.compile(r"\d+/\d+ \[\d+:\d+")
 
 # A job that runs until it is cancelled, however fast the machine: after the tiny job's stages, LoRA recovery of a
 # million one-sequence steps, each checking for a cancel before its forward pass (a job that merely takes long

@@ -199,8 +199,10 @@ FRONTIER_SUMMARY = ("ratio", "format", "variant", "bytes", "params", "perplexity
 
 
 def summary_of(report: dict[str, Any]) -> dict[str, Any]:
-    keys = ("source", "achieved_ratio", "params", "perplexity", "zero_shot", "quantization", "artifacts", "warnings")
+    keys = ("source", "achieved_ratio", "params", "perplexity", "quantization", "artifacts", "warnings")
     summary = {key: report[key] for key in keys if key in report}
+    if zero_shot := report.get("evaluation", {}).get("zero_shot"):
+        summary["zero_shot"] = zero_shot_summary(zero_shot)
     # For display (0.30000000000000004 reads as a defect); report.json keeps the exact ratio.
     summary["achieved_ratio"] = round(report["achieved_ratio"], 6)
     if "recovery" in report:
@@ -219,6 +221,16 @@ def summary_of(report: dict[str, Any]) -> dict[str, Any]:
             best_pruned = frontier["best_pruned"]
             summary["frontier"]["dense_pick"] = frontier["dense_pick"]
             summary["frontier"]["best_pruned"] = best_pruned and {key: best_pruned[key] for key in FRONTIER_SUMMARY}
+    return summary
+
+
+def zero_shot_summary(zero_shot: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each task's accuracy on each model measured (`dense`, `pruned`, and `recovered` after recovery) and the
+    documents scored, as `perplexity` gives each data set's; report.json keeps the harness's whole output."""
+    summary: dict[str, dict[str, Any]] = {}
+    for task, pruned in zero_shot["pruned"]["tasks"].items():
+        summary[task] = {model: figures["tasks"][task]["acc"] for model, figures in zero_shot.items()}
+        summary[task]["n_samples"] = pruned["n_samples"]
     return summary
 
 

@@ -24,6 +24,7 @@ from service.security import sign_download
 from tests.service_fixtures import (
     DEMO_MODEL,
     FIXTURE_DATA,
+    PROGRESS_BAR,
     REPO,
     SMALL_JOB,
     expected_parameters,
@@ -49,12 +50,12 @@ def embedded_env(home: Path, workers: int) -> dict[str, str]:
 
 
 @contextmanager
-def casp_serve(home: Path, port: int, workers: int) -> Iterator[CaspClient]:
+def casp_serve(home: Path, port: int, workers: int, log_format: str = "text") -> Iterator[CaspClient]:
     log = (home / f"serve-{workers}.log").open("ab")
     process = subprocess.Popen(
         [sys.executable, "-m", "casp_cli.main", "serve", "--port", str(port)],
         cwd=REPO,
-        env=embedded_env(home, workers),
+        env=embedded_env(home, workers) | {"CASP_LOG_FORMAT": log_format},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -154,12 +155,14 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
         command = [sys.executable, "-m", "casp_cli.main", *args]
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True)
 
-    with casp_serve(home, port, workers=1):
+    # As docker compose serves: JSON log lines, which the zero-shot task's progress bars would break.
+    with casp_serve(home, port, workers=1, log_format="json"):
         submitted = json.loads(
             casp(
                 "submit", "--model", str(DEMO_MODEL), "--ratio", "0.3", "--alpha", "0.5", "--device", "cpu",
                 "--calibration-dataset", "wikitext2:validation", "--n-samples", "8", "--seq-len", "128",
-                "--perplexity", "wikitext2", "--eval-seq-len", "128", "--eval-limit", "8", "--metadata", "team=llm",
+                "--perplexity", "wikitext2", "--zero-shot", "arc_easy", "--eval-seq-len", "128", "--eval-limit", "8",
+                "--metadata", "team=llm",
             ).stdout
         )  # fmt: skip
         assert submitted["status"] == "queued" and submitted["metadata"] == {"team": "llm"}
@@ -167,13 +170,16 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
         assert (settings["ratio"], settings["alpha"], submitted["device"]) == (0.3, 0.5, "cpu")
         calibration = {name: settings["calibration"][name] for name in ("dataset", "n_samples", "seq_len")}
         assert calibration == {"dataset": "wikitext2:validation", "n_samples": 8, "seq_len": 128}
-        assert settings["evaluation"]["perplexity"] == ["wikitext2"] and settings["evaluation"]["limit"] == 8
+        evaluation = settings["evaluation"]
+        assert (evaluation["perplexity"], evaluation["zero_shot"]) == (["wikitext2"], ["arc_easy"])
+        assert evaluation["limit"] == 8
         # Options left out take the server's defaults.
         assert settings["solver"] == "greedy" and settings["calibration"]["seed"] == 0
 
         waited = casp("wait", submitted["id"], "--timeout", "240")
         done = json.loads(waited.stdout)
         assert done["status"] == "succeeded" and "succeeded" in waited.stderr, waited.stderr
+        assert done["result"]["zero_shot"]["arc_easy"]["n_samples"] == 8
         assert json.loads(casp("status", submitted["id"]).stdout) == done
         out = tmp_path / "out"
         downloaded = casp("download", submitted["id"], "--out", str(out)).stdout
@@ -197,6 +203,10 @@ def test_casp_submit_status_wait_download_commands(tmp_path: Path) -> None:
 
     model, _ = load_pruned(out)
     assert sum(p.numel() for p in model.parameters()) == expected_parameters(done["result"])
+    log = (home / "serve-1.log").read_text()
+    records = [json.loads(line) for line in log.splitlines() if line.strip()]
+    assert any(record.get("job_id") == submitted["id"] for record in records)
+    assert not PROGRESS_BAR.search(log)
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 PostgreSQL (stage-duration histograms, peak GPU memory per job, webhook failures)."""
 
 import json
-import re
 from typing import Any
 
 import pytest
@@ -16,14 +15,12 @@ from service.db import session_scope
 from service.metrics import PEAK_GPU_MEMORY_BUCKETS, STAGE_SECONDS_BUCKETS
 from service.settings import Settings
 from service.tables import Job, StageTiming
-from tests.service_fixtures import ZERO_SHOT_JOB, WorkerProcess, finished, wait_job
+from tests.service_fixtures import PROGRESS_BAR, ZERO_SHOT_JOB, WorkerProcess, finished, wait_job
 from worker.runner import peak_gpu_memory
 
 pytestmark = pytest.mark.service
 
 GIB = 1 << 30
-# What the zero-shot job's harness draws ("  0%|          | 0/20 [00:00<?, ?it/s]"), which a JSON log does without.
-PROGRESS_BAR = re.compile(r"\d+/\d+ \[\d+:\d+")
 
 
 def scrape(api: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -2,6 +2,7 @@
 a worker runs it: the worker keeps the scores in the job's storage with the retry state, and the retry, with an
 empty cache of its own, finds them there and scores nothing of the dense model again."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,11 @@ def test_a_job_stopped_after_its_dense_scores_resumes_from_them_on_another_machi
         events = events_of(client, job_id, {})
         assert not storage.get_work(job_id, ZERO_SHOT_SCORES_FILE, tmp_path / "left")  # dropped with the job's end
     assert job["status"] == "succeeded"
+    # The result gives the task's accuracies, dense and pruned, as report.json holds them, and the documents scored.
+    report = json.loads((first_machine.home / "artifacts" / "jobs" / job_id / "report.json").read_text())
+    zero_shot = report["evaluation"]["zero_shot"]
+    accuracies = {model: zero_shot[model]["tasks"]["arc_easy"]["acc"] for model in ("dense", "pruned")}
+    assert job["result"]["zero_shot"] == {"arc_easy": {**accuracies, "n_samples": DOCUMENTS}}
     requeued = next(e["id"] for e in events if e["message"] == "worker shut down; queued again")
     second = [e for e in events if e["id"] > requeued]
     # The dense model's evaluation: all of its log-likelihoods found, none scored again (no batch reported).
