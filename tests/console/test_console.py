@@ -179,6 +179,7 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     fill_field(page, "calibration.seq_len", "32")
     fill_field(page, "evaluation.perplexity", "wikitext2")
     fill_field(page, "evaluation.seq_len", "32")
+    fill_field(page, "evaluation.zero_shot", "arc_easy")
     fill_field(page, "evaluation.limit", "2")
     fill_field(page, "metadata", "source=console test")
     jobs_before = len(api_get(server, keys["alice"], "/v1/jobs")["data"])
@@ -217,6 +218,10 @@ def test_a_job_submitted_through_the_form_runs_to_its_report_and_checkpoint(
     perplexity_row = page.locator("#summary tr", has_text="perplexity wikitext2")
     expect(perplexity_row).to_contain_text(f"{ppl['dense']:.3f}")
     expect(perplexity_row).to_contain_text(f"{ppl['pruned']:.3f}")
+    accuracy = job["result"]["zero_shot"]["arc_easy"]
+    accuracy_row = page.locator("#summary tr", has_text="accuracy arc_easy (2 documents)")
+    expect(accuracy_row.locator("td").nth(0)).to_have_text(f"{accuracy['dense']:.3f}")
+    expect(accuracy_row.locator("td").nth(1)).to_have_text(f"{accuracy['pruned']:.3f}")
     expect(page.locator("#facts")).to_contain_text(f"{job['result']['achieved_ratio']:.4f}")
 
     # report.md rendered: its perplexity table (dense, pruned and their ratio per data set), the per-layer table,

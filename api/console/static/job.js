@@ -171,7 +171,7 @@ function summaryRows(result) {
       el("th", { scope: "row", text: name }),
       el("td", { text: format(dense) }),
       el("td", { text: format(pruned) }),
-      el("td", { text: (pruned / dense).toFixed(3) }),
+      el("td", { text: dense ? (pruned / dense).toFixed(3) : "-" }),
     );
   const count = (value) => value.toLocaleString("en");
   const rows = [
@@ -182,6 +182,10 @@ function summaryRows(result) {
     rows.push(
       row(`perplexity ${dataset} (${ppl.seq_len}-token windows${split})`, ppl.dense, ppl.pruned, (v) => v.toFixed(3)),
     );
+  }
+  for (const [task, acc] of Object.entries(result.zero_shot ?? {})) {
+    const documents = `${count(acc.n_samples)} documents`;
+    rows.push(row(`accuracy ${task} (${documents})`, acc.dense, acc.pruned, (v) => v.toFixed(3)));
   }
   const head = el(
     "tr",
