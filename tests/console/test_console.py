@@ -29,7 +29,7 @@ from service import api_keys
 from service.db import session_scope
 from service.settings import Settings
 from tests.service_fixtures import RUNS_UNTIL_CANCELLED, TINY_JOB, embedded_settings, finished, serving, wait_for
-from worker.runner import summary_of
+from worker.runner import RECOVERY_SUMMARY, summary_of
 
 pytestmark = pytest.mark.service
 
@@ -654,6 +654,40 @@ def test_a_budget_job_s_frontier_renders_with_its_plot(page: Page, server: str) 
     assert rendered["rows"] == ["dense", "0.2 (pick)", "0.3"]
     assert rendered["images"] == ["/console/static/favicon.svg"]
     assert "elsewhere <img src=x onerror=alert(1)>" in rendered["text"]
+
+
+SUMMARY_OF = """async (result) => {
+    const { summaryRows } = await import("/console/static/summary.js");
+    return summaryRows(result).map((row) => [...row.cells].map((cell) => cell.textContent));
+}"""
+
+
+def test_a_recovered_job_s_summary_sets_the_published_model_beside_dense_and_pruned(page: Page, server: str) -> None:
+    """After recovery the published checkpoint is the recovered model: its column comes after the pruned one's,
+    and the last column compares it, not the pruned model, with dense."""
+    accuracies = {"dense": 0.5, "pruned": 0.4, "recovered": 0.45}
+    report = {
+        "achieved_ratio": 0.3,
+        "params": {"dense": 1000, "pruned": 700, "counted": "all parameters"},
+        "perplexity": {"wikitext2": {"dense": 10.0, "pruned": 14.0, "recovered": 12.0, "seq_len": 128}},
+        "evaluation": {
+            "zero_shot": {
+                model: {"tasks": {"arc_easy": {"acc": accuracy, "n_samples": 1200}}}
+                for model, accuracy in accuracies.items()
+            }
+        },
+        "recovery": {key: None for key in RECOVERY_SUMMARY} | {"curve": [{"loss": 2.5}]},
+    }
+    page.goto(f"{server}/console")
+    rows = page.evaluate(SUMMARY_OF, summary_of(report))
+    assert rows == [
+        ["", "dense", "pruned", "recovered", "recovered / dense"],
+        ["parameters (all parameters)", "1,000", "700", "700", "0.700"],
+        ["perplexity wikitext2 (128-token windows)", "10.000", "14.000", "12.000", "1.200"],
+        ["accuracy arc_easy (1,200 documents)", "0.500", "0.400", "0.450", "0.900"],
+    ]
+    del report["recovery"]  # without recovery: dense against pruned, as the form's job shows
+    assert page.evaluate(SUMMARY_OF, summary_of(report))[0] == ["", "dense", "pruned", "pruned / dense"]
 
 
 def budget_result(max_bytes: int, candidates: str) -> dict[str, Any]:

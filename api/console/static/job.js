@@ -16,6 +16,7 @@ import {
 } from "./api.js";
 import { renderFront } from "./frontier.js";
 import { renderMarkdown } from "./markdown.js";
+import { summaryRows } from "./summary.js";
 
 const jobId = document.body.dataset.jobId;
 const POLL_MS = 2000; // when the server refuses another stream (429), or between reconnections
@@ -160,39 +161,6 @@ async function follow() {
     if (isFinished(job)) return readPages(); // what came between the stream's end and this read
     await sleep(POLL_MS);
   }
-}
-
-// The result's figures, dense against pruned (report.md below has them all).
-function summaryRows(result) {
-  const row = (name, dense, pruned, format) =>
-    el(
-      "tr",
-      {},
-      el("th", { scope: "row", text: name }),
-      el("td", { text: format(dense) }),
-      el("td", { text: format(pruned) }),
-      el("td", { text: dense ? (pruned / dense).toFixed(3) : "-" }),
-    );
-  const count = (value) => value.toLocaleString("en");
-  const rows = [
-    row(`parameters (${result.params.counted ?? "counted"})`, result.params.dense, result.params.pruned, count),
-  ];
-  for (const [dataset, ppl] of Object.entries(result.perplexity ?? {})) {
-    const split = ppl.split ? `, ${ppl.split} split` : "";
-    rows.push(
-      row(`perplexity ${dataset} (${ppl.seq_len}-token windows${split})`, ppl.dense, ppl.pruned, (v) => v.toFixed(3)),
-    );
-  }
-  for (const [task, acc] of Object.entries(result.zero_shot ?? {})) {
-    const documents = `${count(acc.n_samples)} documents`;
-    rows.push(row(`accuracy ${task} (${documents})`, acc.dense, acc.pruned, (v) => v.toFixed(3)));
-  }
-  const head = el(
-    "tr",
-    {},
-    ...["", "dense", "pruned", "pruned / dense"].map((text) => el("th", { scope: "col", text })),
-  );
-  return [head, ...rows];
 }
 
 async function markdownOf(artifact) {
